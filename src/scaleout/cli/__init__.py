@@ -1,0 +1,1 @@
+"""The ``scaleout`` command: one module per subcommand, each a parser + handler pair."""

@@ -1,0 +1,47 @@
+"""Entry point of the ``scaleout`` command.
+
+Each subcommand lives in its own module under :mod:`scaleout.cli` and exposes
+``register(subparsers) -> None``, which adds its parser and sets ``func`` to the
+handler ``handler(args) -> int`` (the process exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Subcommand modules, imported lazily so that ``scaleout --help`` stays fast.
+_SUBCOMMANDS = ("run", "bench", "testbed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaleout",
+        description="Scale-out PyTorch training on torch.distributed.",
+        epilog="example: scaleout run -n 2 examples/train_digits.py --epochs 5",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"scaleout.cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"scaleout.cli.{name}":
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

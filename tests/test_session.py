@@ -191,6 +191,9 @@ def body_peer_never_starts() -> str:
         with pytest.raises(scaleout.CommunicationTimeout) as info:
             op.parameter_sets[0].wait_gradient_comm(timeout=1.0)
         message = str(info.value)
+    else:
+        import time
+        time.sleep(3.0)  # alive but never starts its gradient communication
     return message
 
 

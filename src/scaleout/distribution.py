@@ -120,6 +120,11 @@ class Distribution:
             return tdist.group.WORLD
         return tdist.new_group(list(ranks))
 
+    @property
+    def env(self) -> Environment:
+        """The Environment this distribution belongs to."""
+        return self._env
+
     def communicator(self, group: GroupType) -> Communicator:
         """The communicator of ``group`` that contains this rank."""
         self._env.require_alive()

@@ -14,7 +14,7 @@ from scaleout.distribution import Distribution
 from scaleout.errors import NotInitializedError, ScaleoutError
 from scaleout.launch_env import LaunchInfo, detect_launch
 
-__all__ = ["Environment", "init", "DEFAULT_TIMEOUT"]
+__all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
@@ -127,6 +127,26 @@ class Environment:
     def __repr__(self) -> str:
         return (f"<Environment rank={self.rank}/{self.world_size} local_rank={self.local_rank} "
                 f"backend={self.backend} via {self._info.source}>")
+
+
+def attach(*, check_consistency: bool = False) -> Environment:
+    """An Environment over torch.distributed's already initialised default process group.
+
+    For code (such as a PyTorch front end) given no Environment: it joins the job that
+    ``torch.distributed.init_process_group`` or :func:`init` set up.
+
+    Raises:
+        NotInitializedError: torch.distributed is not initialised.
+    """
+    if not tdist.is_initialized():
+        raise NotInitializedError("torch.distributed is not initialised: call scaleout.init() "
+                                  "first (or pass a Distribution)")
+    info = LaunchInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(),
+                      local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                      master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(os.environ.get("MASTER_PORT", "29500")), source="attached")
+    timeout = DEFAULT_TIMEOUT
+    return Environment(info, str(tdist.get_backend()), timeout, check_consistency)
 
 
 def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT, *,

@@ -1,0 +1,78 @@
+"""Which modules become Operations, and the flat-tensor helpers the front end shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from scaleout.collectives import Communicator
+from scaleout import collectives
+from scaleout.session import Operation, ParameterSet
+
+__all__ = ["Layer", "find_layers", "broadcast_tensors"]
+
+
+@dataclass(eq=False)
+class Layer:
+    """A module that owns trainable parameters, and its place in the session.
+
+    Attributes:
+        name: the module's qualified name (``""`` is the root).
+        module: the module.
+        params: its own trainable parameters (each becomes a ParameterSet).
+        op / sets: the Operation and ParameterSets once the session is committed.
+        update_requested: gradients are in flight and ``step()`` asked for the update.
+        increments_pending: new values (distributed update) are in flight.
+    """
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    op: Operation | None = None
+    sets: list[ParameterSet] = field(default_factory=list)
+    update_requested: bool = False
+    increments_pending: bool = False
+
+
+def find_layers(module: nn.Module) -> list[Layer]:
+    """Every module with trainable parameters of its own, in registration order.
+
+    A parameter shared by several modules (tied weights) belongs to the first one.
+
+    Raises:
+        TypeError: a trainable parameter is sparse (not supported).
+    """
+    seen: set[int] = set()
+    layers = []
+    for name, mod in module.named_modules():
+        params = []
+        for param in mod.parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            if param.is_sparse:
+                raise TypeError(f"parameter of {name or 'the root module'} is sparse; scaleout "
+                                "exchanges dense gradients (use sparse=False embeddings)")
+            seen.add(id(param))
+            params.append(param)
+        if params:
+            layers.append(Layer(name=name or "<root>", module=mod, params=params))
+    return layers
+
+
+def broadcast_tensors(comm: Communicator, tensors: Iterable[torch.Tensor], root: int = 0) -> None:
+    """Broadcast ``tensors`` from group rank ``root`` in place, one fused buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group = by_dtype[dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        collectives.bcast(comm, flat, root).wait()
+        offset = 0
+        with torch.no_grad():
+            for tensor in group:
+                tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()

@@ -1,0 +1,165 @@
+"""DistributedOptimizer: step() returns at once; each layer is updated when its gradients land."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaleout.pytorch.data_parallel import DataParallel
+from scaleout.pytorch.layers import Layer
+
+__all__ = ["DistributedOptimizer", "MODES", "optimizer_state_bytes"]
+
+MODES = ("overlap", "sync")
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensors held in ``optimizer.state`` (momentum, Adam moments, ...)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer for a :class:`DataParallel` model.
+
+    Args:
+        optimizer: any torch optimizer over the model's parameters (SGD, Adam, AdamW, ...).
+            Learning-rate schedulers may be attached to this object (or to ``optimizer``).
+        model: the DataParallel model.
+        mode: ``"overlap"`` — ``step()`` returns at once and each layer's update is applied
+            when its gradient communication completes, at the latest in that layer's forward
+            pre-hook of the next iteration (``.grad`` is consumed: it is ``None`` after
+            ``step()``); ``"sync"`` — like DDP, averaged gradients are in ``.grad`` when
+            ``backward()`` returns and ``step()`` updates everything.
+
+    With ``DataParallel(distributed_update=True)`` the update is sharded: this rank keeps
+    optimizer state only for its owned slice of every parameter (about 1/N of it), updates
+    that slice, and the new values are all-gathered while the next forward runs.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel, *,
+                 mode: str = "overlap") -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(model, DataParallel):
+            raise TypeError(f"model must be a scaleout DataParallel, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        model_params = {id(p) for layer in model.layers for p in layer.params}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and id(param) not in model_params:
+                    raise ValueError("the optimizer holds a parameter that is not a trainable "
+                                     "parameter of the DataParallel model")
+        self.mode = mode
+        self.model = model
+        self.sharded = model._distributed_update
+        self._user_optimizer = optimizer
+        self._shards: dict[int, nn.Parameter] = {}
+        self.inner = self._sharded_optimizer(optimizer) if self.sharded else optimizer
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+        self.param_groups = self.inner.param_groups  # schedulers edit the real groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+        self._snapshot: list[dict[str, Any]] = []
+        model._attach_optimizer(self)
+
+    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        groups = []
+        for group in optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**options, "params": [self._shard_of(p) for p in group["params"]]})
+        return type(optimizer)(groups)  # every group carries all its options
+
+    def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
+        # The owned slice's offset follows MLSL: ceil(n / data size) per rank.
+        from math import ceil
+
+        size = self.model._comm.size
+        owned = ceil(param.numel() / size)
+        start = min(self.model._comm.rank * owned, param.numel())
+        stop = min(start + owned, param.numel())
+        shard = nn.Parameter(param.detach().reshape(-1)[start:stop].clone())
+        self._shards[id(param)] = shard
+        return shard
+
+    # -- the torch.optim.Optimizer surface ------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Request this iteration's update (applied lazily in overlap mode)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        model = self.model
+        pending = [layer for layer in model._forward_order
+                   if any(ps.gradient_pending for ps in layer.sets)]
+        if self.sharded:
+            self._sharded_step(pending)
+        elif self.mode == "sync" or not pending:
+            self.inner.step()
+        else:
+            self._snapshot = [{k: v for k, v in g.items() if k != "params"}
+                              for g in self.param_groups]
+            for layer in pending:
+                for param in layer.params:
+                    param.grad = None  # the averaged gradient arrives with the update
+                layer.update_requested = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for layer in self.model.layers:
+            for param in layer.params:
+                if param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, after finishing pending updates."""
+        self.model.synchronize()
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.synchronize()
+        self.inner.load_state_dict(state_dict)
+
+    # -- updates -------------------------------------------------------------------------
+
+    def _apply_layer(self, layer: Layer, grads: Sequence[torch.Tensor],
+                     used: Sequence[bool]) -> None:
+        """Update ``layer`` alone with its averaged ``grads`` and this iteration's options."""
+        saved = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        for group, options in zip(self.param_groups, self._snapshot):
+            group.update(options)
+        try:
+            for param, grad, flag in zip(layer.params, grads, used):
+                param.grad = grad.view_as(param) if flag else None
+            self.inner.step()  # parameters without .grad are skipped by torch optimizers
+        finally:
+            for param in layer.params:
+                param.grad = None
+            for group, options in zip(self.param_groups, saved):
+                group.update(options)
+
+    def _sharded_step(self, pending: list[Layer]) -> None:
+        used = self.model._used_globally()
+        for layer in pending:
+            for param, ps in zip(layer.params, layer.sets):
+                shard = self._shards[id(param)]
+                owned = ps.wait_gradient_comm()
+                shard.grad = owned.clone() if used.get(id(param), True) else None
+        self.inner.step()
+        for layer in pending:
+            for param, ps in zip(layer.params, layer.sets):
+                ps.start_increment_comm(self._shards[id(param)].detach())
+                param.grad = None
+                self._shards[id(param)].grad = None
+            layer.increments_pending = True
+        if self.mode == "sync":
+            self.model.synchronize()

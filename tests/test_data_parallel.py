@@ -1,0 +1,155 @@
+"""Exactness: N-rank DataParallel + DistributedOptimizer equals single-process training.
+
+The reference runs in the same process on the whole global batch: per rank shard (and per
+micro-batch) forward, losses averaged, one optimizer step — which for a model without
+BatchNorm is exactly training on the concatenated batch, and with BatchNorm is what data
+parallelism means (statistics per rank, as with DDP). Float64 and a tight tolerance, so any
+logic error shows far above float reordering.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout import SchedulerConfig
+from scaleout.pytorch import DataParallel, DistributedOptimizer, optimizer_state_bytes
+
+TINY = dict(bucket_bytes=4096, first_bucket_bytes=1024, partition_bytes=1024, credit_bytes=2048,
+            urgent_bytes=600)
+SCHEDULERS = {"fifo": SchedulerConfig(policy="fifo", **TINY),
+              "priority": SchedulerConfig(policy="priority", **TINY)}
+PER_RANK, STEPS = 4, 6
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv.bias.requires_grad_(False)  # frozen
+        self.bn = nn.BatchNorm2d(4) if batchnorm else nn.Identity()
+        self.fc1 = nn.Linear(4 * 8 * 8, 32)
+        self.extra = nn.Linear(32, 32)  # used in some iterations, on some ranks
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x))).flatten(1)
+        h = F.relu(self.fc1(h))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.fc2(h)
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(PER_RANK * world, 1, 8, 8, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 10, (PER_RANK * world,), generator=g)
+
+
+def uses_extra(step: int, rank: int) -> bool:
+    return (step % 3 == 1) or (step % 3 == 2 and rank == 0)
+
+
+def make(opt_name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if opt_name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
+
+
+def losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, flag: bool, micro: int):
+    for part_x, part_y in zip(x.chunk(micro), y.chunk(micro)):
+        yield F.cross_entropy(model(part_x, flag), part_y) / micro
+
+
+def reference(opt_name: str, world: int, batchnorm: bool, micro: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net(batchnorm).double()
+    opt = make(opt_name, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        for rank in range(world):
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            for loss in losses(model, x[rows], y[rows], uses_extra(step, rank), micro):
+                (loss / world).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def body_exact(opt_name: str, policy: str, mode: str, batchnorm: bool, micro: int,
+               sharded: bool) -> int:
+    env = scaleout.init(timeout=60)
+    world = env.world_size
+    torch.manual_seed(env.rank)  # different init per rank: DataParallel broadcasts rank 0's
+    net = Net(batchnorm).double()
+    if env.rank == 0:
+        torch.manual_seed(0)
+        net = Net(batchnorm).double()
+    model = DataParallel(net, env.create_distribution(), scheduler=SCHEDULERS[policy],
+                         distributed_update=sharded)
+    opt = DistributedOptimizer(make(opt_name, net), model, mode=mode)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        rows = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
+        parts = list(losses(model, x[rows], y[rows], uses_extra(step, env.rank), 1))
+        del parts  # (generator above used only to share code; run micro-batches below)
+        xs, ys = x[rows].chunk(micro), y[rows].chunk(micro)
+        for i, (px, py) in enumerate(zip(xs, ys)):
+            loss = F.cross_entropy(model(px, uses_extra(step, env.rank)), py) / micro
+            if i < micro - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    model.synchronize()
+    expected = reference(opt_name, world, batchnorm, micro)
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name], rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
+    assert torch.equal(net.conv.bias, expected["conv.bias"])  # frozen: untouched
+    if batchnorm:  # buffers agree on every rank
+        flat = torch.cat([net.bn.running_mean, net.bn.running_var])
+        gathered = model.distribution.allgather(flat, group=scaleout.GroupType.DATA).wait()
+        for other in gathered.view(world, -1):
+            torch.testing.assert_close(other, flat)
+    state = optimizer_state_bytes(opt.inner)
+    model.close()
+    env.finalize()
+    return state
+
+
+CASES = [(opt, pol, mode) for opt in ("sgd", "adamw") for pol in ("fifo", "priority")
+         for mode in ("sync", "overlap")]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt_name,policy,mode", CASES)
+def test_matches_single_process(world: int, opt_name: str, policy: str, mode: str) -> None:
+    run_ranks(world, body_exact, opt_name, policy, mode, True, 1, False, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_micro_batch_accumulation(mode: str) -> None:
+    run_ranks(2, body_exact, "sgd", "priority", mode, False, 2, False, timeout=120)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_update_matches_and_shrinks_state(world: int, opt_name: str) -> None:
+    sharded = run_ranks(world, body_exact, opt_name, "priority", "overlap", True, 1, True,
+                        timeout=120)
+    full = run_ranks(world, body_exact, opt_name, "priority", "overlap", True, 1, False,
+                     timeout=120)
+    # every rank keeps state for about 1/world of the parameters
+    for state in sharded:
+        assert state <= full[0] / world * 1.2 + 64, (sharded, full)

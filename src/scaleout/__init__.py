@@ -1,0 +1,28 @@
+"""scaleout: scale-out PyTorch training on torch.distributed.
+
+Example:
+    >>> import scaleout
+    >>> from scaleout import GroupType
+    >>> env = scaleout.init()
+    >>> d = env.create_distribution(env.world_size, 1)
+    >>> d.allreduce(torch.ones(4), group=GroupType.DATA).wait()
+"""
+
+from scaleout.collectives import ReduceOp
+from scaleout.distribution import Distribution, GroupType
+from scaleout.env import Environment, init
+from scaleout.errors import (
+    CommunicationError,
+    CommunicationTimeout,
+    NotInitializedError,
+    ScaleoutError,
+)
+from scaleout.request import Request
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "Environment", "Distribution", "GroupType", "ReduceOp", "Request",
+    "ScaleoutError", "CommunicationError", "CommunicationTimeout", "NotInitializedError",
+    "__version__",
+]

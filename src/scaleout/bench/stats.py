@@ -1,0 +1,48 @@
+"""Small helpers for benchmark statistics and sizes."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+
+__all__ = ["parse_size", "parse_sizes", "format_size", "median", "spread"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536. Raises ValueError on anything else."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
+    if not match:
+        raise ValueError(f"expected a size like 1K, 4M or 1048576, got {text!r}")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_sizes(text: str, factor: int = 4) -> list[int]:
+    """``"1K..64M"`` (powers of ``factor`` in between) or a comma list ``"1M,16M"``."""
+    if ".." in text:
+        low, high = (parse_size(part) for part in text.split("..", 1))
+        if low < 1 or high < low:
+            raise ValueError(f"size range must be increasing and positive, got {text!r}")
+        sizes, size = [], low
+        while size <= high:
+            sizes.append(size)
+            size *= factor
+        return sizes
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def format_size(size: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:g}{unit}"
+    return f"{size:g}B"
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    return float(min(values)), float(max(values))

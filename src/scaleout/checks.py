@@ -1,0 +1,68 @@
+"""Argument checks shared by the collectives: errors that say what was expected and received."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "check_tensor", "check_root", "check_counts", "check_divisible"]
+
+SUPPORTED_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+    torch.uint8, torch.int8,
+)
+
+
+def check_tensor(tensor: object, operation: str) -> torch.Tensor:
+    """Return ``tensor`` if it is a tensor of a supported dtype, else raise TypeError."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{operation}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{operation}: dtype {tensor.dtype} is not supported (supported: {names})")
+    if tensor.is_sparse:
+        raise TypeError(f"{operation}: expected a dense (strided) tensor, got a sparse one")
+    return tensor
+
+
+def check_root(root: object, size: int, operation: str, group: str) -> int:
+    """Return ``root`` if it is a rank of a group of ``size`` ranks, else raise."""
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"{operation}: root must be an int rank, got {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(
+            f"{operation}: root must be a rank of group {group} (0..{size - 1}), got {root}"
+        )
+    return root
+
+
+def check_counts(counts: object, size: int, name: str, operation: str) -> list[int]:
+    """Return ``counts`` as a list of ``size`` non-negative ints, else raise."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
+    if not isinstance(counts, Sequence) or isinstance(counts, (str, bytes)):
+        raise TypeError(f"{operation}: {name} must be a sequence of ints, got {type(counts).__name__}")
+    values = list(counts)
+    if len(values) != size:
+        raise ValueError(
+            f"{operation}: {name} must have one entry per rank of the group ({size}), "
+            f"got {len(values)}"
+        )
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{operation}: {name} must hold ints, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{operation}: {name} must be >= 0, got {values}")
+    return values
+
+
+def check_divisible(tensor: torch.Tensor, size: int, operation: str) -> int:
+    """Return dim-0 length / ``size``; raise ValueError unless it divides."""
+    if tensor.dim() == 0 or tensor.shape[0] % size != 0:
+        shape = tuple(tensor.shape)
+        raise ValueError(
+            f"{operation}: dim 0 must be a multiple of the group size {size} "
+            f"(one equal block per rank), got shape {shape}"
+        )
+    return tensor.shape[0] // size

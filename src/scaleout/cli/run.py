@@ -1,0 +1,55 @@
+"""``scaleout run``: start ranks of a training script (torchrun-compatible variables)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scaleout.launcher import LaunchConfig, launch
+
+EXAMPLE = """examples:
+  scaleout run -n 2 examples/train_digits.py --epochs 5
+  scaleout run -n 2 -m scaleout.bench.collectives_worker --help
+  # two nodes (run on each, node-rank 0 and 1):
+  scaleout run -n 4 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="start N ranks of a script", description=__doc__, epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--nproc-per-node", type=int, default=2, dest="nprocs",
+                        help="ranks on this node (default 2)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="rendezvous port (default: a free port; required with --nnodes > 1)")
+    parser.add_argument("--testbed", default=None, metavar="NAME",
+                        help="run one rank per host of the emulated cluster NAME "
+                             "(see `scaleout testbed up`)")
+    parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    parser.add_argument("target", nargs=argparse.REMAINDER,
+                        help="script.py [args] or -m module [args]")
+    parser.set_defaults(func=handler)
+
+
+def handler(args: argparse.Namespace) -> int:
+    target = list(args.target)
+    if target and target[0] == "--":
+        target = target[1:]
+    try:
+        wrapper = None
+        master_addr = args.master_addr
+        if args.testbed is not None:
+            from scaleout.testbed import attach_wrapper
+
+            wrapper, master_addr = attach_wrapper(args.testbed, args.nprocs)
+        config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
+                              master_addr=master_addr, master_port=args.master_port,
+                              prefix_output=not args.no_prefix)
+        return launch(target, config, wrapper=wrapper)
+    except ValueError as err:
+        print(f"scaleout run: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,301 @@
+"""Non-blocking collectives over one communicator (a process group and its ranks).
+
+Every function checks its arguments on the calling rank, starts the operation through
+``torch.distributed`` with ``async_op=True`` and returns a :class:`~scaleout.request.Request`.
+Tensors are laid out by dim 0: a rank's block of an allgather or scatter is a slice of rows.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from scaleout.checks import check_counts, check_divisible, check_root, check_tensor
+from scaleout.errors import CommunicationError
+from scaleout.request import Request
+
+__all__ = [
+    "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather", "allgatherv",
+    "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
+]
+
+
+class ReduceOp(enum.Enum):
+    """Reductions. ``AVG`` is a sum divided by the group size (floating dtypes only)."""
+
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+
+_TORCH_OPS = {
+    ReduceOp.SUM: tdist.ReduceOp.SUM,
+    ReduceOp.MIN: tdist.ReduceOp.MIN,
+    ReduceOp.MAX: tdist.ReduceOp.MAX,
+    ReduceOp.AVG: tdist.ReduceOp.SUM,  # divided by the size when the request finishes
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Communicator:
+    """One group of ranks as seen from one member.
+
+    Attributes:
+        group: the torch.distributed process group.
+        ranks: the global ranks of the members, in group-rank order.
+        name: the group's name in error messages (``"data"``, ``"model"``, ``"global"``).
+        global_rank: this process's global rank.
+        timeout: default seconds a wait may block.
+        check_consistency: before each collective, verify that every member called the same
+            operation with the same shapes and dtypes (one small extra exchange).
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    name: str
+    global_rank: int
+    timeout: float
+    check_consistency: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.global_rank)
+
+    def request(self, operation: str, works: Sequence[Any], finish: Callable[[], Any]) -> Request:
+        return Request(works, finish, rank=self.global_rank, group=self.label, operation=operation,
+                       timeout=self.timeout)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{list(self.ranks)}"
+
+
+def _start(comm: Communicator, operation: str, start: Callable[[], Any]) -> Any:
+    try:
+        return start()
+    except (RuntimeError, ValueError) as err:
+        raise CommunicationError(
+            f"rank {comm.global_rank}: {operation} on group {comm.label} could not start: {err}",
+            rank=comm.global_rank, group=comm.label, operation=operation,
+        ) from err
+
+
+def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
+                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
+    """Exchange a signature of this call and raise if any member's differs."""
+    shape = tuple(tensor.shape[1:]) if rows_may_differ else tuple(tensor.shape)
+    text = repr((operation, str(tensor.dtype), shape, extra))
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    every = torch.empty(comm.size, dtype=torch.int64)
+    work = tdist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
+    comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
+    digests = every.tolist()
+    if len(set(digests)) != 1:
+        odd = [r for r, d in enumerate(digests) if d != digest]
+        raise ValueError(
+            f"rank {comm.global_rank}: {operation} on group {comm.label}: group ranks {odd} "
+            f"called a different operation, dtype, trailing shape or root/counts than this rank "
+            f"({operation}, {tensor.dtype}, shape {tuple(tensor.shape)}, {extra})"
+        )
+
+
+def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
+             rows_may_differ: bool = False) -> torch.Tensor:
+    tensor = check_tensor(tensor, operation)
+    if comm.check_consistency:
+        _verify_same_call(comm, operation, tensor, extra, rows_may_differ)
+    return tensor
+
+
+def _op(op: object, dtype: torch.dtype, operation: str) -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"{operation}: op must be a scaleout.ReduceOp, got {op!r}")
+    if op is ReduceOp.AVG and not dtype.is_floating_point:
+        raise TypeError(f"{operation}: ReduceOp.AVG needs a floating dtype, got {dtype}")
+    return op
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+
+
+def _finish_in_place(target: torch.Tensor, buffer: torch.Tensor, divisor: int) -> torch.Tensor:
+    if divisor > 1:
+        buffer.div_(divisor)
+    if buffer is not target:
+        target.copy_(buffer)
+    return target
+
+
+def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
+    """Reduce ``tensor`` over the group, in place on every rank."""
+    name = "allreduce"
+    tensor = _checked(comm, name, tensor, op)
+    op = _op(op, tensor.dtype, name)
+    buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = _start(comm, name, lambda: tdist.all_reduce(
+        buffer, op=_TORCH_OPS[op], group=comm.group, async_op=True))
+    divisor = comm.size if op is ReduceOp.AVG else 1
+    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, divisor))
+
+
+def reduce(comm: Communicator, tensor: torch.Tensor, root: int,
+           op: ReduceOp = ReduceOp.SUM) -> Request:
+    """Reduce ``tensor`` onto group rank ``root`` (in place there; others' contents undefined)."""
+    name = "reduce"
+    root = check_root(root, comm.size, name, comm.label)
+    tensor = _checked(comm, name, tensor, op, root)
+    op = _op(op, tensor.dtype, name)
+    buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = _start(comm, name, lambda: tdist.reduce(
+        buffer, dst=comm.ranks[root], op=_TORCH_OPS[op], group=comm.group, async_op=True))
+    divisor = comm.size if op is ReduceOp.AVG and comm.rank == root else 1
+    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, divisor))
+
+
+def bcast(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
+    """Broadcast group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
+    name = "bcast"
+    root = check_root(root, comm.size, name, comm.label)
+    tensor = _checked(comm, name, tensor, root)
+    buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = _start(comm, name, lambda: tdist.broadcast(
+        buffer, src=comm.ranks[root], group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, 1))
+
+
+def allgather(comm: Communicator, tensor: torch.Tensor) -> Request:
+    """Concatenate every rank's ``tensor`` along dim 0 (0-d tensors count as one row).
+
+    The result has shape ``(size * tensor.shape[0], *tensor.shape[1:])`` on every rank.
+    """
+    name = "allgather"
+    send = _rows(_checked(comm, name, tensor))
+    out = send.new_empty((comm.size * send.shape[0], *send.shape[1:]))
+    work = _start(comm, name, lambda: tdist.all_gather_into_tensor(
+        out, send, group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: out)
+
+
+def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) -> Request:
+    """Concatenate every rank's rows along dim 0, rank ``i`` contributing ``counts[i]`` rows."""
+    name = "allgatherv"
+    counts = check_counts(counts, comm.size, "counts", name)
+    send = _rows(_checked(comm, name, tensor, counts, rows_may_differ=True))
+    if send.shape[0] != counts[comm.rank]:
+        raise ValueError(
+            f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
+            f"{counts[comm.rank]} rows, got a tensor of shape {tuple(send.shape)}"
+        )
+    longest = max(counts)
+    if send.shape[0] != longest:
+        padded = send.new_zeros((longest, *send.shape[1:]))
+        padded[: send.shape[0]] = send
+        send = padded
+    out = send.new_empty((comm.size * longest, *send.shape[1:]))
+    work = _start(comm, name, lambda: tdist.all_gather_into_tensor(
+        out, send, group=comm.group, async_op=True))
+
+    def finish() -> torch.Tensor:
+        if all(c == longest for c in counts):
+            return out
+        return torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)])
+
+    return comm.request(name, [work], finish)
+
+
+def gather(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
+    """Concatenate every rank's ``tensor`` along dim 0 on group rank ``root``.
+
+    ``wait()`` returns the concatenation on the root and ``None`` on the other ranks.
+    """
+    name = "gather"
+    root = check_root(root, comm.size, name, comm.label)
+    send = _rows(_checked(comm, name, tensor, root))
+    parts = [torch.empty_like(send) for _ in range(comm.size)] if comm.rank == root else None
+    work = _start(comm, name, lambda: tdist.gather(
+        send, parts, dst=comm.ranks[root], group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: torch.cat(parts) if parts is not None else None)
+
+
+def scatter(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
+    """Split group rank ``root``'s ``tensor`` into ``size`` equal row blocks; rank i gets block i.
+
+    Every rank passes a tensor of the same shape (only the root's contents are read);
+    ``wait()`` returns this rank's block, of shape ``(rows / size, *tensor.shape[1:])``.
+    """
+    name = "scatter"
+    root = check_root(root, comm.size, name, comm.label)
+    tensor = _checked(comm, name, tensor, root)
+    rows = check_divisible(tensor, comm.size, name)
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    parts = list(tensor.contiguous().split(rows)) if comm.rank == root else None
+    work = _start(comm, name, lambda: tdist.scatter(
+        out, parts, src=comm.ranks[root], group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: out)
+
+
+def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
+    """Reduce ``tensor`` over the group and give rank i the i-th of ``size`` equal row blocks."""
+    name = "reduce_scatter"
+    tensor = _checked(comm, name, tensor, op)
+    op = _op(op, tensor.dtype, name)
+    rows = check_divisible(tensor, comm.size, name)
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    send = tensor.contiguous()
+    work = _start(comm, name, lambda: tdist.reduce_scatter_tensor(
+        out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True))
+    divisor = comm.size if op is ReduceOp.AVG else 1
+    return comm.request(name, [work], lambda: _finish_in_place(out, out, divisor))
+
+
+def alltoall(comm: Communicator, tensor: torch.Tensor) -> Request:
+    """Send row block j of ``tensor`` to rank j; result block i came from rank i."""
+    name = "alltoall"
+    tensor = _checked(comm, name, tensor)
+    check_divisible(tensor, comm.size, name)
+    send = tensor.contiguous()
+    out = torch.empty_like(send)
+    work = _start(comm, name, lambda: tdist.all_to_all_single(
+        out, send, group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: out)
+
+
+def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[int],
+              recv_counts: Sequence[int]) -> Request:
+    """Send ``send_counts[j]`` rows to rank j; receive ``recv_counts[i]`` rows from rank i."""
+    name = "alltoallv"
+    send_counts = check_counts(send_counts, comm.size, "send_counts", name)
+    recv_counts = check_counts(recv_counts, comm.size, "recv_counts", name)
+    send = _rows(_checked(comm, name, tensor, rows_may_differ=True))
+    if send.shape[0] != sum(send_counts):
+        raise ValueError(
+            f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "
+            f"got shape {tuple(send.shape)}"
+        )
+    out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    work = _start(comm, name, lambda: tdist.all_to_all_single(
+        out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+        group=comm.group, async_op=True))
+    return comm.request(name, [work], lambda: out)
+
+
+def barrier(comm: Communicator, timeout: float | None = None) -> None:
+    """Block until every rank of the group arrives (or raise after ``timeout`` seconds)."""
+    name = "barrier"
+    work = _start(comm, name, lambda: tdist.barrier(group=comm.group, async_op=True))
+    comm.request(name, [work], lambda: None).wait(timeout)
+
+

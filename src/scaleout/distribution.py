@@ -1,0 +1,179 @@
+"""MLSL's data x model process grid and the collectives that run on its groups."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as tdist
+
+from scaleout import collectives as coll
+from scaleout.collectives import Communicator, ReduceOp
+from scaleout.request import Request
+
+if TYPE_CHECKING:
+    from scaleout.env import Environment
+
+__all__ = ["GroupType", "Distribution", "grid_groups"]
+
+
+class GroupType(enum.Enum):
+    """Which group of the grid a collective runs on.
+
+    ``DATA``: ranks with the same weights and different samples (they exchange gradients).
+    ``MODEL``: ranks holding different slices of the weights for the same samples (they
+    exchange activations). ``GLOBAL``: the whole data x model grid of this rank.
+    """
+
+    DATA = "data"
+    MODEL = "model"
+    GLOBAL = "global"
+
+
+def grid_groups(world_size: int, data_parts: int, model_parts: int) -> dict[GroupType, list[tuple[int, ...]]]:
+    """Every group of the grid, as MLSL lays them out.
+
+    Model groups are runs of ``model_parts`` consecutive ranks; data groups are strided by
+    ``model_parts``. When ``data_parts * model_parts`` is smaller than the world, the ranks
+    form ``world_size / (data_parts * model_parts)`` independent replicas of the grid.
+
+    Raises:
+        ValueError: the grid does not divide the world size.
+
+    Example:
+        >>> grid_groups(4, 2, 2)[GroupType.DATA]
+        [(0, 2), (1, 3)]
+    """
+    for name, value in (("data_parts", data_parts), ("model_parts", model_parts)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    grid = data_parts * model_parts
+    if world_size % grid != 0:
+        raise ValueError(
+            f"data_parts * model_parts = {data_parts} * {model_parts} = {grid} must divide the "
+            f"world size {world_size}"
+        )
+    groups: dict[GroupType, list[tuple[int, ...]]] = {t: [] for t in GroupType}
+    for base in range(0, world_size, grid):
+        for d in range(data_parts):
+            start = base + d * model_parts
+            groups[GroupType.MODEL].append(tuple(range(start, start + model_parts)))
+        for m in range(model_parts):
+            groups[GroupType.DATA].append(tuple(range(base + m, base + grid, model_parts)))
+        groups[GroupType.GLOBAL].append(tuple(range(base, base + grid)))
+    return groups
+
+
+class Distribution:
+    """A data x model grid of ranks with non-blocking collectives on its groups.
+
+    Create one with :meth:`Environment.create_distribution` (every rank must call it, in the
+    same order, since it creates process groups). Every collective takes ``group=`` and
+    returns a :class:`~scaleout.request.Request`; ``wait()`` gives the result tensor.
+
+    Example (2 ranks):
+        >>> d = env.create_distribution(2, 1)
+        >>> t = torch.full((2,), float(env.rank))
+        >>> d.allreduce(t, group=GroupType.DATA).wait()
+        tensor([1., 1.])
+    """
+
+    def __init__(self, env: Environment, data_parts: int, model_parts: int) -> None:
+        layout = grid_groups(env.world_size, data_parts, model_parts)
+        self._env = env
+        self.data_parts = data_parts
+        self.model_parts = model_parts
+        self._comms: dict[GroupType, Communicator] = {}
+        for group_type in GroupType:  # every rank creates every group in the same order
+            for ranks in layout[group_type]:
+                group = self._new_group(ranks)
+                if env.rank in ranks:
+                    self._comms[group_type] = Communicator(
+                        group=group, ranks=ranks, name=group_type.value, global_rank=env.rank,
+                        timeout=env.timeout, check_consistency=env.check_consistency,
+                    )
+
+    def _new_group(self, ranks: tuple[int, ...]) -> Any:
+        if len(ranks) == self._env.world_size:
+            return tdist.group.WORLD
+        return tdist.new_group(list(ranks))
+
+    def communicator(self, group: GroupType) -> Communicator:
+        """The communicator of ``group`` that contains this rank."""
+        self._env.require_alive()
+        if not isinstance(group, GroupType):
+            raise TypeError(f"group must be a scaleout.GroupType, got {group!r}")
+        return self._comms[group]
+
+    def rank(self, group: GroupType) -> int:
+        """This process's rank within ``group``."""
+        return self.communicator(group).rank
+
+    def size(self, group: GroupType) -> int:
+        """The number of ranks in ``group``."""
+        return self.communicator(group).size
+
+    def ranks(self, group: GroupType) -> tuple[int, ...]:
+        """The global ranks of ``group``'s members, in group-rank order."""
+        return self.communicator(group).ranks
+
+    def process_group(self, group: GroupType) -> Any:
+        """The underlying torch.distributed process group (for interoperation)."""
+        return self.communicator(group).group
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                  group: GroupType) -> Request:
+        """Reduce ``tensor`` in place on every rank of ``group``."""
+        return coll.allreduce(self.communicator(group), tensor, op)
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *,
+               group: GroupType) -> Request:
+        """Reduce ``tensor`` onto group rank ``root``."""
+        return coll.reduce(self.communicator(group), tensor, root, op)
+
+    def bcast(self, tensor: torch.Tensor, root: int, *, group: GroupType) -> Request:
+        """Broadcast group rank ``root``'s ``tensor`` in place."""
+        return coll.bcast(self.communicator(group), tensor, root)
+
+    def allgather(self, tensor: torch.Tensor, *, group: GroupType) -> Request:
+        """Concatenate every rank's ``tensor`` along dim 0 on every rank."""
+        return coll.allgather(self.communicator(group), tensor)
+
+    def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int], *,
+                   group: GroupType) -> Request:
+        """Concatenate ``counts[i]`` rows from each rank i along dim 0 on every rank."""
+        return coll.allgatherv(self.communicator(group), tensor, counts)
+
+    def gather(self, tensor: torch.Tensor, root: int, *, group: GroupType) -> Request:
+        """Concatenate every rank's ``tensor`` on ``root`` (``None`` elsewhere)."""
+        return coll.gather(self.communicator(group), tensor, root)
+
+    def scatter(self, tensor: torch.Tensor, root: int, *, group: GroupType) -> Request:
+        """Give rank i the i-th equal row block of ``root``'s ``tensor``."""
+        return coll.scatter(self.communicator(group), tensor, root)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                       group: GroupType) -> Request:
+        """Reduce ``tensor``; rank i receives the i-th equal row block."""
+        return coll.reduce_scatter(self.communicator(group), tensor, op)
+
+    def alltoall(self, tensor: torch.Tensor, *, group: GroupType) -> Request:
+        """Send row block j to rank j; block i of the result came from rank i."""
+        return coll.alltoall(self.communicator(group), tensor)
+
+    def alltoallv(self, tensor: torch.Tensor, send_counts: Sequence[int],
+                  recv_counts: Sequence[int], *, group: GroupType) -> Request:
+        """All-to-all with per-rank row counts."""
+        return coll.alltoallv(self.communicator(group), tensor, send_counts, recv_counts)
+
+    def barrier(self, *, group: GroupType, timeout: float | None = None) -> None:
+        """Block until every rank of ``group`` arrives."""
+        coll.barrier(self.communicator(group), timeout)
+
+    def __repr__(self) -> str:
+        return (f"<Distribution data_parts={self.data_parts} model_parts={self.model_parts} "
+                f"rank={self._env.rank}>")

@@ -1,0 +1,184 @@
+"""The Environment: who this process is, which backend, timeouts; init and finalize."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from scaleout.distribution import Distribution
+from scaleout.errors import NotInitializedError, ScaleoutError
+from scaleout.launch_env import LaunchInfo, detect_launch
+
+__all__ = ["Environment", "init", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 300.0
+_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def _seconds(timeout: float | timedelta) -> float:
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None:
+        # gloo for CPU tensors; NCCL as well when CUDA tensors may be used.
+        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    names = [part.split(":")[-1] for part in backend.split(",")]
+    unknown = [name for name in names if name not in _BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} "
+                         "or a device map like 'cpu:gloo,cuda:nccl'")
+    return backend
+
+
+class Environment:
+    """This process's place in the job. Made by :func:`scaleout.init`.
+
+    Attributes:
+        rank, world_size, local_rank: as launched.
+        backend: the torch.distributed backend string.
+        timeout: seconds any collective may wait before raising.
+        check_consistency: verify before each collective that every rank called the same one.
+    """
+
+    def __init__(self, info: LaunchInfo, backend: str, timeout: float,
+                 check_consistency: bool) -> None:
+        self._info = info
+        self.backend = backend
+        self.timeout = timeout
+        self.check_consistency = check_consistency
+        self._alive = True
+
+    @property
+    def rank(self) -> int:
+        return self._info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._info.local_rank
+
+    @property
+    def launch(self) -> LaunchInfo:
+        """How this process was launched (rendezvous address and which convention)."""
+        return self._info
+
+    def require_alive(self) -> None:
+        """Raise :class:`NotInitializedError` if ``finalize()`` was called."""
+        if not self._alive:
+            raise NotInitializedError(
+                f"rank {self.rank}: the scaleout Environment was finalized; call scaleout.init() "
+                "again to communicate"
+            )
+
+    def create_distribution(self, data_parts: int | None = None, model_parts: int = 1) -> Distribution:
+        """A data x model grid (see :class:`~scaleout.distribution.Distribution`).
+
+        Args:
+            data_parts: data-parallel degree; ``None`` or ``-1`` means world_size / model_parts.
+            model_parts: model-parallel degree (consecutive ranks).
+
+        Raises:
+            ValueError: ``data_parts * model_parts`` does not divide the world size.
+        """
+        self.require_alive()
+        if isinstance(model_parts, int) and not isinstance(model_parts, bool) and model_parts >= 1:
+            if data_parts is None or data_parts == -1:
+                data_parts = max(self.world_size // model_parts, 1)
+        return Distribution(self, data_parts, model_parts)  # type: ignore[arg-type]
+
+    def create_session(self, *args: Any, **kwargs: Any) -> Any:
+        """A training session (MLSL's object model); see :class:`scaleout.session.Session`."""
+        self.require_alive()
+        from scaleout.session import Session
+
+        return Session(self, *args, **kwargs)
+
+    def finalize(self) -> None:
+        """Tear down torch.distributed. The Environment cannot be used afterwards."""
+        self.require_alive()
+        self._alive = False
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+    def __enter__(self) -> Environment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._alive:
+            self.finalize()
+
+    def __repr__(self) -> str:
+        return (f"<Environment rank={self.rank}/{self.world_size} local_rank={self.local_rank} "
+                f"backend={self.backend} via {self._info.source}>")
+
+
+def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT, *,
+         check_consistency: bool | None = None,
+         environ: Mapping[str, str] | None = None) -> Environment:
+    """Join the job: detect the launcher, pick a backend and initialise torch.distributed.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or a device map; ``None`` picks gloo on CPU
+            and adds NCCL for CUDA tensors when CUDA is available.
+        timeout: seconds (or a timedelta) any rendezvous or collective may take before it
+            raises an error naming the rank, group and operation.
+        check_consistency: verify before every collective that all ranks called the same
+            operation with matching shapes and dtypes; default from ``SCALEOUT_CHECK=1``.
+        environ: the environment to read the launch from (default ``os.environ``).
+
+    Returns:
+        The :class:`Environment`. Use it as a context manager or call ``finalize()``.
+
+    Raises:
+        ScaleoutError: torch.distributed is already initialised, or the rendezvous failed.
+
+    Example:
+        >>> env = scaleout.init()          # under `scaleout run -n 2 script.py`
+        >>> env.rank, env.world_size
+        (0, 2)                             # rank 1 prints (1, 2)
+    """
+    seconds = _seconds(timeout)
+    chosen = _choose_backend(backend)
+    environ = os.environ if environ is None else environ
+    info = detect_launch(environ)
+    if check_consistency is None:
+        check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
+    if tdist.is_initialized():
+        raise ScaleoutError(
+            "scaleout.init() was called while torch.distributed is already initialised "
+            "(init called twice?): call env.finalize() first"
+        )
+    if "nccl" in chosen and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    try:
+        if info.world_size == 1:
+            tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
+                                     timeout=timedelta(seconds=seconds))
+        else:
+            tdist.init_process_group(
+                chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=seconds),
+            )
+    except (RuntimeError, ValueError) as err:
+        raise ScaleoutError(
+            f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
+            f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): {err}"
+        ) from err
+    return Environment(info, chosen, seconds, check_consistency)

@@ -1,0 +1,27 @@
+"""Exceptions raised by scaleout."""
+
+from __future__ import annotations
+
+__all__ = ["ScaleoutError", "CommunicationError", "CommunicationTimeout", "NotInitializedError"]
+
+
+class ScaleoutError(RuntimeError):
+    """Base class of scaleout's runtime errors."""
+
+
+class NotInitializedError(ScaleoutError):
+    """An Environment was used before :func:`scaleout.init` or after ``finalize()``."""
+
+
+class CommunicationError(ScaleoutError):
+    """A collective failed. The message names the rank, the group and the operation."""
+
+    def __init__(self, message: str, *, rank: int, group: str, operation: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.group = group
+        self.operation = operation
+
+
+class CommunicationTimeout(CommunicationError):
+    """A wait on a collective exceeded its timeout."""

@@ -1,0 +1,153 @@
+"""Detect how this process was launched: torchrun, Open MPI, MPICH/Intel MPI, Slurm or alone.
+
+The result is a plain :class:`LaunchInfo`; :func:`detect_launch` is a pure function of an
+environment mapping so that every launcher convention can be tested without launching.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LaunchInfo", "detect_launch", "first_host"]
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchInfo:
+    """Who this process is and where the rendezvous is.
+
+    Attributes:
+        rank: global rank.
+        world_size: number of processes.
+        local_rank: rank among the processes of this node.
+        master_addr: address of the rendezvous (rank 0's host).
+        master_port: TCP port of the rendezvous.
+        source: which convention supplied the values ("torchrun", "openmpi", "mpich", "slurm",
+            "single").
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size} (from {self.source})")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank must be in [0, {self.world_size}), got {self.rank} (from {self.source})"
+            )
+        if self.local_rank < 0:
+            raise ValueError(f"local rank must be >= 0, got {self.local_rank} (from {self.source})")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master port must be in 1..65535, got {self.master_port}")
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from err
+
+
+def first_host(nodelist: str) -> str:
+    """The first host name of a Slurm node list such as ``node[03-05,07],gpu1``.
+
+    Raises:
+        ValueError: for an empty list.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ValueError("empty Slurm node list")
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    assert match is not None  # the pattern matches any non-empty string not starting with , or [
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _rendezvous(environ: Mapping[str, str], default_addr: str) -> tuple[str, int]:
+    addr = environ.get("MASTER_ADDR", default_addr)
+    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT
+    return addr, port
+
+
+def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
+    """Read the launch convention from ``environ`` (normally ``os.environ``).
+
+    Precedence: torchrun variables (``RANK``/``WORLD_SIZE``), then Open MPI
+    (``OMPI_COMM_WORLD_*``), MPICH / Intel MPI (``PMI_RANK``/``PMI_SIZE``), Slurm
+    (``SLURM_PROCID``/``SLURM_NTASKS``), else a single process. Under MPI and Slurm the
+    rendezvous address comes from ``MASTER_ADDR`` if set, else rank 0's host when it can be
+    known (the first node of a Slurm allocation) or ``127.0.0.1`` when every rank is local.
+
+    Returns:
+        The detected :class:`LaunchInfo`.
+
+    Raises:
+        ValueError: a variable is malformed, or a multi-node MPI job has no ``MASTER_ADDR``.
+
+    Example:
+        >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h0",
+        ...                "MASTER_PORT": "1234"}).rank
+        1
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        addr, port = _rendezvous(environ, "127.0.0.1")
+        return LaunchInfo(
+            rank=_int(environ, "RANK"),
+            world_size=_int(environ, "WORLD_SIZE"),
+            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+            master_addr=addr,
+            master_port=port,
+            source="torchrun",
+        )
+    for source, rank_var, size_var, local_var, local_size_var in (
+        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if rank_var in environ and size_var in environ:
+            size = _int(environ, size_var)
+            local_size = _int(environ, local_size_var) if local_size_var in environ else None
+            all_local = size == 1 or local_size == size
+            if "MASTER_ADDR" not in environ and not all_local:
+                raise ValueError(
+                    f"launched by {source} across several nodes but MASTER_ADDR is not set: "
+                    "export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) in the job script"
+                )
+            addr, port = _rendezvous(environ, "127.0.0.1")
+            local = environ.get(local_var, environ.get("PMI_LOCAL_RANK", "0"))
+            return LaunchInfo(
+                rank=_int(environ, rank_var),
+                world_size=size,
+                local_rank=int(local),
+                master_addr=addr,
+                master_port=port,
+                source=source,
+            )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST", ""))
+        default_addr = first_host(nodelist) if nodelist else "127.0.0.1"
+        addr, port = _rendezvous(environ, default_addr)
+        return LaunchInfo(
+            rank=_int(environ, "SLURM_PROCID"),
+            world_size=_int(environ, "SLURM_NTASKS"),
+            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+        )
+    return LaunchInfo(
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
+        source="single",
+    )

@@ -1,0 +1,114 @@
+"""Fork real ranks for a test: torchrun variables set, per-run timeout, rank-tagged failures.
+
+Usage::
+
+    def body(x):                      # module-level: runs in every rank
+        env = scaleout.init(timeout=20)
+        ...
+        env.finalize()
+        return value
+
+    results = run_ranks(3, body, 42)   # [value of rank 0, rank 1, rank 2]
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["run_ranks", "free_port", "RankFailure"]
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed or hung; the message holds each rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(conn: Any, rank: int, world_size: int, port: int, fn: Callable[..., Any],
+           args: tuple[Any, ...], env: Mapping[str, str], timeout: float) -> None:
+    code = 0
+    try:
+        os.environ.update({
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), **env,
+        })
+        import torch
+
+        torch.set_num_threads(1)
+        # A hung rank prints where it hangs before the parent gives up on it.
+        faulthandler.dump_traceback_later(max(timeout - 1.0, 1.0), exit=True)
+        result = fn(*args)
+        payload = pickle.dumps(("ok", result))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        payload = pickle.dumps(("error", traceback.format_exc()))
+        code = 1
+    try:
+        conn.send_bytes(payload)
+        conn.close()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
+              env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` forked ranks and return their results by rank.
+
+    Raises:
+        RankFailure: a rank raised (its traceback, tagged with the rank, is in the message),
+            died, or did not finish within ``timeout`` seconds (the others are then killed).
+    """
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child,
+                           args=(child, rank, world_size, port, fn, args, dict(env or {}), timeout))
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size))
+    while pending and time.monotonic() < deadline:
+        ready = mp.connection.wait([conns[r] for r in pending], timeout=0.2)
+        for rank in list(pending):
+            conn = conns[rank]
+            if conn in ready:
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    status, value = "error", f"rank {rank} died (exit code {procs[rank].exitcode})"
+                (results if status == "ok" else errors)[rank] = value
+                pending.discard(rank)
+        if errors and pending:  # give the others a moment to report, then stop them
+            deadline = min(deadline, time.monotonic() + 5.0)
+    for rank in pending:
+        errors[rank] = f"rank {rank} did not finish within {timeout:g} s (see its stack above)"
+    for proc in procs:
+        proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if errors:
+        text = "\n".join(f"----- rank {r} -----\n{errors[r]}" for r in sorted(errors))
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{text}")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,132 @@
+"""Bad input gives a clear ValueError/TypeError; a wait never hangs; misuse is named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import scaleout
+from harness import RankFailure, run_ranks
+from scaleout import CommunicationTimeout, GroupType, NotInitializedError, ReduceOp, ScaleoutError
+
+G = GroupType.DATA
+
+
+def expect(exc: type[BaseException], fragment: str, call) -> None:
+    with pytest.raises(exc) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+
+
+def body_bad_arguments() -> None:
+    env = scaleout.init(timeout=20)
+    d = env.create_distribution()
+    x = torch.ones(4)
+    expect(TypeError, "expected a torch.Tensor, got list", lambda: d.allreduce([1, 2], group=G))
+    expect(TypeError, "dtype torch.complex64 is not supported",
+           lambda: d.allreduce(torch.ones(2, dtype=torch.complex64), group=G))
+    expect(TypeError, "op must be a scaleout.ReduceOp", lambda: d.allreduce(x, "sum", group=G))
+    expect(TypeError, "AVG needs a floating dtype",
+           lambda: d.allreduce(torch.ones(2, dtype=torch.int64), ReduceOp.AVG, group=G))
+    expect(TypeError, "group must be a scaleout.GroupType", lambda: d.allreduce(x, group="data"))
+    expect(ValueError, "root must be a rank of group data[0, 1] (0..1), got 2",
+           lambda: d.bcast(x, 2, group=G))
+    expect(TypeError, "root must be an int rank", lambda: d.reduce(x, 0.0, group=G))
+    expect(ValueError, "counts must have one entry per rank of the group (2), got 3",
+           lambda: d.allgatherv(x, [4, 4, 4], group=G))
+    expect(ValueError, "must pass counts[",
+           lambda: d.allgatherv(x, [3, 3], group=G))
+    expect(ValueError, "counts must be >= 0", lambda: d.allgatherv(x, [-1, 4], group=G))
+    expect(ValueError, "dim 0 must be a multiple of the group size 2",
+           lambda: d.reduce_scatter(torch.ones(3), group=G))
+    expect(ValueError, "dim 0 must be a multiple of the group size 2",
+           lambda: d.scatter(torch.ones(5, 2), 0, group=G))
+    expect(ValueError, "must have sum(send_counts) = 5 rows",
+           lambda: d.alltoallv(x, [2, 3], [2, 2], group=G))
+    expect(ValueError, "timeout must be > 0", lambda: d.allreduce(x, group=G).wait(timeout=0))
+    # after all those refusals the group still works
+    assert torch.equal(d.allreduce(torch.ones(3), group=G).wait(), torch.full((3,), 2.0))
+    env.finalize()
+
+
+def test_bad_arguments_are_refused_without_hanging() -> None:
+    run_ranks(2, body_bad_arguments, timeout=60)
+
+
+def body_timeout() -> tuple[str, float]:
+    env = scaleout.init(timeout=30)
+    d = env.create_distribution()
+    if env.rank == 0:
+        started = time.monotonic()
+        with pytest.raises(CommunicationTimeout) as info:
+            d.allreduce(torch.ones(8), group=G).wait(timeout=1.0)
+        return str(info.value), time.monotonic() - started
+    time.sleep(3.0)  # rank 1 never joins this allreduce
+    return "", 0.0
+
+
+def test_wait_times_out_naming_rank_group_and_operation() -> None:
+    message, waited = run_ranks(2, body_timeout, timeout=60)[0]
+    assert "rank 0: allreduce on group data[0, 1] did not complete within 1 s" in message
+    assert waited < 10
+
+
+def body_mismatch() -> None:
+    env = scaleout.init(timeout=20, check_consistency=True)
+    d = env.create_distribution()
+    shape = (4,) if env.rank == 0 else (5,)
+    with pytest.raises(ValueError, match=r"group ranks \[\d\] called a different operation"):
+        d.allreduce(torch.ones(shape), group=G)
+    other = d.bcast if env.rank == 0 else d.reduce
+    with pytest.raises(ValueError, match="called a different operation"):
+        other(torch.ones(4), 0, group=G)
+    env.finalize()
+
+
+def test_consistency_check_reports_mismatched_calls() -> None:
+    run_ranks(2, body_mismatch, timeout=60)
+
+
+def body_lifecycle() -> None:
+    env = scaleout.init(timeout=20)
+    with pytest.raises(ScaleoutError, match="called twice"):
+        scaleout.init()
+    d = env.create_distribution()
+    with pytest.raises(ValueError, match="must divide the world size 3"):
+        env.create_distribution(2, 1)
+    with pytest.raises(ValueError, match="model_parts must be >= 1"):
+        env.create_distribution(1, 0)
+    env.finalize()
+    with pytest.raises(NotInitializedError, match="finalized"):
+        d.allreduce(torch.ones(1), group=G)
+    with pytest.raises(NotInitializedError):
+        env.create_distribution()
+    env2 = scaleout.init(timeout=20)  # a fresh init after finalize works
+    env2.finalize()
+
+
+def test_lifecycle_errors() -> None:
+    run_ranks(3, body_lifecycle, timeout=60)
+
+
+def body_raise() -> None:
+    env = scaleout.init(timeout=20)
+    if env.rank == 1:
+        raise KeyError("boom on purpose")
+    env.finalize()
+
+
+def test_harness_reports_failing_rank() -> None:
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 -----.*KeyError: 'boom on purpose'"):
+        run_ranks(2, body_raise, timeout=30)
+
+
+def test_bad_init_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown backend"):
+        scaleout.init(backend="tcp")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        scaleout.init(timeout=-1)
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        scaleout.init(timeout="5")

@@ -1,0 +1,63 @@
+"""The launcher through the real command: output tagged by rank, fail-fast on a failing rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from scaleout.launcher import LaunchConfig, command_for
+
+
+def scaleout_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    return subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ranks_run_and_are_tagged(tmp_path: Path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, scaleout
+        env = scaleout.init(timeout=30)
+        d = env.create_distribution()
+        total = d.allreduce(torch.ones(1) * (env.rank + 1), group=scaleout.GroupType.DATA).wait()
+        print(f"r={env.rank} w={env.world_size} total={total.item():g} arg={sys.argv[1]}")
+        env.finalize()
+    """))
+    result = scaleout_run("-n", "3", str(script), "hello")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] r={rank} w=3 total=6 arg=hello" in result.stdout
+
+
+def test_failing_rank_stops_the_others_fast(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank one fails on purpose")
+        time.sleep(120)
+    """))
+    started = time.monotonic()
+    result = scaleout_run("-n", "3", str(script))
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1
+    assert "scaleout run: rank 1 failed with exit code 1" in result.stdout
+    assert "ValueError: rank one fails on purpose" in result.stdout
+
+
+def test_usage_errors() -> None:
+    result = scaleout_run("-n", "0", "x.py")
+    assert result.returncode == 2 and "nprocs must be an int >= 1" in result.stderr
+    result = scaleout_run("-n", "2", "--nnodes", "2", "x.py")
+    assert result.returncode == 2 and "needs --master-port" in result.stderr
+    with pytest.raises(ValueError, match="nothing to run"):
+        command_for([])
+    with pytest.raises(ValueError, match="node_rank must be in"):
+        LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)

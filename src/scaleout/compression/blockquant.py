@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from scaleout.collectives import ReduceOp
 from scaleout.compression.base import (
     Codec,
     Communicator,
@@ -175,8 +176,6 @@ class BlockQuantCodec(Codec):
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
     ) -> ExchangeGenerator:
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
-        from scaleout import ReduceOp  # core layer; imported late to keep codecs importable alone
-
         ranks = comm.size(group)
         flat = compensate(self.name, tensor, state, self.error_feedback)
         exponents = self.exponents(flat)

@@ -20,6 +20,7 @@ import torch
 
 from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, work_dtype
 from scaleout.compression.state import CodecState
+from scaleout.errors import CommunicationTimeout
 
 __all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "generic_exchange", "wire_bytes"]
 
@@ -162,6 +163,7 @@ class CompressedRequest:
         codec: str,
         ranks: int,
         rank: int,
+        group: Any,
         average: bool,
     ) -> None:
         self._tensor = tensor
@@ -170,6 +172,7 @@ class CompressedRequest:
         self._codec = codec
         self._ranks = ranks
         self._rank = rank
+        self._group = group
         self._average = average
         self._pending: list[Request] = []
         self._single = True
@@ -212,7 +215,8 @@ class CompressedRequest:
             The tensor passed to :func:`compressed_allreduce`, now reduced.
 
         Raises:
-            TimeoutError: If ``timeout`` expires first.
+            scaleout.CommunicationTimeout: If ``timeout`` expires first (or a
+                collective's own timeout does); names rank, group and round.
         """
         self._raise_if_failed()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -220,11 +224,15 @@ class CompressedRequest:
             results = []
             for req in self._pending:
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0 and not req.test():
-                    raise TimeoutError(
-                        f"compressed allreduce (codec {self._codec!r}, round {self._round}, "
-                        f"rank {self._rank} of {self._ranks}) did not finish within {timeout} s"
-                    )
+                if remaining is not None and remaining <= 0:
+                    if not req.test():
+                        operation = f"compressed allreduce (codec {self._codec!r}, round {self._round})"
+                        raise CommunicationTimeout(
+                            f"rank {self._rank}: {operation} on group {self._group} did not "
+                            f"complete within {timeout:g} s",
+                            rank=self._rank, group=str(self._group), operation=operation,
+                        )
+                    remaining = None
                 results.append(req.wait(timeout=remaining))
             self._advance(results)
         return self._tensor
@@ -329,7 +337,7 @@ def compressed_allreduce(
         if generator is None:
             generator = generic_exchange(codec, tensor, state, counter, group)
     request = CompressedRequest(
-        tensor=tensor, generator=generator, counter=counter, codec=codec.name, ranks=ranks, rank=rank, average=average
+        tensor=tensor, generator=generator, counter=counter, codec=codec.name, ranks=ranks, rank=rank, group=group, average=average
     )
     state.step += 1
     return request

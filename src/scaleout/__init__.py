@@ -18,11 +18,20 @@ from scaleout.errors import (
     ScaleoutError,
 )
 from scaleout.request import Request
+from scaleout.scheduler import SchedulerConfig
+from scaleout.session import (
+    ActivationSpec,
+    Exchange,
+    ParameterSetSpec,
+    Phase,
+    Session,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init", "Environment", "Distribution", "GroupType", "ReduceOp", "Request",
+    "Session", "Phase", "ParameterSetSpec", "ActivationSpec", "Exchange", "SchedulerConfig",
     "ScaleoutError", "CommunicationError", "CommunicationTimeout", "NotInitializedError",
     "__version__",
 ]

@@ -97,8 +97,26 @@ class Distribution:
                         timeout=env.timeout, check_consistency=env.check_consistency,
                     )
 
-    def _new_group(self, ranks: tuple[int, ...]) -> Any:
-        if len(ranks) == self._env.world_size:
+    def duplicate(self, group: GroupType, name: str) -> Communicator:
+        """A new communicator over the same ranks as ``group``, on its own process groups.
+
+        Collectives on different communicators never queue behind one another inside the
+        communication library. Every rank must call this, in the same order.
+        """
+        self._env.require_alive()
+        layout = grid_groups(self._env.world_size, self.data_parts, self.model_parts)
+        mine = None
+        for ranks in layout[group]:
+            created = self._new_group(ranks, fresh=True)
+            if self._env.rank in ranks:
+                mine = Communicator(group=created, ranks=ranks, name=name,
+                                    global_rank=self._env.rank, timeout=self._env.timeout,
+                                    check_consistency=self._env.check_consistency)
+        assert mine is not None
+        return mine
+
+    def _new_group(self, ranks: tuple[int, ...], fresh: bool = False) -> Any:
+        if len(ranks) == self._env.world_size and not fresh:
             return tdist.group.WORLD
         return tdist.new_group(list(ranks))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -93,6 +94,31 @@ class Request:
         self._done = True
         return self._result
 
+    def when_done(self, callback: Callable[[Request], None]) -> None:
+        """Call ``callback(self)`` once every underlying work has completed (or failed).
+
+        The callback may run on a communication thread: keep it short and thread-safe; it
+        should hand the request to another thread, which then calls ``wait()``.
+        """
+        if not self._works:
+            callback(self)
+            return
+        remaining = [len(self._works)]
+
+        def one_done(_future: Any) -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                callback(self)
+
+        for work in self._works:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # some gloo works (reduce_scatter) have no future
+                threading.Thread(target=_wait_then, args=(work, self._timeout, one_done),
+                                 daemon=True, name="scaleout-waiter").start()
+            else:
+                future.add_done_callback(one_done)
+
     def test(self) -> bool:
         """True when the operation has completed (then ``wait()`` returns at once)."""
         if self._done:
@@ -108,6 +134,14 @@ class Request:
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"
         return f"<Request {self._operation} group={self._group} rank={self._rank} {state}>"
+
+
+def _wait_then(work: Any, timeout: float, callback: Callable[[Any], None]) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError:
+        pass  # the failure is raised again by Request.wait()
+    callback(None)
 
 
 def completed_request(result: Any, *, rank: int, group: str, operation: str) -> Request:

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from scaleout.bench.stats import format_size, parse_sizes
-from scaleout.bench.table import format_table
+from scaleout.table import format_table
 from scaleout.launcher import LaunchConfig, launch
 
 EXAMPLE = """example:

@@ -1,0 +1,11 @@
+"""Communication scheduling: plans (buckets, lanes, chunks), policies and the progress engine."""
+
+from scaleout.scheduler.config import POLICIES, SchedulerConfig
+from scaleout.scheduler.engine import Job, ProgressEngine
+from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan
+from scaleout.scheduler.policy import FifoPolicy, LaneState, Policy, PriorityPolicy, make_policy
+
+__all__ = [
+    "SchedulerConfig", "POLICIES", "PlanItem", "BucketPlan", "build_plan", "Policy",
+    "FifoPolicy", "PriorityPolicy", "LaneState", "make_policy", "Job", "ProgressEngine",
+]

@@ -1,0 +1,60 @@
+"""Scheduling options: which policy, bucket and chunk sizes, credits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SchedulerConfig", "POLICIES"]
+
+POLICIES = ("fifo", "priority")
+MB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """How gradient communication is fused, split and ordered.
+
+    Attributes:
+        policy: ``"fifo"`` issues buckets in backward order as soon as they are ready (what
+            DDP does); ``"priority"`` puts the parameters needed first by the next forward in
+            an urgent lane that pre-empts the bulk lane at chunk boundaries.
+        bucket_bytes: small parameter sets are fused into buckets up to this size.
+        first_bucket_bytes: size of the first bucket (ready earliest in backward), so that
+            communication starts early (DDP uses 1 MB).
+        partition_bytes: bulk buckets are sent in chunks of this size (priority policy).
+        credit_bytes: at most this many bulk bytes in flight (priority policy); a newly
+            ready urgent bucket waits behind at most this much.
+        urgent_bytes: parameters in forward order up to this many bytes form the urgent
+            lane (priority policy).
+
+    The defaults keep at most ~32 ms of bulk data queued ahead of urgent data on a 1 Gbit/s
+    link (4 MB credit) and ~3 ms on 10 Gbit/s, while chunks stay large enough (2 MB) for
+    gloo to run near line rate.
+    """
+
+    policy: str = "priority"
+    bucket_bytes: int = 8 * MB
+    first_bucket_bytes: int = 1 * MB
+    partition_bytes: int = 2 * MB
+    credit_bytes: int = 4 * MB
+    urgent_bytes: int = 1 * MB
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("bucket_bytes", "first_bucket_bytes", "partition_bytes", "credit_bytes",
+                     "urgent_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.partition_bytes == 0:
+            raise ValueError("partition_bytes must be > 0")
+        if self.credit_bytes < self.partition_bytes:
+            raise ValueError(
+                f"credit_bytes ({self.credit_bytes}) must be >= partition_bytes "
+                f"({self.partition_bytes}), or no chunk could ever be sent"
+            )
+
+    @property
+    def lanes(self) -> int:
+        return 2 if self.policy == "priority" else 1

@@ -1,0 +1,216 @@
+"""The progress engine: a dedicated thread that owns a session's outstanding communication.
+
+MLSL drove non-blocking MPI from endpoint-server processes; here one thread per session
+takes buckets whose gradients are ready, cuts them into chunks, and sends them through
+torch.distributed in each lane's fixed order at the moments the policy allows. Completion
+callbacks from the communication library come back through the same inbox, so the engine's
+state is touched by its thread alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaleout.collectives import Communicator
+from scaleout.errors import CommunicationError, CommunicationTimeout
+from scaleout.request import Request
+from scaleout.scheduler.policy import LaneState, Policy
+
+__all__ = ["Job", "ProgressEngine"]
+
+# One piece of a job: starts its collective on the lane's communicator.
+ChunkStart = Callable[[Communicator], Request]
+
+
+@dataclass(eq=False)
+class Job:
+    """One bucket's communication in one iteration, as the engine runs it.
+
+    Attributes:
+        name: for errors and statistics.
+        lane: which lane (communicator) carries it.
+        order: its place in the lane's fixed issue sequence.
+        chunks: (bytes, start) per chunk, sent in order.
+        finish: runs on the engine thread once every chunk completed.
+    """
+
+    name: str
+    lane: int
+    order: int
+    chunks: Sequence[tuple[int, ChunkStart]]
+    finish: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    ready_at: float = 0.0
+    issued_at: float = 0.0
+    completed_at: float = 0.0
+    remaining: int = 0
+
+    def wait(self, timeout: float, rank: int) -> None:
+        """Block until the job completed; raise its error, or a timeout naming it."""
+        if not self.done.wait(timeout):
+            raise CommunicationTimeout(
+                f"rank {rank}: gradient communication of {self.name} (lane {self.lane}) did "
+                f"not complete within {timeout:g} s (a peer rank may have died or diverged)",
+                rank=rank, group=f"lane {self.lane}", operation=f"gradient comm of {self.name}",
+            )
+        if self.error is not None:
+            raise self.error
+
+
+class _Lane:
+    def __init__(self, comm: Communicator, length: int) -> None:
+        self.comm = comm
+        self.length = length  # jobs per iteration in this lane
+        self.next_order = 0
+        self.ready: dict[int, Job] = {}
+        self.queue: deque[tuple[Job, int, ChunkStart]] = deque()
+        self.inflight: dict[int, tuple[Job, int, float]] = {}  # id -> (job, bytes, sent at)
+
+    def state(self) -> LaneState:
+        return LaneState(queued=len(self.queue),
+                         next_bytes=self.queue[0][1] if self.queue else 0,
+                         inflight=len(self.inflight),
+                         inflight_bytes=sum(b for _, b, _ in self.inflight.values()))
+
+
+class ProgressEngine:
+    """Runs jobs on their lanes' communicators under a policy, on its own thread.
+
+    Args:
+        comms: one communicator per lane (separate process groups, so that a lane's
+            collectives never queue behind another lane's inside the library).
+        lane_lengths: how many jobs each lane carries per iteration (its fixed sequence).
+        policy: decides when each lane may send its next chunk.
+        timeout: seconds a chunk may be in flight before its job fails.
+    """
+
+    def __init__(self, comms: Sequence[Communicator], lane_lengths: Sequence[int],
+                 policy: Policy, timeout: float) -> None:
+        self._lanes = [_Lane(c, n) for c, n in zip(comms, lane_lengths)]
+        self._policy = policy
+        self._timeout = timeout
+        self._rank = comms[0].global_rank
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="scaleout-progress", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Hand over a job whose buffer is filled; the engine sends it in its lane's order."""
+        if self._failure is not None:
+            raise CommunicationError(
+                f"rank {self._rank}: the progress engine stopped: {self._failure}",
+                rank=self._rank, group="engine", operation="submit") from self._failure
+        if not self._thread.is_alive():
+            raise CommunicationError(f"rank {self._rank}: the progress engine is closed",
+                                     rank=self._rank, group="engine", operation="submit")
+        job.done.clear()
+        job.error = None
+        job.ready_at = time.perf_counter()
+        job.remaining = len(job.chunks)
+        self._inbox.put(("ready", job))
+
+    def close(self) -> None:
+        """Stop the thread (jobs in flight are abandoned)."""
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=5.0)
+
+    # -- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    kind, payload = self._inbox.get(timeout=0.5)
+                except queue.Empty:
+                    self._check_timeouts()
+                    continue
+                if kind == "stop":
+                    return
+                self._handle(kind, payload)
+                while True:  # drain what else arrived, then decide what to send
+                    try:
+                        kind, payload = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if kind == "stop":
+                        return
+                    self._handle(kind, payload)
+                self._issue()
+                self._check_timeouts()
+        except BaseException as err:  # noqa: BLE001 - reported to every waiter
+            self._failure = err
+            self._fail_all(err)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "ready":
+            job: Job = payload
+            lane = self._lanes[job.lane]
+            lane.ready[job.order] = job
+            while lane.next_order in lane.ready:  # fixed order within the lane
+                ready = lane.ready.pop(lane.next_order)
+                for nbytes, start in ready.chunks:
+                    lane.queue.append((ready, nbytes, start))
+                if not ready.chunks:
+                    self._complete(ready)
+                lane.next_order = (lane.next_order + 1) % lane.length
+        elif kind == "done":
+            lane_index, request = payload
+            lane = self._lanes[lane_index]
+            job, _, _ = lane.inflight.pop(id(request))
+            try:
+                request.wait(timeout=self._timeout)
+            except BaseException as err:  # noqa: BLE001
+                job.error = err
+            job.remaining -= 1
+            if job.remaining == 0:
+                self._complete(job)
+
+    def _complete(self, job: Job) -> None:
+        if job.error is None:
+            try:
+                job.finish()
+            except BaseException as err:  # noqa: BLE001
+                job.error = err
+        job.completed_at = time.perf_counter()
+        job.done.set()
+
+    def _issue(self) -> None:
+        while True:
+            choice = self._policy.choose([lane.state() for lane in self._lanes])
+            if choice is None:
+                return
+            lane = self._lanes[choice]
+            job, nbytes, start = lane.queue.popleft()
+            if job.issued_at < job.ready_at:
+                job.issued_at = time.perf_counter()
+            request = start(lane.comm)
+            lane.inflight[id(request)] = (job, nbytes, time.monotonic())
+            request.when_done(lambda r, i=choice: self._inbox.put(("done", (i, r))))
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for index, lane in enumerate(self._lanes):
+            for job, _, sent in lane.inflight.values():
+                if now - sent > self._timeout and job.error is None:
+                    job.error = CommunicationTimeout(
+                        f"rank {self._rank}: a chunk of {job.name} on lane {index} "
+                        f"(group {lane.comm.label}) did not complete within {self._timeout:g} s",
+                        rank=self._rank, group=lane.comm.label, operation=f"allreduce of {job.name}")
+                    job.done.set()
+
+    def _fail_all(self, err: BaseException) -> None:
+        for lane in self._lanes:
+            jobs = {id(j): j for j, _, _ in lane.queue}
+            jobs.update({id(j): j for j, _, _ in lane.inflight.values()})
+            jobs.update({id(j): j for j in lane.ready.values()})
+            for job in jobs.values():
+                job.error = job.error or err
+                job.done.set()

@@ -1,0 +1,141 @@
+"""The communication plan: which parameter sets travel together, in which lane, in what pieces.
+
+A pure function of the parameter sets' sizes and forward positions and the scheduler
+configuration, so that the simulator can plan exactly what the runtime sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scaleout.scheduler.config import SchedulerConfig
+
+__all__ = ["PlanItem", "BucketPlan", "build_plan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanItem:
+    """One parameter set to communicate.
+
+    Attributes:
+        key: the caller's identifier.
+        numel: elements.
+        dtype: dtype name (items fuse only with items of the same dtype).
+        elem_bytes: bytes per element.
+        position: forward position (0 = needed first by the next forward).
+        fusible: may share a bucket (plain allreduce) with neighbours.
+    """
+
+    key: int
+    numel: int
+    dtype: str
+    elem_bytes: int
+    position: int
+    fusible: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """A bucket: items fused into one flat buffer, sent as one or more chunks.
+
+    Attributes:
+        index: position in the issue order (backward order).
+        lane: 0 = most urgent.
+        keys: the items' keys, in buffer order.
+        offsets: each item's element offset in the buffer.
+        numel: elements in the buffer.
+        dtype, elem_bytes: of every item.
+        position: the smallest forward position of its items (its priority).
+        chunks: (start, stop) element ranges, sent in this order.
+        fused: True when the bucket is a plain allreduce buffer (else a single special item).
+    """
+
+    index: int
+    lane: int
+    keys: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: str
+    elem_bytes: int
+    position: int
+    chunks: tuple[tuple[int, int], ...]
+    fused: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem_bytes
+
+
+def _lanes(items: Sequence[PlanItem], config: SchedulerConfig) -> dict[int, int]:
+    if config.lanes == 1:
+        return {item.key: 0 for item in items}
+    lanes, before = {}, 0
+    for item in sorted(items, key=lambda i: i.position):
+        lanes[item.key] = 0 if before < config.urgent_bytes else 1
+        before += item.nbytes
+    return lanes
+
+
+def _chunks(numel: int, elem_bytes: int, config: SchedulerConfig, split: bool) -> tuple[tuple[int, int], ...]:
+    if not split or numel == 0:
+        return ((0, numel),)
+    step = max(config.partition_bytes // elem_bytes, 1)
+    return tuple((start, min(start + step, numel)) for start in range(0, numel, step))
+
+
+def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[BucketPlan]:
+    """Group ``items`` into buckets in issue (backward) order.
+
+    Items are issued latest-forward-position first (the order in which backward produces
+    their gradients). Consecutive fusible items of the same lane and dtype share a bucket up
+    to ``bucket_bytes`` (``first_bucket_bytes`` for the first one). Under the priority policy
+    every bucket is split into ``partition_bytes`` chunks.
+
+    Raises:
+        ValueError: duplicate keys.
+
+    Example:
+        >>> cfg = SchedulerConfig(policy="fifo", bucket_bytes=64, first_bucket_bytes=64)
+        >>> items = [PlanItem(key=k, numel=4, dtype="float32", elem_bytes=4, position=k)
+        ...          for k in range(6)]
+        >>> [b.keys for b in build_plan(items, cfg)]
+        [(5, 4, 3, 2), (1, 0)]
+    """
+    keys = [item.key for item in items]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"plan items must have distinct keys, got {keys}")
+    lanes = _lanes(items, config)
+    order = sorted(items, key=lambda i: (-i.position, i.key))
+    split = config.policy == "priority"
+    groups: list[list[PlanItem]] = []
+    for item in order:
+        limit = config.first_bucket_bytes if not groups else config.bucket_bytes
+        if groups:
+            current = groups[-1]
+            head = current[0]
+            size = sum(i.nbytes for i in current)
+            if (item.fusible and head.fusible and lanes[item.key] == lanes[head.key]
+                    and item.dtype == head.dtype and size + item.nbytes <= limit):
+                current.append(item)
+                continue
+        groups.append([item])
+    plans = []
+    for index, group in enumerate(groups):
+        offsets, total = [], 0
+        for item in group:
+            offsets.append(total)
+            total += item.numel
+        head = group[0]
+        plans.append(BucketPlan(
+            index=index, lane=lanes[head.key], keys=tuple(i.key for i in group),
+            offsets=tuple(offsets), numel=total, dtype=head.dtype, elem_bytes=head.elem_bytes,
+            position=min(i.position for i in group),
+            chunks=_chunks(total, head.elem_bytes, config, split and head.fusible),
+            fused=head.fusible,
+        ))
+    return plans

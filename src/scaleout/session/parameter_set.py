@@ -1,0 +1,179 @@
+"""ParameterSet: one weight tensor's gradient communication (MLSL's ParameterSet)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaleout import collectives
+from scaleout.distribution import Distribution, GroupType
+from scaleout.request import Request
+
+if TYPE_CHECKING:
+    from scaleout.session.operation import Operation
+    from scaleout.session.session import _Bucket
+
+__all__ = ["ParameterSetSpec", "ParameterSet"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParameterSetSpec:
+    """What to register for one weight tensor.
+
+    Attributes:
+        count: global number of elements (across the model group).
+        dtype: element type of the gradients.
+        distributed_update: shard the update over the data group (reduce-scatter the
+            gradients, update the owned slice, all-gather the increments).
+        compression: a codec or codec spec string for the gradients (``None``: exact).
+        name: for statistics and errors.
+    """
+
+    count: int
+    dtype: torch.dtype = torch.float32
+    distributed_update: bool = False
+    compression: Any = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"ParameterSetSpec.count must be an int >= 1, got {self.count!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"ParameterSetSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+
+class ParameterSet:
+    """Gradient (and, with distributed update, increment) communication of one weight tensor.
+
+    Counts follow MLSL: ``global_count`` over the model group, ``local_count`` =
+    global / model parts on this rank, and with distributed update ``owned_count`` =
+    ceil(local / data-group size) elements owned by this rank at ``owned_offset``.
+
+    Per iteration: ``start_gradient_comm(grad)``, then ``wait_gradient_comm()`` returns the
+    gradient averaged over the data group (with distributed update, only the owned slice);
+    with distributed update, ``start_increment_comm(new_owned_values)`` then
+    ``wait_increment_comm()`` returns the full local tensor.
+    """
+
+    def __init__(self, spec: ParameterSetSpec, operation: Operation, index: int) -> None:
+        dist = operation.distribution
+        model_parts = dist.size(GroupType.MODEL)
+        if spec.count % model_parts != 0:
+            raise ValueError(
+                f"parameter set {spec.name or index} of {operation.name}: count {spec.count} "
+                f"must be divisible by the model group size {model_parts}"
+            )
+        self.spec = spec
+        self.operation = operation
+        self.index = index
+        self.name = spec.name or f"{operation.name}.{index}"
+        self.global_count = spec.count
+        self.local_count = spec.count // model_parts
+        data_size = dist.size(GroupType.DATA)
+        if spec.distributed_update:
+            self.owned_count = math.ceil(self.local_count / data_size)
+            self.owned_offset = min(dist.rank(GroupType.DATA) * self.owned_count, self.local_count)
+        else:
+            self.owned_count, self.owned_offset = self.local_count, 0
+        self._bucket: _Bucket | None = None
+        self._started = False
+        self._increment: Request | None = None
+
+    @property
+    def distribution(self) -> Distribution:
+        return self.operation.distribution
+
+    @property
+    def owned_valid(self) -> int:
+        """Elements of the owned slice that exist (the last rank's slice may be short)."""
+        return max(min(self.owned_count, self.local_count - self.owned_offset), 0)
+
+    def _require_committed(self, what: str) -> _Bucket:
+        if self._bucket is None:
+            raise RuntimeError(f"{what} on {self.name}: call session.commit() first")
+        return self._bucket
+
+    def _check(self, tensor: object, count: int, what: str) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} on {self.name}: expected a torch.Tensor, got "
+                            f"{type(tensor).__name__}")
+        if tensor.dtype != self.spec.dtype:
+            raise TypeError(f"{what} on {self.name}: expected dtype {self.spec.dtype}, got {tensor.dtype}")
+        if tensor.numel() != count:
+            raise ValueError(f"{what} on {self.name}: expected {count} elements, got "
+                             f"{tensor.numel()} (shape {tuple(tensor.shape)})")
+        return tensor
+
+    def start_gradient_comm(self, gradient: torch.Tensor) -> None:
+        """Hand this iteration's local gradient (``local_count`` elements) to the scheduler.
+
+        The tensor is copied; it may be reused as soon as this returns.
+
+        Raises:
+            TypeError/ValueError: wrong type, dtype or element count.
+            RuntimeError: started twice without a wait, or before ``commit()``.
+        """
+        bucket = self._require_committed("start_gradient_comm")
+        self._check(gradient, self.local_count, "start_gradient_comm")
+        if self._started:
+            raise RuntimeError(f"start_gradient_comm on {self.name}: already started this "
+                               "iteration; call wait_gradient_comm() first")
+        self._started = True
+        bucket.fill(self, gradient.detach().reshape(-1))
+
+    def wait_gradient_comm(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until the gradient is averaged over the data group; return it.
+
+        Returns:
+            ``local_count`` elements (``owned_valid`` with distributed update): a view of a
+            communication buffer, valid until the next ``start_gradient_comm``.
+        """
+        bucket = self._require_committed("wait_gradient_comm")
+        if not self._started:
+            raise RuntimeError(f"wait_gradient_comm on {self.name}: start_gradient_comm was "
+                               "not called this iteration")
+        began = time.perf_counter()
+        bucket.wait(timeout)
+        self.operation.session.statistics.add(self.operation.name,
+                                              exposed_s=time.perf_counter() - began)
+        self._started = False
+        return bucket.result(self)
+
+    def test_gradient_comm(self) -> bool:
+        """True once the gradient communication completed (``wait`` then returns at once)."""
+        bucket = self._require_committed("test_gradient_comm")
+        return self._started and bucket.job.done.is_set()
+
+    @property
+    def gradient_pending(self) -> bool:
+        return self._started
+
+    def start_increment_comm(self, owned: torch.Tensor) -> None:
+        """All-gather this rank's updated owned slice (``owned_valid`` elements)."""
+        if not self.spec.distributed_update:
+            raise RuntimeError(f"start_increment_comm on {self.name}: the set was not "
+                               "registered with distributed_update=True")
+        bucket = self._require_committed("start_increment_comm")
+        owned = self._check(owned, self.owned_valid, "start_increment_comm")
+        padded = torch.zeros(self.owned_count, dtype=owned.dtype)
+        padded[: owned.numel()] = owned.reshape(-1)
+        self._increment = collectives.allgather(bucket.increment_comm, padded)
+
+    def wait_increment_comm(self, timeout: float | None = None) -> torch.Tensor:
+        """The full local tensor (``local_count`` elements) after every rank's update."""
+        if self._increment is None:
+            raise RuntimeError(f"wait_increment_comm on {self.name}: no increment started")
+        began = time.perf_counter()
+        gathered = self._increment.wait(timeout)
+        self.operation.session.statistics.add(self.operation.name,
+                                              exposed_s=time.perf_counter() - began)
+        self._increment = None
+        return gathered[: self.local_count]
+
+    def __repr__(self) -> str:
+        return (f"<ParameterSet {self.name} global={self.global_count} local={self.local_count}"
+                f" owned={self.owned_count}@{self.owned_offset}>")

@@ -1,0 +1,203 @@
+"""MLSL's object model: sessions, parameter sets (plain and distributed update), activations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import scaleout
+from harness import run_ranks
+from scaleout import ActivationSpec, Exchange, GroupType, ParameterSetSpec, Phase, SchedulerConfig
+
+POLICIES = [SchedulerConfig(policy="fifo"),
+            SchedulerConfig(policy="priority", partition_bytes=256, credit_bytes=512,
+                            bucket_bytes=1024, first_bucket_bytes=256, urgent_bytes=200)]
+SIZES = [3, 700, 50, 1, 129, 400]  # elements per layer: fused, chunked, odd
+
+
+def grad_of(rank: int, layer: int, it: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * layer + it)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def body_gradients(policy_index: int, iterations: int) -> None:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session(Phase.TRAIN, scheduler=POLICIES[policy_index])
+    session.set_global_minibatch_size(6 * env.world_size)
+    ops = [session.add_operation(f"layer{i}", dist,
+                                 parameter_sets=[ParameterSetSpec(count=n, dtype=torch.float64)])
+           for i, n in enumerate(SIZES)]
+    session.commit()
+    assert ops[0].local_minibatch_size == 6 and ops[1].prev is ops[0]
+    for it in range(iterations):
+        for i in reversed(range(len(ops))):  # backward order
+            ops[i].parameter_sets[0].start_gradient_comm(grad_of(env.rank, i, it, SIZES[i]))
+        for i, op in enumerate(ops):  # next forward order, as the update needs them
+            got = op.parameter_sets[0].wait_gradient_comm()
+            want = sum(grad_of(r, i, it, SIZES[i]) for r in range(env.world_size)) / env.world_size
+            torch.testing.assert_close(got, want)
+    stats = session.statistics.as_dict()
+    assert stats["total"]["bytes"] > 0 or env.world_size == 1
+    assert "layer0" in session.statistics.table() or env.world_size == 1
+    session.close()
+    env.finalize()
+
+
+@pytest.mark.parametrize("policy_index", [0, 1], ids=["fifo", "priority"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gradient_comm_averages_over_data_group(world: int, policy_index: int) -> None:
+    run_ranks(world, body_gradients, policy_index, 3, timeout=90)
+
+
+def body_out_of_order_start() -> None:
+    # ranks start their sets in different orders: the fixed lane order keeps collectives matched
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session(scheduler=POLICIES[1])
+    ops = [session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(count=n)])
+           for i, n in enumerate(SIZES)]
+    session.commit()
+    order = list(range(len(ops)))
+    np.random.default_rng(env.rank).shuffle(order)
+    for i in order:
+        ops[i].parameter_sets[0].start_gradient_comm(torch.full((SIZES[i],), float(env.rank + i)))
+    for i, op in enumerate(ops):
+        got = op.parameter_sets[0].wait_gradient_comm()
+        assert torch.allclose(got, torch.full((SIZES[i],), (env.world_size - 1) / 2 + i))
+    session.close()
+    env.finalize()
+
+
+def test_any_start_order_is_safe() -> None:
+    run_ranks(3, body_out_of_order_start, timeout=60)
+
+
+def body_distributed_update() -> list[float]:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session()
+    n = 10  # not divisible by 3: the last rank's owned slice is short
+    op = session.add_operation("fc", dist, parameter_sets=[
+        ParameterSetSpec(count=n, dtype=torch.float64, distributed_update=True)])
+    session.commit()
+    ps = op.parameter_sets[0]
+    size = env.world_size
+    assert ps.owned_count == -(-n // size)
+    weights = torch.arange(n, dtype=torch.float64)
+    for it in range(2):
+        ps.start_gradient_comm(grad_of(env.rank, 0, it, n))
+        owned = ps.wait_gradient_comm()
+        assert owned.numel() == ps.owned_valid
+        full = sum(grad_of(r, 0, it, n) for r in range(size)) / size
+        torch.testing.assert_close(owned, full[ps.owned_offset: ps.owned_offset + ps.owned_valid])
+        new_owned = weights[ps.owned_offset: ps.owned_offset + ps.owned_valid] - 0.1 * owned
+        ps.start_increment_comm(new_owned)
+        weights = ps.wait_increment_comm().clone()
+        torch.testing.assert_close(weights, (weights + 0.1 * full) - 0.1 * full)
+    session.close()
+    env.finalize()
+    return weights.tolist()
+
+
+def test_distributed_update_matches_replicated_update() -> None:
+    results = run_ranks(3, body_distributed_update, timeout=60)
+    assert results[0] == results[1] == results[2]
+    expected = torch.arange(10, dtype=torch.float64)
+    for it in range(2):
+        expected = expected - 0.1 * sum(grad_of(r, 0, it, 10) for r in range(3)) / 3
+    np.testing.assert_allclose(results[0], expected.numpy(), rtol=1e-12)
+
+
+def body_model_parallel_fc() -> None:
+    # a fully-connected layer split over a 2-way model group: each rank holds half of the
+    # input features; the output is reduce-scattered forward and all-gathered backward.
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution(env.world_size // 2, 2)
+    session = env.create_session()
+    op = session.add_operation("fc", dist,
+                               parameter_sets=[ParameterSetSpec(count=8 * 6)],
+                               outputs=[ActivationSpec(exchange=Exchange.REDUCE_SCATTER)])
+    session.commit()
+    assert op.parameter_sets[0].local_count == 24
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 6)  # the same on every rank (seeded)
+    m = dist.rank(GroupType.MODEL)
+    partial = x[:, m * 4:(m + 1) * 4] @ w[m * 4:(m + 1) * 4]
+    act = op.outputs[0]
+    act.start_comm(partial)
+    mine = act.wait_comm()
+    torch.testing.assert_close(mine, (x @ w)[m * 2:(m + 1) * 2])
+    act.start_grad_comm(torch.ones_like(mine) * (m + 1))
+    full_grad = act.wait_grad_comm()
+    torch.testing.assert_close(full_grad, torch.cat([torch.ones(2, 6), 2 * torch.ones(2, 6)]))
+    session.close()
+    env.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_activation_exchange_on_model_group(world: int) -> None:
+    run_ranks(world, body_model_parallel_fc, timeout=60)
+
+
+def body_misuse() -> None:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session()
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        ParameterSetSpec(count=0)
+    with pytest.raises(TypeError, match="parameter_sets must hold ParameterSetSpec"):
+        session.add_operation("bad", dist, parameter_sets=[4])
+    op = session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=4)])
+    with pytest.raises(ValueError, match="must be divisible by the data-group size 2"):
+        session.set_global_minibatch_size(5)
+    session.set_global_minibatch_size(4)
+    with pytest.raises(ValueError, match="can be set once"):
+        session.set_global_minibatch_size(8)
+    with pytest.raises(RuntimeError, match="commit"):
+        op.parameter_sets[0].start_gradient_comm(torch.zeros(4))
+    session.commit()
+    ps = op.parameter_sets[0]
+    with pytest.raises(ValueError, match="expected 4 elements, got 5"):
+        ps.start_gradient_comm(torch.zeros(5))
+    with pytest.raises(TypeError, match="expected dtype torch.float32"):
+        ps.start_gradient_comm(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="not called this iteration"):
+        ps.wait_gradient_comm()
+    ps.start_gradient_comm(torch.ones(4))
+    with pytest.raises(RuntimeError, match="already started"):
+        ps.start_gradient_comm(torch.ones(4))
+    assert torch.equal(ps.wait_gradient_comm(), torch.ones(4))
+    with pytest.raises(RuntimeError, match="already committed"):
+        session.add_operation("late", dist)
+    session.close()
+    env.finalize()
+
+
+def test_misuse_is_reported() -> None:
+    run_ranks(2, body_misuse, timeout=60)
+
+
+def body_peer_never_starts() -> str:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session()
+    op = session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=4)])
+    session.commit()
+    message = ""
+    if env.rank == 0:
+        op.parameter_sets[0].start_gradient_comm(torch.ones(4))
+        with pytest.raises(scaleout.CommunicationTimeout) as info:
+            op.parameter_sets[0].wait_gradient_comm(timeout=1.0)
+        message = str(info.value)
+    else:
+        import time
+        time.sleep(3.0)  # alive but never starts its gradient communication
+    return message
+
+
+def test_wait_times_out_when_a_peer_never_starts() -> None:
+    message = run_ranks(2, body_peer_never_starts, timeout=60)[0]
+    assert "rank 0: gradient communication of fc.0" in message
+    assert "did not complete within 1 s" in message

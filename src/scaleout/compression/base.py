@@ -1,0 +1,240 @@
+"""The codec contract and the helpers every codec shares.
+
+A codec turns one gradient into a *payload* (a list of 1-D tensors that go on the
+wire) plus a *context* (local metadata needed to decode), and back::
+
+    payload, ctx = codec.encode(tensor, state)   # may update state (error feedback)
+    approx = codec.decode(payload, ctx)          # same shape and dtype as tensor
+
+``codec.summable`` says how payloads travel: ``True`` means the elementwise sum of
+every rank's payload, decoded with any rank's context, is the sum of the decodes
+(so a plain allreduce carries them); ``False`` means payloads must be gathered and
+each decoded before summing. A codec that needs more than one round of
+communication (PowerSGD, exponent-aligned block quantisation) overrides
+:meth:`Codec.exchange`; everything else uses the generic exchange in
+:mod:`scaleout.compression.exchange`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, Union
+
+import torch
+
+from scaleout.compression.state import CodecState
+
+__all__ = [
+    "Codec",
+    "Communicator",
+    "ExchangeGenerator",
+    "Request",
+    "TensorMeta",
+    "compensate",
+    "remember",
+    "work_dtype",
+]
+
+
+class Request(Protocol):
+    """A pending non-blocking collective (``scaleout``'s core ``Request``)."""
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor: ...
+
+    def test(self) -> bool: ...
+
+
+class Communicator(Protocol):
+    """The part of ``scaleout.Distribution`` the exchange uses."""
+
+    def allreduce(self, tensor: torch.Tensor, op: Any = ..., group: Any = ...) -> Request: ...
+
+    def allgather(self, tensor: torch.Tensor, group: Any = ...) -> Request: ...
+
+    def allgatherv(
+        self, tensor: torch.Tensor, counts: Sequence[int], group: Any = ...
+    ) -> Request: ...
+
+    def size(self, group: Any = ...) -> int: ...
+
+    def rank(self, group: Any = ...) -> int: ...
+
+
+#: A multi-round exchange: yields one request (or a list of requests) per round,
+#: receives what ``wait()`` returned (a tensor or a list of tensors), and finally
+#: returns the SUM over ranks of the decoded tensor, flat, in the work dtype.
+ExchangeGenerator = Generator[Union[Request, Sequence[Request]], Any, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What every context carries: the original shape and dtype.
+
+    Attributes:
+        shape: Shape of the encoded tensor.
+        dtype: Dtype of the encoded tensor (decode returns this dtype).
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the encoded tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype codecs compute in: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_floating(codec: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"codec {codec!r} expects a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"codec {codec!r} compresses floating-point gradients; got dtype {tensor.dtype}. "
+            "Use the 'none' codec for integer tensors."
+        )
+
+
+def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: bool) -> torch.Tensor:
+    """Flatten ``tensor`` to the work dtype and add the error-feedback residual.
+
+    Args:
+        codec: Codec name, for error messages.
+        tensor: The gradient (any shape, contiguous or not).
+        state: Its codec state; ``state.buffers["residual"]`` is read if present.
+        enabled: Whether error feedback is on; if off the residual is ignored.
+
+    Returns:
+        A new 1-D tensor in :func:`work_dtype` (never aliases ``tensor``).
+
+    Raises:
+        TypeError: If ``tensor`` is not a floating-point tensor.
+        ValueError: If a stored residual does not match the tensor's size.
+    """
+    _check_floating(codec, tensor)
+    flat = tensor.detach().reshape(-1).to(work_dtype(tensor.dtype), copy=True)
+    residual = state.buffers.get("residual") if enabled else None
+    if residual is not None:
+        if residual.numel() != flat.numel():
+            raise ValueError(
+                f"codec {codec!r}: error-feedback residual has {residual.numel()} elements "
+                f"but the tensor has {flat.numel()}; one CodecState per tensor is required"
+            )
+        flat.add_(residual.to(device=flat.device, dtype=flat.dtype))
+    return flat
+
+
+def remember(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, enabled: bool) -> None:
+    """Store the error-feedback residual ``compensated - sent``.
+
+    Elements where the new residual would be NaN/Inf keep their previous residual
+    (zero on the first step), so one non-finite gradient cannot poison every later
+    step: the step it belongs to is discarded (e.g. by AMP's ``GradScaler``) while
+    the memory survives.
+
+    Args:
+        state: The tensor's codec state (``buffers["residual"]`` is written).
+        compensated: The flat compensated gradient that was encoded.
+        sent: What this rank actually contributed after decoding, same size.
+        enabled: Whether error feedback is on; if off nothing is stored.
+    """
+    if not enabled:
+        return
+    new = compensated - sent
+    finite = torch.isfinite(new)
+    if not bool(finite.all()):
+        old = state.buffers.get("residual")
+        old = torch.zeros_like(new) if old is None else old.to(new.dtype)
+        new = torch.where(finite, new, old)
+    state.buffers["residual"] = new
+
+
+class Codec(ABC):
+    """Base class of every codec.
+
+    Subclasses are frozen keyword-only dataclasses holding the codec's options;
+    they carry no per-tensor data (that lives in :class:`CodecState`), so one
+    codec instance serves every tensor.
+    """
+
+    #: Registry name, also the first word of the codec's spec string.
+    name: ClassVar[str]
+    #: Whether payloads may be summed elementwise on the wire (see module doc).
+    summable: ClassVar[bool]
+
+    @abstractmethod
+    def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], Any]:
+        """Compress ``tensor``.
+
+        Args:
+            tensor: The gradient, any shape; not modified.
+            state: Its codec state; error feedback / momentum are read and updated.
+
+        Returns:
+            ``(payload, ctx)``: a list of contiguous 1-D tensors whose shapes depend
+            only on ``tensor.shape`` and the codec options (so every rank's payload
+            has the same shapes), and the local context :meth:`decode` needs.
+
+        Raises:
+            TypeError: If the codec cannot compress this dtype.
+        """
+
+    @abstractmethod
+    def decode(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Reconstruct a tensor of the original shape and dtype from ``payload``.
+
+        Args:
+            payload: A payload from :meth:`encode` (or, for summable codecs, the
+                elementwise sum of several ranks' payloads).
+            ctx: The context :meth:`encode` returned.
+
+        Returns:
+            The decoded tensor.
+        """
+
+    def decode_sum(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        """Sum of the decodes of several ranks' payloads, flat, in the work dtype.
+
+        The default decodes each payload; sparse codecs override it to scatter
+        every payload into one buffer.
+
+        Args:
+            payloads: One payload per rank.
+            ctx: This rank's context (every rank's is equivalent).
+
+        Returns:
+            A 1-D tensor: the sum of the decoded tensors.
+        """
+        total: torch.Tensor | None = None
+        for payload in payloads:
+            part = self.decode(payload, ctx).reshape(-1).to(work_dtype(ctx.dtype))
+            total = part if total is None else total.add_(part)
+        if total is None:
+            raise ValueError(f"codec {self.name!r}: decode_sum needs at least one payload, got none")
+        return total
+
+    def exchange(
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+    ) -> ExchangeGenerator | None:
+        """A codec-specific multi-round exchange, or ``None`` for the generic one.
+
+        Args:
+            tensor: The gradient to reduce.
+            state: Its codec state.
+            comm: The communicator (a ``scaleout`` Distribution).
+            group: The group to reduce over.
+
+        Returns:
+            ``None`` (use the generic one-round exchange), or an
+            :data:`ExchangeGenerator` returning the sum over ranks.
+        """
+        return None

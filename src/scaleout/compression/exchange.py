@@ -1,0 +1,343 @@
+"""Compressed allreduce: encode, exchange, decode, and count the bytes.
+
+:func:`compressed_allreduce` is the one entry point. It runs the codec's own
+multi-round exchange if it has one (:meth:`Codec.exchange`), else the generic
+one: a SUM allreduce of every payload tensor for summable codecs, or one
+allgather of the payload bytes followed by :meth:`Codec.decode_sum` for the rest.
+Every collective is non-blocking; :class:`CompressedRequest` drives the rounds
+from :meth:`~CompressedRequest.test` (progress without blocking, for a progress
+engine) or :meth:`~CompressedRequest.wait`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, work_dtype
+from scaleout.compression.state import CodecState
+from scaleout.errors import CommunicationTimeout
+
+__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "generic_exchange", "wire_bytes"]
+
+
+def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
+    """Bytes one rank sends for a collective under the ring model (REFERENCES.md §3).
+
+    Args:
+        kind: ``"allreduce"`` (``2 (p-1)/p n``), ``"allgather"`` (``(p-1) n``, n
+            per rank) or ``"allgatherv"`` (``(p-1)/p n``, n the gathered total).
+        nbytes: Bytes as described for each kind.
+        ranks: Group size ``p``.
+
+    Returns:
+        Estimated bytes sent by one rank (0 for a single rank).
+
+    Raises:
+        ValueError: For an unknown kind.
+    """
+    p = ranks
+    if kind == "allreduce":
+        return 2.0 * (p - 1) / p * nbytes
+    if kind == "allgather":
+        return float((p - 1) * nbytes)
+    if kind == "allgatherv":
+        return (p - 1) / p * nbytes
+    raise ValueError(f"wire_bytes: unknown collective {kind!r}; expected allreduce, allgather or allgatherv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeStats:
+    """Bytes of one compressed exchange, as seen by one rank.
+
+    Attributes:
+        codec: Codec name.
+        ranks: Group size.
+        dense_bytes: Bytes of the uncompressed tensor.
+        payload_bytes: Bytes this rank handed to collectives (its contribution).
+        wire_bytes: Ring-model estimate of the bytes this rank sent.
+        collectives: ``(kind, bytes)`` for each collective, in order.
+    """
+
+    codec: str
+    ranks: int
+    dense_bytes: int
+    payload_bytes: int
+    wire_bytes: float
+    collectives: tuple[tuple[str, int], ...]
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes / payload_bytes`` (inf when nothing was sent)."""
+        return self.dense_bytes / self.payload_bytes if self.payload_bytes else float("inf")
+
+    @property
+    def wire_ratio(self) -> float:
+        """Wire bytes of a dense allreduce over this exchange's wire bytes."""
+        dense = wire_bytes("allreduce", self.dense_bytes, self.ranks)
+        return dense / self.wire_bytes if self.wire_bytes else float("inf")
+
+
+class _CountingComm:
+    """Forwards to the real communicator and records what each call hands it."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = comm
+        self.calls: list[tuple[str, int]] = []
+
+    def allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> Request:
+        self.calls.append(("allreduce", tensor.numel() * tensor.element_size()))
+        return self._comm.allreduce(tensor, **kwargs)
+
+    def allgather(self, tensor: torch.Tensor, **kwargs: Any) -> Request:
+        self.calls.append(("allgather", tensor.numel() * tensor.element_size()))
+        return self._comm.allgather(tensor, **kwargs)
+
+    def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int], **kwargs: Any) -> Request:
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
+        self.calls.append(("allgatherv", int(sum(counts)) * row))
+        return self._comm.allgatherv(tensor, counts, **kwargs)
+
+    def size(self, group: Any) -> int:
+        return self._comm.size(group)
+
+    def rank(self, group: Any) -> int:
+        return self._comm.rank(group)
+
+
+def generic_exchange(
+    codec: Codec, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+) -> ExchangeGenerator:
+    """The one-round exchange used by codecs without their own.
+
+    Summable codecs: SUM-allreduce each payload tensor, decode once. Others:
+    concatenate the payload's bytes, allgather them (one collective), split per
+    rank and :meth:`Codec.decode_sum`.
+
+    Args:
+        codec: The codec.
+        tensor: The gradient.
+        state: Its codec state.
+        comm: The communicator.
+        group: The group.
+
+    Returns:
+        A generator returning the sum over ranks (``tensor.numel()`` elements).
+    """
+    payload, ctx = codec.encode(tensor, state)
+    if codec.summable:
+        reqs = [comm.allreduce(piece, group=group) for piece in payload]
+        summed = yield reqs
+        return codec.decode(summed, ctx)
+    wire = torch.cat([piece.reshape(-1).view(torch.uint8) for piece in payload])
+    gathered = yield comm.allgather(wire, group=group)
+    per_rank = gathered.view(comm.size(group), -1)
+    payloads = []
+    for row in per_rank:
+        pieces, offset = [], 0
+        for piece in payload:
+            nbytes = piece.numel() * piece.element_size()
+            pieces.append(row[offset : offset + nbytes].clone().view(piece.dtype))
+            offset += nbytes
+        payloads.append(pieces)
+    return codec.decode_sum(payloads, ctx)
+
+
+class CompressedRequest:
+    """A compressed allreduce in flight; mirrors the core ``Request``.
+
+    The result (sum or average over the group, per ``average``) is written into
+    the tensor given to :func:`compressed_allreduce`, which ``wait()`` returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        tensor: torch.Tensor,
+        generator: ExchangeGenerator | None,
+        counter: _CountingComm,
+        codec: str,
+        ranks: int,
+        rank: int,
+        group: Any,
+        average: bool,
+    ) -> None:
+        self._tensor = tensor
+        self._gen = generator
+        self._counter = counter
+        self._codec = codec
+        self._ranks = ranks
+        self._rank = rank
+        self._group = group
+        self._average = average
+        self._pending: list[Request] = []
+        self._single = True
+        self._round = 0
+        self._error: BaseException | None = None
+        self._stats: ExchangeStats | None = None
+        if generator is None:
+            self._finish(None)
+        else:
+            self._advance(None, first=True)
+
+    @property
+    def stats(self) -> ExchangeStats:
+        """Bytes of this exchange.
+
+        Raises:
+            RuntimeError: If the exchange has not completed.
+        """
+        if self._stats is None:
+            raise RuntimeError(f"compressed allreduce ({self._codec}) has not completed; wait() first")
+        return self._stats
+
+    def test(self) -> bool:
+        """Advance as far as possible without blocking; True when complete."""
+        self._raise_if_failed()
+        while self._stats is None:
+            if not all(req.test() for req in self._pending):
+                return False
+            self._advance([req.wait() for req in self._pending])
+        return True
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until complete and return the reduced tensor.
+
+        Args:
+            timeout: Seconds for the whole exchange (all rounds); ``None`` waits
+                as long as the underlying collectives do.
+
+        Returns:
+            The tensor passed to :func:`compressed_allreduce`, now reduced.
+
+        Raises:
+            scaleout.CommunicationTimeout: If ``timeout`` expires first (or a
+                collective's own timeout does); names rank, group and round.
+        """
+        self._raise_if_failed()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._stats is None:
+            results = []
+            for req in self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    if not req.test():
+                        operation = f"compressed allreduce (codec {self._codec!r}, round {self._round})"
+                        raise CommunicationTimeout(
+                            f"rank {self._rank}: {operation} on group {self._group} did not "
+                            f"complete within {timeout:g} s",
+                            rank=self._rank, group=str(self._group), operation=operation,
+                        )
+                    remaining = None
+                results.append(req.wait(timeout=remaining))
+            self._advance(results)
+        return self._tensor
+
+    # -- internals -----------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"compressed allreduce (codec {self._codec!r}) failed earlier") from self._error
+
+    def _advance(self, results: list[torch.Tensor] | None, first: bool = False) -> None:
+        assert self._gen is not None
+        value: Any = None if first else (results[0] if self._single else results)
+        try:
+            nxt = next(self._gen) if first else self._gen.send(value)
+        except StopIteration as stop:
+            self._finish(stop.value)
+            return
+        except BaseException as err:
+            self._error = err
+            raise
+        self._round += 1
+        self._single = not isinstance(nxt, (list, tuple))
+        self._pending = [nxt] if self._single else list(nxt)
+
+    def _finish(self, summed: torch.Tensor | None) -> None:
+        tensor = self._tensor
+        if summed is not None:
+            out = summed.reshape(tensor.shape)
+            if self._average:
+                out = out.to(work_dtype(tensor.dtype)) / self._ranks
+            if out.data_ptr() != tensor.data_ptr() or out.dtype != tensor.dtype:
+                tensor.copy_(out)
+        elif self._average and tensor.numel():
+            tensor.div_(self._ranks)
+        calls = tuple(self._counter.calls)
+        self._pending = []
+        self._stats = ExchangeStats(
+            codec=self._codec,
+            ranks=self._ranks,
+            dense_bytes=tensor.numel() * tensor.element_size(),
+            payload_bytes=sum(n for _, n in calls),
+            wire_bytes=sum(wire_bytes(kind, n, self._ranks) for kind, n in calls),
+            collectives=calls,
+        )
+
+
+def compressed_allreduce(
+    codec: Codec,
+    tensor: torch.Tensor,
+    state: CodecState,
+    comm: Communicator,
+    *,
+    group: Any,
+    average: bool = True,
+) -> CompressedRequest:
+    """Start a compressed allreduce of ``tensor`` over ``group``; non-blocking.
+
+    Every rank of ``group`` must call this with the same codec, shape and dtype,
+    in the same order. On completion ``tensor`` holds, on every rank, the same
+    value: the SUM over ranks of each rank's decoded contribution, divided by
+    the group size when ``average`` is true (the default, what data-parallel
+    SGD wants). ``state.step`` is incremented.
+
+    Args:
+        codec: The codec (see :func:`scaleout.compression.make_codec`).
+        tensor: The gradient; overwritten with the result. Don't touch it until
+            the request completes.
+        state: This tensor's codec state (one per tensor, same on every call).
+        comm: A ``scaleout`` Distribution (anything with non-blocking
+            ``allreduce``/``allgather`` returning requests, and ``size``).
+        group: The group to reduce over, e.g. ``GroupType.DATA``.
+        average: Divide the sum by the group size.
+
+    Returns:
+        A :class:`CompressedRequest`; ``wait()`` returns ``tensor``,
+        ``stats`` gives the bytes sent.
+
+    Raises:
+        TypeError: For a wrong argument type, or ``average`` on an integer tensor.
+
+    Example:
+        >>> codec = make_codec("topk:ratio=0.01")                 # doctest: +SKIP
+        >>> state = CodecState()                                  # doctest: +SKIP
+        >>> req = compressed_allreduce(codec, p.grad, state, d, group=GroupType.DATA)  # +SKIP
+        >>> req.wait(timeout=60); req.stats.wire_ratio            # doctest: +SKIP
+        42.7
+    """
+    if not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a scaleout.compression Codec, got {type(codec).__name__}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(state, CodecState):
+        raise TypeError(f"state must be a CodecState, got {type(state).__name__}")
+    if average and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"average=True needs a floating-point tensor, got {tensor.dtype}; pass average=False")
+    counter = _CountingComm(comm)
+    ranks, rank = comm.size(group), comm.rank(group)
+    generator = None
+    if tensor.numel():
+        generator = codec.exchange(tensor, state, counter, group)
+        if generator is None:
+            generator = generic_exchange(codec, tensor, state, counter, group)
+    request = CompressedRequest(
+        tensor=tensor, generator=generator, counter=counter, codec=codec.name, ranks=ranks, rank=rank, group=group, average=average
+    )
+    state.step += 1
+    return request

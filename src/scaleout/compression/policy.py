@@ -1,0 +1,161 @@
+"""Which codec each tensor gets, and the per-tensor states: the common options.
+
+:class:`CompressionConfig` holds the options every codec shares (a default
+codec, per-layer overrides by name glob, a size floor, warm-up steps);
+:class:`Compressor` applies it, owns one :class:`CodecState` per tensor name and
+checkpoints them all. This is what a data-parallel front end holds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from scaleout.compression.base import Codec
+from scaleout.compression.exchange import CompressedRequest, compressed_allreduce
+from scaleout.compression.none import NoneCodec
+from scaleout.compression.registry import make_codec
+from scaleout.compression.state import CodecState
+
+__all__ = ["CompressionConfig", "Compressor"]
+
+_UNCOMPRESSED = NoneCodec()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """Compression options shared by every codec. Specs are parsed on construction.
+
+    Attributes:
+        codec: Default codec (spec string or Codec) for tensors no pattern matches.
+        layers: Name glob -> codec (spec or Codec), tried in order, first match
+            wins; e.g. ``{"*.bias": "none", "fc*": "powersgd:rank=2"}``.
+        min_numel: Tensors with fewer elements go uncompressed.
+        warmup_steps: Each tensor's first ``warmup_steps`` exchanges go
+            uncompressed (the error-feedback memory starts empty afterwards).
+
+    Raises:
+        ValueError: For a bad spec or a negative count.
+        TypeError: For a spec of the wrong type or a non-string pattern.
+
+    Example:
+        >>> cfg = CompressionConfig(codec="topk:ratio=0.01", layers={"*.bias": "none"})
+        >>> cfg.select("fc.bias", torch.zeros(4096), step=5).name
+        'none'
+    """
+
+    codec: str | Codec = "none"
+    layers: Mapping[str, str | Codec] = field(default_factory=dict)
+    min_numel: int = 1024
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.layers, Mapping):
+            raise TypeError(f"layers must be a mapping of name glob -> codec, got {type(self.layers).__name__}")
+        layers = {}
+        for pattern, spec in self.layers.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"layer pattern must be a str glob, got {pattern!r}")
+            layers[pattern] = make_codec(spec)
+        object.__setattr__(self, "codec", make_codec(self.codec))
+        object.__setattr__(self, "layers", MappingProxyType(layers))
+
+    def select(self, name: str, tensor: torch.Tensor, step: int) -> Codec:
+        """The codec for tensor ``name`` at its exchange number ``step``.
+
+        Deterministic in (name, shape, step), so every rank picks the same one.
+
+        Args:
+            name: Tensor (parameter or bucket) name.
+            tensor: The tensor (only its size and dtype are used).
+            step: How many times this tensor has been exchanged before.
+
+        Returns:
+            The codec; the uncompressed one below ``min_numel``, during warm-up,
+            and for non-floating-point tensors.
+        """
+        if tensor.numel() < self.min_numel or step < self.warmup_steps or not tensor.is_floating_point():
+            return _UNCOMPRESSED
+        for pattern, codec in self.layers.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return codec
+        assert isinstance(self.codec, Codec)
+        return self.codec
+
+
+class Compressor:
+    """Applies a :class:`CompressionConfig` and owns one state per tensor name.
+
+    Args:
+        config: A config, or a codec / spec string used as the default codec
+            with the default options.
+
+    Example:
+        >>> comp = Compressor(CompressionConfig(codec="blockquant", warmup_steps=10))
+        >>> for name, p in model.named_parameters():             # doctest: +SKIP
+        ...     reqs.append(comp.allreduce(name, p.grad, d, group=GroupType.DATA))
+        >>> torch.save(comp.state_dict(), "compression.pt")      # doctest: +SKIP
+    """
+
+    def __init__(self, config: CompressionConfig | str | Codec = "none") -> None:
+        if not isinstance(config, CompressionConfig):
+            config = CompressionConfig(codec=config)
+        self.config = config
+        self._states: dict[str, CodecState] = {}
+
+    def state(self, name: str) -> CodecState:
+        """The state of tensor ``name`` (created empty on first use)."""
+        if name not in self._states:
+            self._states[name] = CodecState()
+        return self._states[name]
+
+    def codec_for(self, name: str, tensor: torch.Tensor) -> Codec:
+        """The codec the next exchange of ``name`` will use."""
+        return self.config.select(name, tensor, self.state(name).step)
+
+    def allreduce(
+        self, name: str, tensor: torch.Tensor, comm: Any, *, group: Any, average: bool = True
+    ) -> CompressedRequest:
+        """:func:`compressed_allreduce` with the codec and state chosen for ``name``.
+
+        Args:
+            name: Tensor name (stable across steps and equal on every rank).
+            tensor: The gradient; overwritten with the result.
+            comm: A ``scaleout`` Distribution.
+            group: Group to reduce over.
+            average: Divide the sum by the group size.
+
+        Returns:
+            The request.
+        """
+        return compressed_allreduce(
+            self.codec_for(name, tensor), tensor, self.state(name), comm, group=group, average=average
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every tensor's state, checkpointable: ``{"states": {name: state_dict}}``."""
+        return {"states": {name: st.state_dict() for name, st in self._states.items()}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (replaces all states).
+
+        Raises:
+            ValueError: If the mapping has no ``"states"`` entry.
+        """
+        if "states" not in state_dict:
+            raise ValueError(f"compressor state_dict needs a 'states' entry, got keys {sorted(state_dict)}")
+        states = {}
+        for name, sd in state_dict["states"].items():
+            st = CodecState()
+            st.load_state_dict(sd)
+            states[name] = st
+        self._states = states

@@ -170,12 +170,17 @@ class DataParallel(nn.Module):
             raise ValueError("this DataParallel already has a DistributedOptimizer")
         self._optimizer = optimizer
 
-    def _codec_for(self, name: str) -> Any:
+    def _compression_config(self) -> Any:
         if self._compression is None:
             return None
-        from scaleout.compression import codec_for
+        from scaleout.compression import CompressionConfig
 
-        return codec_for(self._compression, name)
+        spec = self._compression
+        if isinstance(spec, CompressionConfig):
+            return spec
+        if isinstance(spec, dict):
+            return CompressionConfig(codec="none", layers=spec)
+        return CompressionConfig(codec=spec)
 
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit."""
@@ -183,10 +188,11 @@ class DataParallel(nn.Module):
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
         session = self.env.create_session(Phase.TRAIN, scheduler=self._scheduler)
         names = {id(p): n for n, p in self.module.named_parameters()}
+        compression = self._compression_config()
         for layer in self._forward_order:
             specs = [ParameterSetSpec(count=p.numel(), dtype=p.dtype, name=names.get(id(p), ""),
                                       distributed_update=self._distributed_update,
-                                      compression=self._codec_for(names.get(id(p), "")))
+                                      compression=compression, shape=tuple(p.shape))
                      for p in layer.params]
             layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
             layer.sets = layer.op.parameter_sets

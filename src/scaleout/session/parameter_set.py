@@ -31,6 +31,8 @@ class ParameterSetSpec:
             gradients, update the owned slice, all-gather the increments).
         compression: a codec or codec spec string for the gradients (``None``: exact).
         name: for statistics and errors.
+        shape: the tensor's shape, if it has one (low-rank codecs need matrices); its
+            product must equal ``count``.
     """
 
     count: int
@@ -38,12 +40,16 @@ class ParameterSetSpec:
     distributed_update: bool = False
     compression: Any = None
     name: str = ""
+    shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"ParameterSetSpec.count must be an int >= 1, got {self.count!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"ParameterSetSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.shape is not None and math.prod(self.shape) != self.count:
+            raise ValueError(f"ParameterSetSpec.shape {self.shape} has {math.prod(self.shape)} "
+                             f"elements, but count is {self.count}")
 
 
 class ParameterSet:

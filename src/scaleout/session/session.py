@@ -11,6 +11,7 @@ import torch
 
 from scaleout import collectives
 from scaleout.collectives import Communicator, ReduceOp
+from scaleout.request import completed_request
 from scaleout.distribution import Distribution, GroupType
 from scaleout.scheduler import Job, PlanItem, ProgressEngine, SchedulerConfig, build_plan, make_policy
 from scaleout.session.activation import ActivationSpec
@@ -31,6 +32,45 @@ class Phase(enum.Enum):
     TEST = "test"
 
 
+class _CommView:
+    """The Distribution verbs over one communicator (what codecs exchange through)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                  group: GroupType) -> Any:
+        return collectives.allreduce(self.comm, tensor, op)
+
+    def allgather(self, tensor: torch.Tensor, *, group: GroupType) -> Any:
+        return collectives.allgather(self.comm, tensor)
+
+    def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int], *, group: GroupType) -> Any:
+        return collectives.allgatherv(self.comm, tensor, counts)
+
+    def size(self, group: GroupType) -> int:
+        return self.comm.size
+
+    def rank(self, group: GroupType) -> int:
+        return self.comm.rank
+
+
+def _compressor_for(ps: ParameterSet) -> Any:
+    """A Compressor when ``ps`` is compressed (its codec is not 'none' once warmed up)."""
+    spec = ps.spec.compression
+    if spec is None:
+        return None
+    from scaleout.compression import CompressionConfig, Compressor, NoneCodec
+
+    config = spec if isinstance(spec, CompressionConfig) else CompressionConfig(codec=spec,
+                                                                                min_numel=0)
+    shape = ps.spec.shape if ps.local_count == ps.global_count and ps.spec.shape else None
+    probe = torch.empty(shape or (ps.local_count,), dtype=ps.spec.dtype)
+    if isinstance(config.select(ps.name, probe, step=config.warmup_steps), NoneCodec):
+        return None
+    return Compressor(config)
+
+
 class _Bucket:
     """A committed bucket: a flat buffer, its members, and the job that sends it."""
 
@@ -43,7 +83,7 @@ class _Bucket:
         head = members[0]
         self.data_size = lanes[0].size
         self.sharded = head.spec.distributed_update
-        self.compression = head.spec.compression
+        self.compressor = _compressor_for(head)
         self.padded = head.owned_count * self.data_size if self.sharded else plan.numel
         self.buffer = torch.zeros(self.padded, dtype=head.spec.dtype)
         self.increment_comm = increment_comm
@@ -59,8 +99,8 @@ class _Bucket:
         if self.data_size == 1:
             return []
         size = self.plan.elem_bytes
-        if self.compression is not None:
-            raise NotImplementedError("compression is wired in by scaleout.compression")
+        if self.compressor is not None:
+            return [(self.padded * size, self._start_compressed)]
         if self.sharded:
             def start_rs(comm: Communicator) -> Any:
                 request = collectives.reduce_scatter(comm, self.buffer, ReduceOp.SUM)
@@ -74,21 +114,36 @@ class _Bucket:
                            lambda comm, v=view: collectives.allreduce(comm, v, ReduceOp.SUM)))
         return chunks
 
+    def _start_compressed(self, comm: Communicator) -> Any:
+        # Multi-round codecs (PowerSGD) run to completion here, on the engine thread.
+        head = self.members[0]
+        shaped = self.buffer
+        if head.spec.shape is not None and head.local_count == head.global_count:
+            shaped = self.buffer.view(head.spec.shape)
+        request = self.compressor.allreduce(head.name, shaped, _CommView(comm),
+                                            group=GroupType.DATA, average=True)
+        result = request.wait(self.timeout)
+        self._out[0] = request.stats
+        return completed_request(result, rank=self.rank, group=comm.label,
+                                 operation=f"compressed allreduce of {head.name}")
+
     def _finish(self) -> None:
         if self.data_size == 1:
             return
-        if self.sharded:
+        nbytes = raw = self.plan.elem_bytes * self.padded
+        if self.compressor is not None:
+            nbytes = self._out[0].payload_bytes
+        elif self.sharded:
             self.buffer[: self.members[0].owned_count] = self._out[0].wait()
             self._out[0] = None
             self.buffer[: self.members[0].owned_count].div_(self.data_size)
         else:
             self.buffer.div_(self.data_size)
-        elapsed = self.job.completed_at - self.job.issued_at if self.job.issued_at else 0.0
-        nbytes = self.plan.elem_bytes * self.padded
+        elapsed = time.perf_counter() - self.job.issued_at if self.job.issued_at else 0.0
         share = 1.0 / len(self.members)
         for ps in self.members:
             self.statistics.add(ps.operation.name, comm_s=elapsed * share, bytes=nbytes * share,
-                                raw_bytes=nbytes * share)
+                                raw_bytes=raw * share)
 
     def fill(self, ps: ParameterSet, flat: torch.Tensor) -> None:
         offset = self.offsets[id(ps)]
@@ -236,7 +291,7 @@ class Session:
         items = [PlanItem(key=k, numel=ps.local_count, dtype=str(ps.spec.dtype).removeprefix("torch."),
                           elem_bytes=ps.spec.dtype.itemsize,
                           position=ps.operation.index * 1000 + ps.index,
-                          fusible=not ps.spec.distributed_update and ps.spec.compression is None)
+                          fusible=not ps.spec.distributed_update and _compressor_for(ps) is None)
                  for k, ps in enumerate(sets)]
         plans = build_plan(items, config)
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]

@@ -1,0 +1,44 @@
+"""DataParallel(compression=...): codecs through the front end, per-layer selection, bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout.pytorch import DataParallel, DistributedOptimizer
+
+
+def body(spec: object) -> list[float]:
+    env = scaleout.init(timeout=60)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = DataParallel(net, env.create_distribution(), compression=spec)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), model)
+    g = torch.Generator().manual_seed(env.rank)
+    for _ in range(4):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    total = model.statistics.total()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    gathered = model.distribution.allgather(flat, group=scaleout.GroupType.DATA).wait()
+    for other in gathered.view(env.world_size, -1):  # replicas stay identical
+        torch.testing.assert_close(other, flat, rtol=0, atol=0)
+    model.close()
+    env.finalize()
+    return [total.raw_bytes / max(total.bytes, 1)]
+
+
+@pytest.mark.parametrize("spec,min_ratio", [
+    ("cast:bf16", 1.9), ("blockquant", 3.0), ("sign", 8.0), ("topk:ratio=0.05", 4.0),
+    ("powersgd:rank=2", 4.0), ({"0.*": "topk:ratio=0.05"}, 1.5),
+])
+def test_codecs_through_data_parallel(spec: object, min_ratio: float) -> None:
+    ratios = run_ranks(2, body, spec, timeout=120)
+    assert ratios[0][0] >= min_ratio, ratios

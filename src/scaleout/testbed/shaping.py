@@ -12,10 +12,13 @@ each direction, so both ends are shaped:
 Delay, jitter and loss are applied once per host-to-host path (at the sender), so
 ``delay`` is the one-way latency added between two hosts.
 
-Token bucket sizing (measured, see ``docs/testbed.md``): the bucket must hold a
-64 KiB GSO super-packet plus the tokens that pile up while the qdisc's timer wakes
-late on a busy machine, else the link runs below its rate. The queue holds
-``QUEUE_TIME_S`` of traffic at the rate, like a modest switch buffer.
+Token bucket sizing (measured, see ``docs/testbed.md``): the bucket must hold the
+tokens that pile up while the qdisc's timer wakes late on a busy machine, else the
+link runs below its rate; 1 ms of traffic does, and at least one 64 KiB GSO
+super-packet (smaller buckets make ``tbf`` split those, and measured slower at
+100mbit on a loaded machine). A larger bucket lets the first ``burst`` bytes after an
+idle period pass faster than the rate, so it stays that small. The queue
+holds ``QUEUE_TIME_S`` of traffic at the rate, like a modest switch buffer.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from scaleout.testbed.units import format_time
 
 __all__ = ["LinkShaping", "plan_link", "BURST_TIME_S", "QUEUE_TIME_S"]
 
-BURST_TIME_S = 0.001  # tokens for 1 ms of traffic at the rate ...
-MIN_BURST_BYTES = 128 * 1024  # ... but at least two 64 KiB GSO packets
+BURST_TIME_S = 0.001  # tokens for 1 ms of traffic at the rate, at least one GSO packet
+GSO_MAX_BYTES = 65536 + 14  # largest skb a veth hands the qdisc (a GSO super-packet)
 QUEUE_TIME_S = 0.010  # queue limit: 10 ms of traffic at the rate ...
 MIN_QUEUE_BYTES = 512 * 1024  # ... but at least 512 KiB
-GSO_MAX_BYTES = 65536 + 14  # largest skb a veth hands the qdisc (GSO super-packet)
+ETH_HEADER_BYTES = 14  # qdiscs count the Ethernet header, not preamble/FCS/gap
 _MIN_NETEM_PACKETS = 1000
 
 
@@ -65,7 +68,9 @@ def plan_link(config: TestbedConfig, *, host_dev: str, switch_dev: str) -> LinkS
         The commands (arguments after ``tc``) for each end of the link.
     """
     rate = config.rate_bps
-    burst = max(math.ceil(rate * BURST_TIME_S / 8), MIN_BURST_BYTES, 2 * GSO_MAX_BYTES)
+    burst = max(
+        math.ceil(rate * BURST_TIME_S / 8), GSO_MAX_BYTES, 2 * (config.mtu + ETH_HEADER_BYTES)
+    )
     limit = burst + max(math.ceil(rate * QUEUE_TIME_S / 8), MIN_QUEUE_BYTES)
     tbf = ("tbf", "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit))
 

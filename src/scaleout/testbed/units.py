@@ -36,7 +36,7 @@ _RATE_UNITS = {
     "gbit": 10**9,
     "tbit": 10**12,
 }
-_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+_TIME_UNITS = {"ns": 1e9, "us": 1e6, "ms": 1e3, "s": 1.0}  # per second (division is exact-er)
 
 _RATE_RE = re.compile(_NUMBER + r"\s*(?P<unit>[a-z]+)")
 _TIME_RE = re.compile(_NUMBER + r"\s*(?P<unit>[a-z]+)")
@@ -95,7 +95,7 @@ def parse_time(text: str, *, field: str = "delay") -> float:
             f"{field}: expected a time unit among {', '.join(_TIME_UNITS)} "
             f"(e.g. 50us), got {text!r}"
         )
-    return float(match.group("value")) * _TIME_UNITS[unit]
+    return float(match.group("value")) / _TIME_UNITS[unit]
 
 
 def parse_percent(text: str, *, field: str = "loss") -> float:

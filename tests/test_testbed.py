@@ -137,6 +137,18 @@ def test_host_info_for_launchers() -> None:
     }
 
 
+def test_missing_capabilities_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import scaleout.testbed.system as system_module
+
+    monkeypatch.setattr(system_module.shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    with pytest.raises(TestbedUnavailable, match="missing: tc"):
+        check_capabilities()
+    monkeypatch.setattr(system_module.shutil, "which", lambda tool: "/x")
+    monkeypatch.setattr(system_module.os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedUnavailable, match="needs root"):
+        check_capabilities()
+
+
 # -- real namespaces ---------------------------------------------------------------
 
 
@@ -253,19 +265,21 @@ def test_cli_up_status_down(state_directory: Path, capsys: pytest.CaptureFixture
 
 @pytest.mark.testbed
 def test_calibration_bandwidth_and_latency(state_directory: Path) -> None:
-    """2 ranks over gloo, one per host, 1gbit links: bus bandwidth within tolerance.
+    """2 ranks over gloo, one per host, 100mbit links: bus bandwidth within tolerance.
 
-    Tolerance: median bus bandwidth in [0.90, 1.05] x rate. Quiet runs measure
-    0.98-0.99 (docs/testbed.md); the 10 % floor absorbs a busy shared 2-core machine,
-    the 5 % ceiling allows the token bucket's first burst (<1 % at 32 MiB).
+    100mbit rather than 1gbit: at 1gbit a 2-core machine shared with other jobs
+    starves gloo of CPU (docs/testbed.md), at 100mbit it does not.
+    Tolerance: median bus bandwidth in [0.90, 1.05] x rate. Runs measure 0.976-0.995
+    (docs/testbed.md); the 10 % floor absorbs a busy shared machine, the 5 % ceiling
+    allows the token bucket's first burst (64 KiB of 4 MiB: 1.6 %).
     Latency: no delay configured, so a TCP round trip is the bare veth/bridge path,
     well under 1 ms (measured 25-40 us).
     """
     _require_testbed()
     from scaleout.testbed.calibrate import calibrate
 
-    with Testbed(TestbedConfig(hosts=2, rate="1gbit", name=_name("cal"))) as tb:
-        result = calibrate(tb, nbytes=32 << 20, iters=3, latency_iters=100, timeout_s=90)
+    with Testbed(TestbedConfig(hosts=2, rate="100mbit", name=_name("cal"))) as tb:
+        result = calibrate(tb, nbytes=4 << 20, iters=3, latency_iters=100, timeout_s=90)
     assert 0.90 <= result.busbw_ratio <= 1.05, result.to_dict()
     assert 0 < result.tcp_rtt_s < 1e-3, result.to_dict()
     assert 0 < result.small_allreduce_s < 5e-3, result.to_dict()

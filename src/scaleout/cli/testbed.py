@@ -1,0 +1,191 @@
+"""``scaleout testbed``: bring an emulated cluster up, show it, take it down, calibrate it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from scaleout.testbed import (
+    DEFAULT_NAME,
+    Testbed,
+    TestbedConfig,
+    TestbedError,
+    TestbedState,
+    list_testbeds,
+    remove_stale,
+)
+from scaleout.testbed.units import format_rate
+
+__all__ = ["register", "handler"]
+
+_EXAMPLE = """\
+examples:
+  scaleout testbed up --hosts 2 --rate 1gbit
+  scaleout testbed status
+  ip netns exec so-tb-h1 python -c 'print("hello from host 1")'
+  scaleout testbed calibrate            # gloo allreduce bandwidth vs the rate
+  scaleout testbed down
+
+Hosts are network namespaces so-<name>-h<i> with interface so-eth0; ranks bind gloo
+to it with GLOO_SOCKET_IFNAME=so-eth0 and rendezvous at host 0 (MASTER_ADDR).
+--delay/--jitter/--loss (e.g. --delay 50us) need the kernel's netem qdisc.
+Needs root and iproute2 (ip, tc). See docs/testbed.md.
+"""
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``testbed`` subcommand (``up``/``down``/``status``/``calibrate``)."""
+    parser = subparsers.add_parser(
+        "testbed",
+        help="emulated cluster: hosts as network namespaces on a shaped switch",
+        description="Emulate a cluster network on this machine: hosts are Linux network "
+        "namespaces joined by a bridge, each link shaped with tc (rate, delay, jitter, loss).",
+        epilog=_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=handler, action=None)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+
+    up = actions.add_parser("up", help="bring a testbed up", epilog=_EXAMPLE,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts (namespaces)")
+    up.add_argument("--rate", required=True, help="link rate per direction, e.g. 100mbit, 1gbit, 10gbit")
+    up.add_argument("--delay", default="0us", help="one-way added latency host to host, e.g. 50us, 1ms")
+    up.add_argument("--jitter", default="0us", help="spread of the added latency, e.g. 10us")
+    up.add_argument("--loss", default="0%", help="packet loss host to host, e.g. 0.1%%")
+    up.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000, jumbo)")
+    up.add_argument("--subnet", default=None, help="IPv4 subnet for hosts (default: a free private /24)")
+
+    actions.add_parser("down", help="remove a testbed (and any stale ones)")
+    actions.add_parser("status", help="list testbeds and their hosts")
+
+    cal = actions.add_parser("calibrate", help="measure gloo allreduce bandwidth/latency on a testbed")
+    cal.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
+    cal.add_argument("--nbytes", type=int, default=None,
+                     help="allreduce size in bytes (default: ~0.5 s worth at the rate, 4 MiB to 256 MiB)")
+    cal.add_argument("--iters", type=int, default=5, help="timed large allreduces (default 5)")
+    cal.add_argument("--repeat", type=int, default=1, help="repeat the whole measurement (default 1)")
+
+    for sub in (up, actions.choices["down"], actions.choices["status"], cal):
+        sub.add_argument("--name", default=DEFAULT_NAME, help=f"testbed name (default {DEFAULT_NAME!r})")
+        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    actions.choices["down"].add_argument(
+        "--all", action="store_true", help="remove every testbed and leftover so-* namespace"
+    )
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Run ``scaleout testbed ACTION``; returns the exit code."""
+    actions = {"up": _up, "down": _down, "status": _status, "calibrate": _calibrate}
+    if args.action not in actions:
+        print("usage: scaleout testbed {up,down,status,calibrate} ... (see --help)", file=sys.stderr)
+        return 2
+    try:
+        return actions[args.action](args)
+    except (TestbedError, ValueError, TypeError) as err:
+        print(f"scaleout testbed {args.action}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    config = TestbedConfig(
+        hosts=args.hosts, rate=args.rate, delay=args.delay, jitter=args.jitter,
+        loss=args.loss, mtu=args.mtu, name=args.name, subnet=args.subnet,
+    )
+    state = Testbed(config).up(persistent=True)
+    _print_states([state], as_json=args.json)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    removed: list[str] = []
+    if args.all:
+        for state in list_testbeds():
+            tb = Testbed.attach(state.name) if not state.stale else None
+            if tb is not None:
+                removed += list(state.namespaces)
+                tb.down()
+    else:
+        try:
+            tb = Testbed.attach(args.name)
+        except TestbedError:
+            tb = None
+        if tb is not None:
+            removed += list(tb.state.namespaces)
+            tb.down()
+    removed += remove_stale(orphans_of=None if args.all else args.name)
+    if args.json:
+        print(json.dumps({"removed": removed}))
+    elif removed:
+        print(f"removed {len(removed)} namespaces: {' '.join(removed)}")
+    else:
+        print(f"no testbed named {args.name!r} was up")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    states = list_testbeds()
+    _print_states(states, as_json=args.json)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from scaleout.testbed.calibrate import calibrate
+
+    tb = Testbed.attach(args.name)
+    rate = tb.config.rate_bps
+    nbytes = args.nbytes or _default_nbytes(rate)
+    rows, results = [], []
+    for i in range(args.repeat):
+        result = calibrate(tb, ranks=args.ranks, nbytes=nbytes, iters=args.iters)
+        results.append(result.to_dict())
+        rows.append([
+            str(i), tb.config.rate, f"{nbytes >> 20} MiB",
+            format_rate(result.busbw_median_bps), f"{result.busbw_ratio:.3f}",
+            f"{result.busbw_spread:.3f}", f"{result.small_allreduce_s * 1e6:.0f} us",
+            f"{result.tcp_rtt_s * 1e6:.0f} us",
+        ])
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        _table(["run", "rate", "size", "busbw", "busbw/rate", "spread", "allreduce 4B", "tcp rtt"], rows)
+    return 0
+
+
+def _default_nbytes(rate_bps: int) -> int:
+    """A power-of-two size taking ~0.5 s at the rate, 4 MiB to 256 MiB."""
+    size = 4 << 20
+    while size < 256 << 20 and size * 8 / rate_bps < 0.35:
+        size *= 2
+    return size
+
+
+def _print_states(states: list[TestbedState], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([s.to_dict() for s in states], indent=2))
+        return
+    if not states:
+        print("no testbed is up")
+        return
+    for state in states:
+        cfg = state.config
+        owner = "cli" if state.owner_pid is None else f"pid {state.owner_pid}"
+        print(
+            f"testbed {cfg.name!r}: {cfg.hosts} hosts, rate {cfg.rate}, delay {cfg.delay}, "
+            f"jitter {cfg.jitter}, loss {cfg.loss}, mtu {cfg.mtu}, subnet {cfg.subnet}, "
+            f"owner {owner}{' (STALE)' if state.stale else ''}"
+        )
+        rows = [
+            [str(h.index), h.namespace, h.ifname, h.address,
+             f"ip netns exec {h.namespace} ...", f"GLOO_SOCKET_IFNAME={h.ifname} MASTER_ADDR={h.master_addr}"]
+            for h in state.hosts
+        ]
+        _table(["host", "namespace", "iface", "address", "run with", "env"], rows)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    for line in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())

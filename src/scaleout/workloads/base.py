@@ -26,6 +26,7 @@ __all__ = [
     "Workload",
     "batch_to",
     "build_seeded",
+    "check_int",
     "make_generator",
     "shard_bounds",
     "shard_tensors",
@@ -39,7 +40,13 @@ _T = TypeVar("_T")
 _M = TypeVar("_M", bound=nn.Module)
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an int (not a bool) ``>= minimum``.
+
+    Raises:
+        TypeError: naming ``name``, if ``value`` is not an int.
+        ValueError: naming ``name``, if ``value < minimum``.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
@@ -72,7 +79,7 @@ def make_generator(*keys: int) -> torch.Generator:
     """
     state = 0x5CA1E0
     for i, key in enumerate(keys):
-        _check_int(f"key {i}", key, 0)
+        check_int(f"key {i}", key, 0)
         state = _splitmix64(state ^ (key & _MASK64))
     generator = torch.Generator()
     generator.manual_seed(state >> 1)  # 63 bits: always a valid seed
@@ -92,7 +99,7 @@ def build_seeded(factory: Callable[[], _M], seed: int) -> _M:
     Raises:
         TypeError, ValueError: if ``seed`` is not a non-negative int.
     """
-    _check_int("seed", seed, 0)
+    check_int("seed", seed, 0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return factory()
@@ -113,9 +120,9 @@ def shard_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]
             ``[0, world_size)`` or ``batch_size < world_size`` (a rank would get
             an empty shard).
     """
-    _check_int("world_size", world_size, 1)
-    _check_int("rank", rank, 0)
-    _check_int("batch_size", batch_size, 1)
+    check_int("world_size", world_size, 1)
+    check_int("rank", rank, 0)
+    check_int("batch_size", batch_size, 1)
     if rank >= world_size:
         raise ValueError(f"rank must be in [0, {world_size}) for world_size={world_size}, got {rank}")
     if batch_size < world_size:
@@ -215,8 +222,8 @@ class Workload(abc.ABC):
                 smaller than ``world_size``.
         """
         start, stop = shard_bounds(batch_size, rank, world_size)
-        _check_int("step", step, 0)
-        _check_int("seed", seed, 0)
+        check_int("step", step, 0)
+        check_int("seed", seed, 0)
         inputs, targets = self._global_batch(batch_size, step, seed)
         if world_size == 1:
             return inputs, targets

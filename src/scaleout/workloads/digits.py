@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.workloads.base import Batch, Workload, build_seeded, make_generator, shard_bounds
+from scaleout.workloads.base import (
+    Batch,
+    Workload,
+    build_seeded,
+    check_int,
+    make_generator,
+    shard_bounds,
+)
 
 __all__ = [
     "DigitsData",
@@ -103,8 +110,7 @@ def load_digits_data(*, test_fraction: float = 0.2, split_seed: int = 0) -> Digi
         raise TypeError(f"test_fraction must be a float, got {test_fraction!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    if isinstance(split_seed, bool) or not isinstance(split_seed, int) or split_seed < 0:
-        raise ValueError(f"split_seed must be an int >= 0, got {split_seed!r}")
+    check_int("split_seed", split_seed, 0)
     images, labels = _raw_digits()
     order = np.random.default_rng(split_seed).permutation(len(labels))
     n_test = round(len(labels) * test_fraction)
@@ -150,8 +156,7 @@ def evaluate_accuracy(
         raise ValueError(
             f"need as many inputs as targets, at least one; got {len(inputs)} and {len(targets)}"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size, 1)
     was_training = model.training
     model.eval()
     correct = 0
@@ -210,9 +215,7 @@ class DigitsWorkload(Workload):
     def __post_init__(self) -> None:
         if self.model not in _MODELS:
             raise ValueError(f"model must be one of {_MODELS}, got {self.model!r}")
-        batch = self.default_batch_size
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"default_batch_size must be an int >= 1, got {batch!r}")
+        check_int("default_batch_size", self.default_batch_size, 1)
 
     @property
     def name(self) -> str:  # type: ignore[override]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.workloads.base import Batch, Workload, build_seeded, make_generator
+from scaleout.workloads.base import Batch, Workload, build_seeded, check_int, make_generator
 
 __all__ = ["DLRM", "DLRMConfig", "DLRMInputs", "DLRMWorkload", "zipf_cdf"]
 
@@ -36,12 +36,11 @@ _RULE_SALT = 0xD12
 _CRITEO_LIKE_SIZES = (20000, 10000, 5000, 2000, 1000, 500, 200, 100, 50, 20, 10, 5, 3) * 2
 
 
-def _check_ints(owner: str, name: str, values: tuple[int, ...], minimum: int) -> None:
+def _check_int_tuple(name: str, values: tuple[int, ...], minimum: int) -> None:
     if not isinstance(values, tuple):
-        raise TypeError(f"{owner}.{name} must be a tuple of ints, got {type(values).__name__}")
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{owner}.{name} entries must be ints >= {minimum}, got {values!r}")
+        raise TypeError(f"{name} must be a tuple of ints, got {type(values).__name__}")
+    for i, value in enumerate(values):
+        check_int(f"{name}[{i}]", value, minimum)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,11 +69,11 @@ class DLRMConfig:
     zipf_exponent: float = 1.05
 
     def __post_init__(self) -> None:
-        _check_ints("DLRMConfig", "num_dense", (self.num_dense,), 1)
-        _check_ints("DLRMConfig", "embedding_dim", (self.embedding_dim,), 1)
-        _check_ints("DLRMConfig", "table_sizes", self.table_sizes, 1)
-        _check_ints("DLRMConfig", "bottom_mlp", self.bottom_mlp, 1)
-        _check_ints("DLRMConfig", "top_mlp", self.top_mlp, 1)
+        check_int("DLRMConfig.num_dense", self.num_dense, 1)
+        check_int("DLRMConfig.embedding_dim", self.embedding_dim, 1)
+        _check_int_tuple("DLRMConfig.table_sizes", self.table_sizes, 1)
+        _check_int_tuple("DLRMConfig.bottom_mlp", self.bottom_mlp, 1)
+        _check_int_tuple("DLRMConfig.top_mlp", self.top_mlp, 1)
         if not self.table_sizes:
             raise ValueError("DLRMConfig.table_sizes must name at least one table")
         if isinstance(self.zipf_exponent, bool) or not isinstance(self.zipf_exponent, (int, float)):
@@ -160,7 +159,7 @@ class DLRMWorkload(Workload):
     def __post_init__(self) -> None:
         if not isinstance(self.config, DLRMConfig):
             raise TypeError(f"config must be a DLRMConfig, got {type(self.config).__name__}")
-        _check_ints("DLRMWorkload", "default_batch_size", (self.default_batch_size,), 1)
+        check_int("DLRMWorkload.default_batch_size", self.default_batch_size, 1)
 
     @property
     def name(self) -> str:  # type: ignore[override]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.workloads.base import Batch, Workload, build_seeded, make_generator
+from scaleout.workloads.base import Batch, Workload, build_seeded, check_int, make_generator
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNetWorkload", "resnet18", "resnet50"]
 
@@ -153,10 +153,8 @@ class ResNetWorkload(Workload):
     def __post_init__(self) -> None:
         if self.depth not in _DEPTHS:
             raise ValueError(f"depth must be one of {sorted(_DEPTHS)}, got {self.depth!r}")
-        for field, minimum in (("num_classes", 2), ("default_batch_size", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
+        check_int("num_classes", self.num_classes, 2)
+        check_int("default_batch_size", self.default_batch_size, 1)
         if not isinstance(self.noise, (int, float)) or self.noise < 0:
             raise ValueError(f"noise must be a number >= 0, got {self.noise!r}")
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaleout.workloads.base import Batch, Workload, build_seeded, make_generator
+from scaleout.workloads.base import Batch, Workload, build_seeded, check_int, make_generator
 
 __all__ = ["GPT", "TransformerConfig", "TransformerWorkload"]
 
@@ -55,11 +55,7 @@ class TransformerConfig:
         minimums = {"vocab_size": 2, "seq_len": 1, "d_model": 1, "n_layers": 1,
                     "n_heads": 1, "mlp_ratio": 1}
         for name, minimum in minimums.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TransformerConfig.{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"TransformerConfig.{name} must be >= {minimum}, got {value}")
+            check_int(f"TransformerConfig.{name}", getattr(self, name), minimum)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
@@ -159,10 +155,8 @@ class TransformerWorkload(Workload):
     def __post_init__(self) -> None:
         if not isinstance(self.config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(self.config).__name__}")
-        for name in ("default_batch_size", "branching"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int("default_batch_size", self.default_batch_size, 1)
+        check_int("branching", self.branching, 1)
 
     @property
     def name(self) -> str:  # type: ignore[override]

@@ -165,10 +165,13 @@ class Workload(abc.ABC):
     ``name``, ``description`` and ``default_batch_size`` (samples *per rank*).
 
     Example:
-        >>> wl = get_workload("digits-mlp")                       # doctest: +SKIP
-        >>> model = wl.build_model(seed=0)                        # doctest: +SKIP
-        >>> x, y = wl.make_batch(64, step=0, seed=0, rank=1, world_size=2)  # doctest: +SKIP
-        >>> wl.loss_fn(model(x), y).backward()                    # doctest: +SKIP
+        >>> from scaleout.workloads import get_workload
+        >>> wl = get_workload("digits-mlp")
+        >>> model = wl.build_model(seed=0)
+        >>> x, y = wl.make_batch(64, step=0, seed=0, rank=1, world_size=2)
+        >>> x.shape  # rank 1 holds rows 32..63 of the global batch
+        torch.Size([32, 1, 8, 8])
+        >>> wl.loss_fn(model(x), y).backward()
     """
 
     name: str

@@ -16,6 +16,7 @@ with :meth:`Testbed.attach`. See ``docs/testbed.md``.
 from scaleout.testbed.config import DEFAULT_NAME, TestbedConfig
 from scaleout.testbed.errors import TestbedError, TestbedUnavailable
 from scaleout.testbed.host import HostInfo
+from scaleout.testbed.launch import attach_wrapper
 from scaleout.testbed.state import TestbedState, state_dir
 from scaleout.testbed.system import check_capabilities
 from scaleout.testbed.testbed import Testbed, list_testbeds, remove_stale
@@ -28,6 +29,7 @@ __all__ = [
     "TestbedError",
     "TestbedState",
     "TestbedUnavailable",
+    "attach_wrapper",
     "check_capabilities",
     "list_testbeds",
     "remove_stale",

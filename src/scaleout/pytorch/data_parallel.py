@@ -10,6 +10,7 @@ forward starts while later layers' gradients are still on the wire.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -89,8 +90,10 @@ class DataParallel(nn.Module):
         self._buffer_request: Request | None = None
         self._mask_comm = distribution.duplicate(GroupType.DATA, "used")
         self._handles = []
+        self._clock = 0.0  # when the last layer's compute began (statistics)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
+            self._handles.append(layer.module.register_forward_hook(self._post_hook(layer)))
             for param in layer.params:
                 self._used[id(param)] = False
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
@@ -210,6 +213,15 @@ class DataParallel(nn.Module):
                     self._forward_order.append(layer)
                 return
             self._complete_layer(layer)
+            self._clock = time.perf_counter()
+        return hook
+
+    def _post_hook(self, layer: Layer) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            now = time.perf_counter()
+            if self._session is not None:
+                self._session.statistics.add(layer.name, compute_s=now - self._clock)
+            self._clock = now  # backward compute is timed from here to each gradient
         return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -222,6 +234,9 @@ class DataParallel(nn.Module):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         layer, ps = self._set_of[id(param)]
+        now = time.perf_counter()
+        self._session.statistics.add(layer.name, compute_s=now - self._clock)
+        self._clock = now
         if ps.gradient_pending:
             raise RuntimeError(
                 f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "

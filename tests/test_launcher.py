@@ -61,3 +61,29 @@ def test_usage_errors() -> None:
         command_for([])
     with pytest.raises(ValueError, match="node_rank must be in"):
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
+
+
+def test_two_nodes_rendezvous(tmp_path: Path) -> None:
+    """Two launchers (as on two nodes) with --nnodes/--node-rank form one job."""
+    from scaleout.launcher import free_port
+
+    script = tmp_path / "nodes.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, scaleout
+        env = scaleout.init(timeout=30)
+        d = env.create_distribution()
+        total = d.allreduce(torch.ones(1), group=scaleout.GroupType.DATA).wait()
+        print(f"rank={env.rank} local={env.local_rank} node={os.environ['GROUP_RANK']} "
+              f"total={total.item():g}")
+        env.finalize()
+    """))
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    nodes = [subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "1", "--nnodes", "2",
+                               "--node-rank", str(i), "--master-port", port, str(script)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [node.communicate(timeout=60)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs
+    assert "[rank 0] rank=0 local=0 node=0 total=2" in outputs[0]
+    assert "[rank 1] rank=1 local=0 node=1 total=2" in outputs[1]

@@ -201,3 +201,34 @@ def test_wait_times_out_when_a_peer_never_starts() -> None:
     message = run_ranks(2, body_peer_never_starts, timeout=60)[0]
     assert "rank 0: gradient communication of fc.0" in message
     assert "did not complete within 1 s" in message
+
+
+CODECS = ["blockquant", "powersgd:rank=2", "topk:ratio=0.1", None, "sign", "cast:bf16"]
+
+
+def body_compressed_lanes() -> None:
+    # compressed sets (multi-round ones too) in both lanes, started in a different random order
+    # on every rank: the engine must never block on one lane while a peer waits on another.
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = env.create_session(scheduler=POLICIES[1])
+    shapes = [(16, 32), (64, 16), (40, 40), (8, 8), (32, 32), (30, 20)]
+    ops = [session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(
+        count=r * c, shape=(r, c), compression=CODECS[i], dtype=torch.float32)])
+        for i, (r, c) in enumerate(shapes)]
+    session.commit()
+    rng = np.random.default_rng(env.rank)
+    for _ in range(3):
+        order = list(range(len(ops)))
+        rng.shuffle(order)
+        for i in order:
+            ops[i].parameter_sets[0].start_gradient_comm(torch.ones(shapes[i]).reshape(-1))
+        for i, op in enumerate(ops):  # equal inputs everywhere: every codec returns ~1
+            got = op.parameter_sets[0].wait_gradient_comm(timeout=20)
+            assert got.numel() == shapes[i][0] * shapes[i][1]
+    session.close()
+    env.finalize()
+
+
+def test_compressed_sets_in_every_lane_never_deadlock() -> None:
+    run_ranks(3, body_compressed_lanes, timeout=90)

@@ -35,6 +35,10 @@ class ReduceOp(enum.Enum):
     AVG = "avg"
 
 
+# torch >= 2.10 names these *_single (the *_tensor names warn); older releases lack them.
+all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
+reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
+
 _TORCH_OPS = {
     ReduceOp.SUM: tdist.ReduceOp.SUM,
     ReduceOp.MIN: tdist.ReduceOp.MIN,
@@ -99,7 +103,7 @@ def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = torch.empty(comm.size, dtype=torch.int64)
-    work = tdist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
+    work = all_gather_single(every, mine, group=comm.group, async_op=True)
     comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
     digests = every.tolist()
     if len(set(digests)) != 1:
@@ -184,7 +188,7 @@ def allgather(comm: Communicator, tensor: torch.Tensor) -> Request:
     name = "allgather"
     send = _rows(_checked(comm, name, tensor))
     out = send.new_empty((comm.size * send.shape[0], *send.shape[1:]))
-    work = _start(comm, name, lambda: tdist.all_gather_into_tensor(
+    work = _start(comm, name, lambda: all_gather_single(
         out, send, group=comm.group, async_op=True))
     return comm.request(name, [work], lambda: out)
 
@@ -205,7 +209,7 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
         padded[: send.shape[0]] = send
         send = padded
     out = send.new_empty((comm.size * longest, *send.shape[1:]))
-    work = _start(comm, name, lambda: tdist.all_gather_into_tensor(
+    work = _start(comm, name, lambda: all_gather_single(
         out, send, group=comm.group, async_op=True))
 
     def finish() -> torch.Tensor:
@@ -255,7 +259,7 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
     rows = check_divisible(tensor, comm.size, name)
     out = tensor.new_empty((rows, *tensor.shape[1:]))
     send = tensor.contiguous()
-    work = _start(comm, name, lambda: tdist.reduce_scatter_tensor(
+    work = _start(comm, name, lambda: reduce_scatter_single(
         out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True))
     divisor = comm.size if op is ReduceOp.AVG else 1
     return comm.request(name, [work], lambda: _finish_in_place(out, out, divisor))

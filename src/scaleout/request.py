@@ -27,7 +27,7 @@ class Request:
     """
 
     __slots__ = ("_works", "_finish", "_rank", "_group", "_operation", "_timeout", "_done",
-                 "_result")
+                 "_result", "_signalled")
 
     def __init__(
         self,
@@ -46,6 +46,7 @@ class Request:
         self._operation = operation
         self._timeout = timeout
         self._done = False
+        self._signalled = False  # every work reported completion through when_done
         self._result: Any = None
 
     @property
@@ -104,10 +105,14 @@ class Request:
             callback(self)
             return
         remaining = [len(self._works)]
+        lock = threading.Lock()  # futures complete on several communication threads
 
         def one_done(_future: Any) -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._signalled = True
                 callback(self)
 
         for work in self._works:
@@ -124,7 +129,8 @@ class Request:
         if self._done:
             return True
         try:
-            finished = all(work.is_completed() for work in self._works)
+            # (some gloo works never report is_completed(); their waiter thread signals)
+            finished = self._signalled or all(work.is_completed() for work in self._works)
         except RuntimeError as err:
             raise self._error(f"failed: {err}") from err
         if finished:

@@ -21,6 +21,7 @@ import torch.distributed as tdist
 
 import scaleout
 from scaleout import GroupType
+from scaleout.collectives import all_gather_single, reduce_scatter_single
 from scaleout.bench.stats import median, parse_sizes
 
 __all__ = ["OPS", "bus_factor", "main"]
@@ -61,8 +62,8 @@ def _calls(op: str, d: scaleout.Distribution, numel: int) -> tuple[Callable[[], 
     }
     theirs: dict[str, Callable[[], object]] = {
         "allreduce": lambda: tdist.all_reduce(full, group=pg),
-        "reduce_scatter": lambda: tdist.reduce_scatter_tensor(part, full, group=pg),
-        "allgather": lambda: tdist.all_gather_into_tensor(out_full, part, group=pg),
+        "reduce_scatter": lambda: reduce_scatter_single(part, full, group=pg),
+        "allgather": lambda: all_gather_single(out_full, part, group=pg),
         "bcast": lambda: tdist.broadcast(full, 0, group=pg),
         "reduce": lambda: tdist.reduce(full, 0, group=pg),
         "alltoall": lambda: tdist.all_to_all_single(out_full, full, group=pg),

@@ -11,8 +11,9 @@ engine) or :meth:`~CompressedRequest.wait`.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +195,30 @@ class CompressedRequest:
         if self._stats is None:
             raise RuntimeError(f"compressed allreduce ({self._codec}) has not completed; wait() first")
         return self._stats
+
+    def when_done(self, callback: Callable[[CompressedRequest], None]) -> None:
+        """Call ``callback(self)`` once the current round's collectives completed.
+
+        The callback may run on a communication thread; the caller then calls
+        :meth:`test` (which starts the next round, if any) on its own thread, and
+        registers again while ``test()`` is False. Called at once when complete.
+        """
+        pending = list(self._pending)
+        if self._stats is not None or not pending:
+            callback(self)
+            return
+        remaining = [len(pending)]
+        lock = threading.Lock()
+
+        def one_done(_request: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                callback(self)
+
+        for request in pending:
+            request.when_done(one_done)
 
     def test(self) -> bool:
         """Advance as far as possible without blocking; True when complete."""

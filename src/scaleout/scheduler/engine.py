@@ -24,7 +24,8 @@ from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]
 
-# One piece of a job: starts its collective on the lane's communicator.
+# One piece of a job: starts its collective on the lane's communicator without blocking and
+# returns a request with test(), wait() and when_done() (a Request or a CompressedRequest).
 ChunkStart = Callable[[Communicator], Request]
 
 
@@ -38,6 +39,8 @@ class Job:
         order: its place in the lane's fixed issue sequence.
         chunks: (bytes, start) per chunk, sent in order.
         finish: runs on the engine thread once every chunk completed.
+        exclusive: its requests may take several rounds; while one is in flight nothing
+            else is sent on the lane, so every rank's sequence of collectives stays the same.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Job:
     order: int
     chunks: Sequence[tuple[int, ChunkStart]]
     finish: Callable[[], None]
+    exclusive: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     ready_at: float = 0.0
@@ -77,7 +81,8 @@ class _Lane:
         return LaneState(queued=len(self.queue),
                          next_bytes=self.queue[0][1] if self.queue else 0,
                          inflight=len(self.inflight),
-                         inflight_bytes=sum(b for _, b, _ in self.inflight.values()))
+                         inflight_bytes=sum(b for _, b, _ in self.inflight.values()),
+                         blocked=any(job.exclusive for job, _, _ in self.inflight.values()))
 
 
 class ProgressEngine:
@@ -164,11 +169,15 @@ class ProgressEngine:
         elif kind == "done":
             lane_index, request = payload
             lane = self._lanes[lane_index]
-            job, _, _ = lane.inflight.pop(id(request))
+            job = lane.inflight[id(request)][0]
             try:
+                if not request.test():  # a multi-round exchange started its next round
+                    self._watch(lane_index, request)
+                    return
                 request.wait(timeout=self._timeout)
             except BaseException as err:  # noqa: BLE001
                 job.error = err
+            del lane.inflight[id(request)]
             job.remaining -= 1
             if job.remaining == 0:
                 self._complete(job)
@@ -193,7 +202,15 @@ class ProgressEngine:
                 job.issued_at = time.perf_counter()
             request = start(lane.comm)
             lane.inflight[id(request)] = (job, nbytes, time.monotonic())
-            request.when_done(lambda r, i=choice: self._inbox.put(("done", (i, r))))
+            self._watch(choice, request)
+
+    def _watch(self, lane: int, request: Any) -> None:
+        """Have ``request``'s completion (of its current round) come back through the inbox.
+
+        A chunk's start never blocks: multi-round exchanges (some codecs) advance one round
+        per completion, on this thread, so no lane can hold the engine while a peer waits.
+        """
+        request.when_done(lambda r: self._inbox.put(("done", (lane, r))))
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

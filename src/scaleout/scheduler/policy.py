@@ -25,12 +25,19 @@ class LaneState:
         next_bytes: bytes of the next queued chunk (0 if none).
         inflight: chunks sent and not yet complete.
         inflight_bytes: their bytes.
+        blocked: a multi-round exchange owns the lane until it completes (its rounds and
+            other chunks must not interleave differently on different ranks).
     """
 
     queued: int
     next_bytes: int
     inflight: int
     inflight_bytes: int
+    blocked: bool = False
+
+    @property
+    def can_send(self) -> bool:
+        return self.queued > 0 and not self.blocked
 
 
 class Policy(ABC):
@@ -45,7 +52,7 @@ class FifoPolicy(Policy):
     """Everything in one lane, sent the moment it is ready (DDP's behaviour)."""
 
     def choose(self, lanes: Sequence[LaneState]) -> int | None:
-        return 0 if lanes[0].queued else None
+        return 0 if lanes[0].can_send else None
 
 
 class PriorityPolicy(Policy):
@@ -63,10 +70,10 @@ class PriorityPolicy(Policy):
     def choose(self, lanes: Sequence[LaneState]) -> int | None:
         for index, lane in enumerate(lanes):
             if index == 0:
-                if lane.queued:
+                if lane.can_send:
                     return 0
-            elif lane.queued and (lane.inflight == 0
-                                  or lane.inflight_bytes + lane.next_bytes <= self.credit_bytes):
+            elif lane.can_send and (lane.inflight == 0
+                                    or lane.inflight_bytes + lane.next_bytes <= self.credit_bytes):
                 return index
             if lane.queued or lane.inflight:
                 return None  # lower lanes wait for this one

@@ -11,7 +11,6 @@ import torch
 
 from scaleout import collectives
 from scaleout.collectives import Communicator, ReduceOp
-from scaleout.request import completed_request
 from scaleout.distribution import Distribution, GroupType
 from scaleout.scheduler import Job, PlanItem, ProgressEngine, SchedulerConfig, build_plan, make_policy
 from scaleout.session.activation import ActivationSpec
@@ -93,7 +92,8 @@ class _Bucket:
         self._filled = 0
         self._out: list[Any] = [None]
         self.job = Job(name="+".join(ps.name for ps in members), lane=plan.lane,
-                       order=0, chunks=self._chunks(), finish=self._finish)
+                       order=0, chunks=self._chunks(), finish=self._finish,
+                       exclusive=self.compressor is not None)
 
     def _chunks(self) -> list[tuple[int, Any]]:
         if self.data_size == 1:
@@ -115,24 +115,23 @@ class _Bucket:
         return chunks
 
     def _start_compressed(self, comm: Communicator) -> Any:
-        # Multi-round codecs (PowerSGD) run to completion here, on the engine thread.
+        # Non-blocking: the engine advances multi-round codecs (PowerSGD) round by round.
         head = self.members[0]
         shaped = self.buffer
         if head.spec.shape is not None and head.local_count == head.global_count:
             shaped = self.buffer.view(head.spec.shape)
         request = self.compressor.allreduce(head.name, shaped, _CommView(comm),
                                             group=GroupType.DATA, average=True)
-        result = request.wait(self.timeout)
-        self._out[0] = request.stats
-        return completed_request(result, rank=self.rank, group=comm.label,
-                                 operation=f"compressed allreduce of {head.name}")
+        self._out[0] = request
+        return request
 
     def _finish(self) -> None:
         if self.data_size == 1:
             return
         nbytes = raw = self.plan.elem_bytes * self.padded
         if self.compressor is not None:
-            nbytes = self._out[0].payload_bytes
+            nbytes = self._out[0].stats.payload_bytes
+            self._out[0] = None
         elif self.sharded:
             self.buffer[: self.members[0].owned_count] = self._out[0].wait()
             self._out[0] = None

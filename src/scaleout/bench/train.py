@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -47,7 +46,8 @@ class TrainBenchConfig:
         workload: a name from :func:`scaleout.workloads.workload_names`.
         ranks: data-parallel ranks (one per testbed host), at least 2.
         rate: link rate per direction of every testbed host (ignored with ``testbed=False``).
-        peers: configurations to compare against, from :data:`train_peers.PEERS`.
+        peers: configurations to compare against, from
+            :data:`scaleout.bench.train_peers.PEERS`.
         rounds: interleaved rounds; every configuration runs once per round.
         iters: timed iterations per run.
         warmup: untimed iterations before them.

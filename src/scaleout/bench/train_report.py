@@ -31,6 +31,10 @@ def _median(values: Sequence[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -124,8 +128,9 @@ def format_report(report: dict) -> str:
     """A header saying what ran where, the table, and how to read it."""
     s, net, summary = report["settings"], report["network"], report["summary"]
     header = (f"{s['workload']}, {s['ranks']} ranks x {s['batch']} samples, "
-              f"{s['rounds']} rounds x {s['iters']} timed iterations ({s['warmup']} warm-up), "
-              f"{s['threads']} thread(s) per rank\nnetwork: {net['description']}")
+              f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
+              f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank\n"
+              f"network: {net['description']}")
     rows = []
     for name, e in summary.items():
         spread = (f"{e['throughput_min']:.1f}..{e['throughput_max']:.1f}"
@@ -187,8 +192,9 @@ def plot_report(report: dict, path: str) -> None:
     for i, name in enumerate(names):
         eff = summary[name]["efficiency"]
         if eff is not None:
-            ax.annotate(f"{eff:.0%}", (i, values[i]), ha="center", va="bottom",
+            ax.annotate(f"{eff:.0%}", (i, values[i] + high[i]), ha="center", va="bottom",
                         xytext=(0, 3), textcoords="offset points")
+    ax.set_ylim(0, 1.15 * max([ideal, *(v + h for v, h in zip(values, high))]))
     ax.set_ylabel("samples/s (median over rounds)")
     ax.set_title(f"{s['workload']}, {s['ranks']} ranks, {report['network']['description']}",
                  fontsize=9)

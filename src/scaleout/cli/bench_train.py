@@ -13,7 +13,7 @@ from collections.abc import Iterator
 EXAMPLE = """examples:
   scaleout bench train --workload resnet18 --ranks 2 --rate 1gbit --vs ddp,ddp-fp16 --rounds 3
   scaleout bench train --workload digits-mlp --rounds 1 --iters 3 --warmup 1 --no-testbed
-  scaleout bench train --workload transformer --vs ddp,ddp-powersgd --compression powersgd:2 \\
+  scaleout bench train --workload digits-cnn --vs ddp,ddp-powersgd,zero --compression powersgd:2 \\
       --json out.json --plot out.png
 
 Every round runs each configuration once, as fresh ranks, in a rotated order:
@@ -60,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (default 1: fair on small machines)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="ranks give up on a rendezvous or collective after this (default 300)")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="write settings, machine, summary and every raw run as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE",
@@ -102,7 +104,8 @@ def handler(args: argparse.Namespace) -> int:
             peers=tuple(p.strip() for p in args.vs.split(",") if p.strip()),
             rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
             compression=args.compression, policy=args.policy, mode=args.mode,
-            threads=args.threads, seed=args.seed, testbed=not args.no_testbed)
+            threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
+            timeout_s=args.timeout)
     except (ValueError, TypeError) as err:
         return _error(str(err))
     if args.plot:

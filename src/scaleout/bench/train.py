@@ -1,0 +1,271 @@
+"""Training benchmark: scaleout vs DDP and friends on the same emulated network, interleaved.
+
+:func:`run_benchmark` brings up a testbed (one rank per host, links shaped to a rate) or
+uses loopback, then, round by round, runs every configuration as fresh rank processes
+(:mod:`scaleout.bench.train_worker`): ``single`` (one rank alone on host 0, the ideal),
+``scaleout``, and each peer. The order of configurations rotates every round, so slow
+drifts of a shared machine spread over all of them. The raw result feeds
+:mod:`scaleout.bench.train_report`.
+
+Example:
+    >>> cfg = TrainBenchConfig(workload="digits-mlp", ranks=2, peers=("ddp",), rounds=1,
+    ...                        iters=3, warmup=1, testbed=False)
+    >>> cfg.configurations
+    ('single', 'scaleout', 'ddp')
+    >>> raw = run_benchmark(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from scaleout.bench.train_peers import PEERS
+from scaleout.bench.train_progress import ProgressBar
+from scaleout.bench.train_worker import PROGRESS_MARK
+from scaleout.launcher import LaunchConfig, RankWrapper, launch
+from scaleout.pytorch.optimizer import MODES
+from scaleout.scheduler.config import POLICIES
+
+__all__ = ["TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation"]
+
+
+class BenchFailed(RuntimeError):
+    """A configuration run failed; the message names it and holds its output."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBenchConfig:
+    """What ``scaleout bench train`` measures.
+
+    Attributes:
+        workload: a name from :func:`scaleout.workloads.workload_names`.
+        ranks: data-parallel ranks (one per testbed host), at least 2.
+        rate: link rate per direction of every testbed host (ignored with ``testbed=False``).
+        peers: configurations to compare against, from
+            :data:`scaleout.bench.train_peers.PEERS`.
+        rounds: interleaved rounds; every configuration runs once per round.
+        iters: timed iterations per run.
+        warmup: untimed iterations before them.
+        batch: samples per rank (``None``: the workload's default).
+        compression: scaleout's codec spec (``"cast:bf16"``), ``None`` for exact gradients.
+        policy: scaleout's scheduling policy, ``"priority"`` or ``"fifo"``.
+        mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
+        threads: torch intra-op threads per rank.
+        seed: model and data seed (the same for every configuration).
+        testbed: run on an emulated cluster (needs root, ``ip``, ``tc``); ``False`` runs
+            over loopback with no rate limit.
+        timeout_s: rendezvous and collective timeout of the ranks.
+
+    Raises:
+        ValueError: a field is out of range or names something unknown.
+    """
+
+    workload: str
+    ranks: int = 2
+    rate: str = "1gbit"
+    peers: tuple[str, ...] = ("ddp",)
+    rounds: int = 5
+    iters: int = 10
+    warmup: int = 2
+    batch: int | None = None
+    compression: str | None = None
+    policy: str = "priority"
+    mode: str = "overlap"
+    threads: int = 1
+    seed: int = 0
+    testbed: bool = True
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        from scaleout.workloads import get_workload
+
+        get_workload(self.workload)  # raises ValueError listing the names
+        for name, low in (("ranks", 2), ("rounds", 1), ("iters", 1), ("warmup", 0),
+                          ("threads", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
+            raise ValueError(f"batch: expected samples per rank >= 1, got {self.batch!r}")
+        if not self.peers:
+            raise ValueError(f"peers: expected at least one of {', '.join(PEERS)}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"peers: unknown {', '.join(map(repr, unknown))}; choose from "
+                             f"{', '.join(PEERS)}")
+        if len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.compression is not None:
+            from scaleout.compression import make_codec
+
+            make_codec(self.compression)  # raises ValueError naming the valid codecs
+        if self.testbed:
+            from scaleout.testbed import TestbedConfig
+
+            TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+
+    @property
+    def configurations(self) -> tuple[str, ...]:
+        """``("single", "scaleout", *peers)``: every configuration a round runs."""
+        return ("single", "scaleout", *self.peers)
+
+    @property
+    def batch_per_rank(self) -> int:
+        """Samples per rank (the workload's default when ``batch`` is ``None``)."""
+        from scaleout.workloads import get_workload
+
+        return self.batch if self.batch is not None else get_workload(self.workload).default_batch_size
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready dict of the fields, with ``batch`` resolved."""
+        return {**asdict(self), "peers": list(self.peers), "batch": self.batch_per_rank}
+
+
+def rotation(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The order of round ``round_index``: ``names`` rotated left by the round number.
+
+    Example:
+        >>> rotation(("single", "scaleout", "ddp"), 1)
+        ('scaleout', 'ddp', 'single')
+    """
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where ranks run: a launcher wrapper (``None``: plainly here) and the rendezvous.
+
+    Attributes:
+        wrapper: per local rank, the argv prefix and environment (a testbed host).
+        master_addr: host 0's address.
+        network: a JSON-ready description for the report.
+    """
+
+    wrapper: RankWrapper | None
+    master_addr: str
+    network: dict[str, object]
+
+
+@contextlib.contextmanager
+def _placement(config: TrainBenchConfig) -> Iterator[Placement]:
+    """A testbed with one host per rank (removed on exit, error or Ctrl-C), or loopback."""
+    if not config.testbed:
+        yield Placement(wrapper=None, master_addr="127.0.0.1",
+                        network={"testbed": False, "hosts": 1, "rate": None,
+                                 "description": "loopback, no testbed: no rate limit, "
+                                                "ranks share this machine's network stack"})
+        return
+    from scaleout.testbed import Testbed, TestbedConfig
+
+    name = f"bt{os.getpid() % 10**8}"
+    with Testbed(TestbedConfig(hosts=config.ranks, rate=config.rate, name=name)) as tb:
+        hosts = tb.hosts
+
+        def wrapper(local_rank: int) -> tuple[list[str], dict[str, str]]:
+            host = hosts[local_rank]
+            return list(host.prefix), dict(host.env())
+
+        yield Placement(wrapper=wrapper, master_addr=tb.master_addr,
+                        network={"testbed": True, "name": name, "hosts": config.ranks,
+                                 "rate": config.rate, "mtu": tb.config.mtu,
+                                 "description": f"testbed: {config.ranks} hosts, one rank "
+                                                f"each, links at {config.rate}"})
+
+
+class _RankOutput:
+    """Receives the ranks' output lines: progress marks drive the bar, the rest is kept."""
+
+    def __init__(self, bar: ProgressBar | None) -> None:
+        self._bar = bar
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if PROGRESS_MARK in line:
+                if self._bar is not None:
+                    done, total = line.split(PROGRESS_MARK, 1)[1].split()[:2]
+                    self._bar.update(int(done) / max(int(total), 1))
+            elif line.strip():
+                self.lines.append(line)
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+
+def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
+    args = ["-m", "scaleout.bench.train_worker", "--config", name,
+            "--workload", config.workload, "--batch", str(config.batch_per_rank),
+            "--warmup", str(config.warmup), "--iters", str(config.iters),
+            "--threads", str(config.threads), "--seed", str(config.seed),
+            "--policy", config.policy, "--mode", config.mode,
+            "--timeout", str(config.timeout_s), "--json", path]
+    if config.compression is not None:
+        args += ["--compression", config.compression]
+    return args
+
+
+def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
+              bar: ProgressBar | None) -> dict[str, object]:
+    path = os.path.join(directory, f"{name}.json")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    nprocs = 1 if name == "single" else config.ranks
+    launch_config = LaunchConfig(nprocs=nprocs, master_addr=place.master_addr,
+                                 env={"OMP_NUM_THREADS": str(config.threads)})
+    out = _RankOutput(bar)
+    code = launch(_worker_args(config, name, path), launch_config, wrapper=place.wrapper,
+                  out=out)  # type: ignore[arg-type]
+    if code == 130:
+        raise KeyboardInterrupt
+    if code != 0 or not os.path.exists(path):
+        tail = "\n".join(f"    {line}" for line in out.lines[-40:])
+        raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}")
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[str, object]:
+    """Run every configuration ``config.rounds`` times, interleaved, and return raw results.
+
+    Args:
+        config: what to measure.
+        progress: draw a progress bar on stderr.
+
+    Returns:
+        ``{"config": ..., "network": ..., "runs": [...]}``; each run holds ``round``,
+        ``config``, ``order`` (its place in the round), the worker's per-iteration times
+        and, for scaleout, its statistics.
+
+    Raises:
+        TestbedUnavailable: ``config.testbed`` but this machine cannot host one.
+        BenchFailed: a run failed (the message holds its output).
+        KeyboardInterrupt: on Ctrl-C, after every rank and the testbed are gone.
+    """
+    names = config.configurations
+    bar = ProgressBar(total=config.rounds * len(names), enabled=progress)
+    runs = []
+    try:
+        with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
+            for r in range(config.rounds):
+                for order, name in enumerate(rotation(names, r)):
+                    bar.start(f"round {r + 1}/{config.rounds}: {name}")
+                    result = _run_once(config, name, place, tmp, bar)
+                    throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
+                    bar.finish_run(f"{throughput:.1f} samples/s")
+                    runs.append({"round": r, "order": order, **result})
+    finally:
+        bar.close()
+    return {"config": config.as_dict(), "network": place.network, "runs": runs}

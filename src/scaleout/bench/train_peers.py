@@ -1,0 +1,204 @@
+"""The training set-ups ``scaleout bench train`` compares: one function per configuration.
+
+Every set-up builds the workload's model from the same seed and an SGD optimizer
+(momentum 0.9) and returns a :class:`Setup`: the module to call, the optimizer to step,
+and what to do once warm-up ends, once timing ends, and at exit. The worker
+(:mod:`scaleout.bench.train_worker`) runs the same loop over every set-up.
+
+Configurations:
+
+* ``single`` — one process, no communication: the ideal a data-parallel run is
+  measured against.
+* ``scaleout`` — :class:`~scaleout.pytorch.DataParallel` with a
+  :class:`~scaleout.pytorch.DistributedOptimizer`.
+* ``ddp`` — torch ``DistributedDataParallel`` with its default buckets (25 MB, first 1 MB).
+* ``ddp-fp16`` — DDP with the ``fp16_compress_hook`` communication hook.
+* ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
+  from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults).
+* ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from scaleout.workloads import Workload
+
+__all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "SetupOptions", "Setup",
+           "build_setup"]
+
+#: Peers a user may name with ``--vs``.
+PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "zero")
+#: Every configuration the worker can run.
+CONFIGURATIONS = ("single", "scaleout", *PEERS)
+#: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
+POWERSGD_RANK = 2
+#: PowerSGD's ``start_powerSGD_iter``: plain allreduce before it. torch requires > 1 with
+#: error feedback or warm start (both on by default), so 2 is the earliest.
+POWERSGD_START = 2
+
+LR = 0.01
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupOptions:
+    """What a set-up needs besides the configuration name.
+
+    Attributes:
+        workload: the model, data and loss.
+        seed: model seed (the same on every rank and in every configuration).
+        policy: scaleout's scheduling policy (``"priority"`` or ``"fifo"``).
+        mode: scaleout's DistributedOptimizer mode (``"overlap"`` or ``"sync"``).
+        compression: scaleout's codec spec, or ``None`` for exact gradients.
+        timeout_s: rendezvous and collective timeout in seconds.
+    """
+
+    workload: Workload
+    seed: int = 0
+    policy: str = "priority"
+    mode: str = "overlap"
+    compression: str | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """A model ready to train, and its life-cycle hooks.
+
+    Attributes:
+        model: call as ``model(inputs)``.
+        optimizer: ``step()`` then ``zero_grad()`` after each backward.
+        settle: finish pending communication (before and after the timed loop).
+        reset: forget what was recorded so far (after warm-up).
+        statistics: scaleout's per-iteration figures, or ``None`` for peers.
+        close: release threads and process groups.
+        details: facts about the set-up for the report (hook options, bucket sizes).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    settle: Callable[[], None]
+    reset: Callable[[], None]
+    statistics: Callable[[], dict[str, float]] | None
+    close: Callable[[], None]
+    details: dict[str, Any]
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _single(options: SetupOptions) -> Setup:
+    model = options.workload.build_model(options.seed)
+    return Setup(model=model, optimizer=_sgd(model.parameters()), settle=_nothing,
+                 reset=_nothing, statistics=None, close=_nothing, details={})
+
+
+def _scaleout(options: SetupOptions) -> Setup:
+    import scaleout
+    from scaleout.pytorch import DataParallel, DistributedOptimizer
+
+    env = scaleout.init(timeout=options.timeout_s)
+    net = options.workload.build_model(options.seed)
+    model = DataParallel(net, env.create_distribution(),
+                         scheduler=scaleout.SchedulerConfig(policy=options.policy),
+                         compression=options.compression)
+    optimizer = DistributedOptimizer(_sgd(model.parameters()), model, mode=options.mode)
+
+    def statistics() -> dict[str, float]:
+        stats = model.statistics
+        total = stats.total()
+        n = max(stats.iterations, 1)
+        return {"iterations": stats.iterations, "exposed_ms": total.exposed_s / n * 1e3,
+                "comm_ms": total.comm_s / n * 1e3, "compute_ms": total.compute_s / n * 1e3,
+                "bytes": total.bytes / n, "raw_bytes": total.raw_bytes / n}
+
+    def reset() -> None:
+        if model.session is not None:
+            model.statistics.reset()
+
+    def close() -> None:
+        model.close()
+        env.finalize()
+
+    details = {"policy": options.policy, "mode": options.mode,
+               "compression": options.compression}
+    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
+                 statistics=statistics,
+                 close=close, details=details)
+
+
+def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> Setup:
+    from torch.nn.parallel import DistributedDataParallel
+
+    tdist.init_process_group("gloo", init_method="env://",
+                             timeout=timedelta(seconds=options.timeout_s))
+    model = DistributedDataParallel(options.workload.build_model(options.seed))
+    details: dict[str, Any] = {"bucket_cap_mb": 25, "hook": hook}
+    if hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=POWERSGD_RANK,
+                                            start_powerSGD_iter=POWERSGD_START)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        details.update(matrix_approximation_rank=POWERSGD_RANK,
+                       start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
+                       warm_start=True)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+        details["optimizer"] = "ZeroRedundancyOptimizer(SGD)"
+    else:
+        optimizer = _sgd(model.parameters())
+    return Setup(model=model, optimizer=optimizer, settle=_nothing, reset=_nothing,
+                 statistics=None, close=tdist.destroy_process_group, details=details)
+
+
+_BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
+    "single": _single,
+    "scaleout": _scaleout,
+    "ddp": _ddp,
+    "ddp-fp16": lambda o: _ddp(o, hook="fp16"),
+    "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
+    "zero": lambda o: _ddp(o, zero=True),
+}
+
+
+def build_setup(name: str, options: SetupOptions) -> Setup:
+    """Build configuration ``name`` in this process (joins the job for all but ``single``).
+
+    Args:
+        name: one of :data:`CONFIGURATIONS`.
+        options: the shared options.
+
+    Returns:
+        The :class:`Setup`.
+
+    Raises:
+        ValueError: an unknown configuration name.
+    """
+    try:
+        builder = _BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown configuration {name!r}; choose from "
+                         f"{', '.join(CONFIGURATIONS)}") from None
+    return builder(options)

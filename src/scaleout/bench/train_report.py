@@ -1,0 +1,204 @@
+"""Summaries of ``scaleout bench train`` results: figures per configuration, table, JSON, plot.
+
+From the raw runs of :func:`scaleout.bench.train.run_benchmark`:
+
+* throughput of a run = global samples per second = ``ranks x batch / median iteration time``;
+* per configuration: the median throughput over rounds and its min..max spread;
+* scaling efficiency = throughput / (ranks x ``single``'s throughput of the same round),
+  the median over rounds;
+* ``scaleout/this`` = scaleout's throughput / this peer's, the median of per-round ratios
+  (above 1: scaleout is faster);
+* scaleout's exposed and in-flight communication per iteration and bytes sent per
+  iteration, from its :class:`~scaleout.session.Statistics` on rank 0, medians over rounds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+
+from scaleout.table import format_table
+
+__all__ = ["summarize", "build_report", "format_report", "plot_report", "machine_facts"]
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summarize(raw: dict) -> dict[str, dict[str, object]]:
+    """Per-configuration figures (see the module docstring) from raw runs.
+
+    Args:
+        raw: what :func:`run_benchmark` returned.
+
+    Returns:
+        ``{configuration: {...}}`` in the order the configurations were asked for.
+    """
+    config = raw["config"]
+    ranks = config["ranks"]
+    names = ["single", "scaleout", *config["peers"]]
+    by_round: dict[int, dict[str, dict]] = {}
+    for run in raw["runs"]:
+        thr = run["batch_per_rank"] * run["ranks"] / run["median_iter_s"]
+        by_round.setdefault(run["round"], {})[run["config"]] = {**run, "throughput": thr}
+    rounds = [by_round[r] for r in sorted(by_round)]
+    summary: dict[str, dict[str, object]] = {}
+    for name in names:
+        present = [rnd for rnd in rounds if name in rnd]
+        thr = [rnd[name]["throughput"] for rnd in present]
+        eff = [rnd[name]["throughput"] / (ranks * rnd["single"]["throughput"])
+               for rnd in present if name != "single" and "single" in rnd]
+        entry: dict[str, object] = {
+            "ranks": 1 if name == "single" else ranks,
+            "throughput": _median(thr), "throughput_min": min(thr, default=None),
+            "throughput_max": max(thr, default=None), "throughput_per_round": thr,
+            "iter_ms": _median([rnd[name]["median_iter_s"] * 1e3 for rnd in present]),
+            "efficiency": _median(eff), "efficiency_per_round": eff,
+            "scaleout_over_this": None,
+        }
+        if name not in ("single", "scaleout"):
+            ratios = [rnd["scaleout"]["throughput"] / rnd[name]["throughput"]
+                      for rnd in present if "scaleout" in rnd]
+            entry["scaleout_over_this"] = _median(ratios)
+            entry["scaleout_over_this_per_round"] = ratios
+        stats = [rnd[name]["scaleout_stats"] for rnd in present if rnd[name].get("scaleout_stats")]
+        if stats:
+            for key in ("exposed_ms", "comm_ms", "bytes", "raw_bytes"):
+                entry[f"{key}_per_iter"] = _median([s[key] for s in stats])
+        details = [rnd[name].get("details") for rnd in present]
+        entry["details"] = details[0] if details else {}
+        summary[name] = entry
+    return summary
+
+
+def machine_facts() -> dict[str, object]:
+    """Facts that matter when reading the numbers later: cores, load, versions."""
+    import torch
+
+    facts: dict[str, object] = {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine(),
+        "python": platform.python_version(), "torch": torch.__version__,
+    }
+    if hasattr(os, "sched_getaffinity"):
+        facts["cpus_usable"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "getloadavg"):
+        facts["loadavg"] = list(os.getloadavg())
+    return facts
+
+
+def build_report(raw: dict, *, argv: Sequence[str] | None = None,
+                 started: datetime.datetime | None = None,
+                 machine_before: dict[str, object] | None = None) -> dict[str, object]:
+    """The JSON document ``--json`` writes: command, date, machine, settings, summary, runs.
+
+    Args:
+        raw: what :func:`run_benchmark` returned.
+        argv: the command line (default ``sys.argv``).
+        started: when the benchmark started (default now).
+        machine_before: :func:`machine_facts` taken before the run (its load average).
+    """
+    argv = list(sys.argv if argv is None else argv)
+    started = started or datetime.datetime.now(datetime.timezone.utc)
+    machine = machine_facts()
+    if machine_before is not None and "loadavg" in machine_before:
+        machine["loadavg_before"] = machine_before["loadavg"]
+    return {
+        "command": " ".join(shlex.quote(a) for a in argv), "argv": argv,
+        "date": started.isoformat(timespec="seconds"), "machine": machine,
+        "settings": raw["config"], "network": raw["network"],
+        "summary": summarize(raw), "runs": raw["runs"],
+    }
+
+
+def format_report(report: dict) -> str:
+    """A header saying what ran where, the table, and how to read it."""
+    s, net, summary = report["settings"], report["network"], report["summary"]
+    header = (f"{s['workload']}, {s['ranks']} ranks x {s['batch']} samples, "
+              f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
+              f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank\n"
+              f"network: {net['description']}")
+    rows = []
+    for name, e in summary.items():
+        spread = (f"{e['throughput_min']:.1f}..{e['throughput_max']:.1f}"
+                  if e["throughput_min"] is not None else "-")
+        mb = e.get("bytes_per_iter")
+        rows.append([
+            name if name != "single" else "single (1 rank)", _fmt(e["throughput"], ".1f"), spread,
+            _fmt(e["iter_ms"], ".1f"), _fmt(e["efficiency"], ".0%"),
+            _fmt(e["scaleout_over_this"], ".3f"), _fmt(e.get("exposed_ms_per_iter"), ".1f"),
+            _fmt(e.get("comm_ms_per_iter"), ".1f"), _fmt(None if mb is None else mb / 1e6, ".2f"),
+        ])
+    headers = ["configuration", "samples/s", "min..max", "iter ms", "efficiency",
+               "scaleout/this", "exposed ms/it", "comm ms/it", "MB/it"]
+    so = summary["scaleout"]["details"] or {}
+    notes = [
+        f"efficiency = samples/s / ({s['ranks']} x single's, same round); scaleout/this = median "
+        "of per-round throughput ratios (> 1: scaleout faster); medians over rounds",
+        f"scaleout: policy {so.get('policy')}, mode {so.get('mode')}, compression "
+        f"{so.get('compression') or 'none'}; exposed/comm ms and MB per iteration are its "
+        "Statistics on rank 0",
+    ]
+    psgd = summary.get("ddp-powersgd", {}).get("details")
+    if psgd:
+        notes.append(f"ddp-powersgd: matrix_approximation_rank {psgd['matrix_approximation_rank']}"
+                     f", start_powerSGD_iter {psgd['start_powerSGD_iter']} (plain allreduce "
+                     "before), error feedback and warm start on")
+    if not net.get("testbed"):
+        notes.append("NO TESTBED: ranks talk over loopback with no rate limit; these numbers "
+                     "say little about a real network")
+    return f"{header}\n{format_table(headers, rows)}\n" + "\n".join(f"  {n}" for n in notes)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """A bar chart of median throughput (min..max as error bars) with the ideal as a line.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("--plot needs matplotlib, which is not installed: "
+                           "pip install matplotlib  (or pip install 'scaleout[plot]')") from err
+    s, summary = report["settings"], report["summary"]
+    names = list(summary)
+    values = [summary[n]["throughput"] or 0.0 for n in names]
+    low = [v - (summary[n]["throughput_min"] or v) for n, v in zip(names, values)]
+    high = [(summary[n]["throughput_max"] or v) - v for n, v in zip(names, values)]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    colors = ["#999999" if n == "single" else "#d62728" if n == "scaleout" else "#1f77b4"
+              for n in names]
+    ax.bar(names, values, yerr=[low, high], capsize=4, color=colors)
+    ideal = s["ranks"] * (summary["single"]["throughput"] or 0.0)
+    ax.axhline(ideal, linestyle="--", color="black", linewidth=1,
+               label=f"ideal: {s['ranks']} x single")
+    for i, name in enumerate(names):
+        eff = summary[name]["efficiency"]
+        if eff is not None:
+            ax.annotate(f"{eff:.0%}", (i, values[i] + high[i]), ha="center", va="bottom",
+                        xytext=(0, 3), textcoords="offset points")
+    ax.set_ylim(0, 1.15 * max([ideal, *(v + h for v, h in zip(values, high))]))
+    ax.set_ylabel("samples/s (median over rounds)")
+    ax.set_title(f"{s['workload']}, {s['ranks']} ranks, {report['network']['description']}",
+                 fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,103 @@
+"""Per-rank worker of ``scaleout bench train``: train one configuration, time it, write JSON.
+
+Launched by :func:`scaleout.bench.train.run_benchmark` as fresh processes for every
+configuration run (``python -m scaleout.bench.train_worker --config ddp ...``). Each rank
+builds the model from the same seed, runs ``--warmup`` untimed iterations, settles pending
+communication, meets the other ranks once (a barrier), then runs ``--iters`` iterations of
+forward, backward, ``step()`` and ``zero_grad()``, timing each on its own with no barrier
+in the loop. Rank 0 writes the iteration times (and scaleout's statistics) to ``--json``.
+
+While it runs, rank 0 prints ``@@progress DONE TOTAL`` after every iteration; the runner
+turns these lines into its progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup
+from scaleout.workloads import get_workload
+
+__all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "main"]
+
+PROGRESS_MARK = "@@progress"
+#: Batches are made before the loop (data generation is not timed) and cycled.
+DISTINCT_BATCHES = 4
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="per-rank worker of `scaleout bench train`")
+    parser.add_argument("--config", required=True, choices=CONFIGURATIONS)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--batch", type=int, required=True, help="samples per rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="priority")
+    parser.add_argument("--mode", default="overlap")
+    parser.add_argument("--compression", default=None)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--json", required=True, help="rank 0 writes its results here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workload = get_workload(args.workload)
+    distributed = args.config != "single"
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+    options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
+                           mode=args.mode, compression=args.compression,
+                           timeout_s=args.timeout)
+    started = time.perf_counter()
+    setup = build_setup(args.config, options)
+    batches = [workload.make_batch(args.batch * world, step, args.seed, rank=rank,
+                                   world_size=world)
+               for step in range(min(DISTINCT_BATCHES, args.warmup + args.iters))]
+    total = args.warmup + args.iters
+
+    def iteration(step: int) -> None:
+        inputs, targets = batches[step % len(batches)]
+        workload.loss_fn(setup.model(inputs), targets).backward()
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"{PROGRESS_MARK} {step + 1} {total}", flush=True)
+
+    for step in range(args.warmup):
+        iteration(step)
+    setup.settle()
+    setup.reset()
+    if distributed:
+        torch.distributed.barrier()
+    times = []
+    loop_start = time.perf_counter()
+    for step in range(args.warmup, total):
+        start = time.perf_counter()
+        iteration(step)
+        times.append(time.perf_counter() - start)
+    setup.settle()  # overlap mode: the last iteration's communication
+    loop_s = time.perf_counter() - loop_start
+    result = {
+        "config": args.config, "ranks": world, "batch_per_rank": args.batch,
+        "iter_s": times, "median_iter_s": statistics.median(times), "loop_s": loop_s,
+        "setup_and_warmup_s": loop_start - started, "threads": args.threads, "details": setup.details,
+        "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
+    }
+    setup.close()
+    if rank == 0:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""``scaleout bench train``: train a workload with scaleout and its peers, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import Iterator
+
+EXAMPLE = """examples:
+  scaleout bench train --workload resnet18 --ranks 2 --rate 1gbit --vs ddp,ddp-fp16 --rounds 3
+  scaleout bench train --workload digits-mlp --rounds 1 --iters 3 --warmup 1 --no-testbed
+  scaleout bench train --workload digits-cnn --vs ddp,ddp-powersgd,zero --compression powersgd:2 \\
+      --json out.json --plot out.png
+
+Every round runs each configuration once, as fresh ranks, in a rotated order:
+  single    one rank alone on host 0 (the ideal), same per-rank batch
+  scaleout  DataParallel + DistributedOptimizer(SGD momentum 0.9)
+  --vs      ddp, ddp-fp16 (fp16_compress_hook), ddp-powersgd (powerSGD_hook, rank 2,
+            from iteration 2), zero (DDP + ZeroRedundancyOptimizer)
+The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
+tc; --no-testbed runs over loopback instead, with no rate limit.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``train`` to the ``scaleout bench`` subcommands."""
+    from scaleout.bench.train_peers import PEERS
+
+    parser = subparsers.add_parser(
+        "train", help="training throughput: scaleout vs DDP (and friends) on an emulated network",
+        description="Train one workload with a single rank, with scaleout and with each peer, "
+                    "interleaved round by round on the same emulated cluster, same seeds and "
+                    "data; report throughput, scaling efficiency and scaleout/peer ratios.",
+        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", required=True,
+                        help="resnet18, resnet50, transformer, dlrm, digits-mlp or digits-cnn")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="link rate per direction of each host (default 1gbit)")
+    parser.add_argument("--vs", default="ddp",
+                        help=f"comma list of peers from {','.join(PEERS)} (default ddp)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--iters", type=int, default=10,
+                        help="timed iterations per run (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed iterations before them (default 2)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples per rank (default: the workload's)")
+    parser.add_argument("--compression", default=None, metavar="SPEC",
+                        help="scaleout's gradient codec, e.g. cast:bf16, powersgd:2, topk:0.01 "
+                             "(default: exact gradients)")
+    parser.add_argument("--policy", default="priority", choices=("priority", "fifo"),
+                        help="scaleout's scheduling policy (default priority)")
+    parser.add_argument("--mode", default="overlap", choices=("overlap", "sync"),
+                        help="scaleout's DistributedOptimizer mode (default overlap)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (default 1: fair on small machines)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="ranks give up on a rendezvous or collective after this (default 300)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write settings, machine, summary and every raw run as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="write a bar chart (needs matplotlib)")
+    parser.add_argument("--no-testbed", action="store_true",
+                        help="run over loopback without namespaces or shaping (no root needed)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(func=handler)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (e.g. ``kill``, a job scheduler) stops the run like Ctrl-C: ranks stopped,
+    testbed removed. Only in the main thread, where Python can take signals."""
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _error(message: str) -> int:
+    print(f"scaleout bench train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table, write ``--json`` / ``--plot``; the exit code."""
+    from scaleout.bench.train import BenchFailed, TrainBenchConfig, run_benchmark
+    from scaleout.bench.train_report import build_report, format_report, machine_facts
+    from scaleout.testbed import TestbedError, TestbedUnavailable, check_capabilities
+
+    try:
+        config = TrainBenchConfig(
+            workload=args.workload, ranks=args.ranks, rate=args.rate,
+            peers=tuple(p.strip() for p in args.vs.split(",") if p.strip()),
+            rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
+            compression=args.compression, policy=args.policy, mode=args.mode,
+            threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
+            timeout_s=args.timeout)
+    except (ValueError, TypeError) as err:
+        return _error(str(err))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - fail before the run, not after it
+        except ImportError:
+            return _error("--plot needs matplotlib, which is not installed: pip install "
+                          "matplotlib  (or drop --plot)")
+    if config.testbed:
+        try:
+            check_capabilities()
+        except TestbedUnavailable as err:
+            return _error(f"{err}; or pass --no-testbed to run over loopback (no rate limit)")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    before = machine_facts()
+    try:
+        with _terminate_as_interrupt():
+            raw = run_benchmark(config, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("scaleout bench train: interrupted; ranks stopped and testbed removed",
+              file=sys.stderr)
+        return 130
+    except BenchFailed as err:
+        return _error(str(err))
+    except TestbedError as err:
+        return _error(f"the testbed failed: {err}")
+    report = build_report(raw, argv=["scaleout", *sys.argv[1:]], started=started,
+                          machine_before=before)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+    if args.plot:
+        from scaleout.bench.train_report import plot_report
+
+        plot_report(report, args.plot)
+    return 0

@@ -1,0 +1,170 @@
+"""Tests of ``scaleout bench train`` (``scaleout.bench.train*``, ``scaleout.cli.bench_train``).
+
+The smoke runs launch real ranks of a tiny workload; the one on a testbed is marked
+``testbed`` and skips without root/ip/tc, except under ``CI=true`` where it fails.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaleout.bench import train, train_progress, train_report
+from scaleout.bench.train import TrainBenchConfig, rotation
+from scaleout.bench.train_report import format_report, plot_report, summarize
+from scaleout.cli.main import main
+from scaleout.testbed import TestbedUnavailable, check_capabilities
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["bench", "train", "--workload", "digits-mlp", "--ranks", "2", "--rounds", "1",
+        "--iters", "3", "--warmup", "1", "--vs", "ddp", "--no-progress"]
+
+
+def _require_testbed() -> None:
+    try:
+        check_capabilities()
+    except TestbedUnavailable as err:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but the testbed cannot run here: {err}")
+        pytest.skip(str(err))
+
+
+@pytest.fixture
+def rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Ranks find this checkout's package; testbeds keep state in a private directory."""
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", SRC if not path else f"{SRC}{os.pathsep}{path}")
+    monkeypatch.setenv("SCALEOUT_TESTBED_DIR", str(tmp_path / "testbeds"))
+    return tmp_path
+
+
+def _check_report(report: dict, *, testbed: bool) -> None:
+    assert report["network"]["testbed"] is testbed
+    assert set(report["summary"]) == {"single", "scaleout", "ddp"}
+    for name, entry in report["summary"].items():
+        assert entry["throughput"] > 0, name
+        assert entry["throughput_min"] <= entry["throughput"] <= entry["throughput_max"]
+        assert entry["iter_ms"] > 0
+        assert ("efficiency" in entry) and ("scaleout_over_this" in entry)
+    assert report["summary"]["single"]["efficiency"] is None
+    assert report["summary"]["scaleout"]["efficiency"] > 0
+    assert report["summary"]["ddp"]["efficiency"] > 0
+    assert report["summary"]["ddp"]["scaleout_over_this"] > 0
+    so = report["summary"]["scaleout"]
+    assert so["bytes_per_iter"] > 0 and so["comm_ms_per_iter"] >= 0 and so["exposed_ms_per_iter"] >= 0
+    assert len(report["runs"]) == 3 and all(len(r["iter_s"]) == 3 for r in report["runs"])
+    assert {r["config"] for r in report["runs"]} == {"single", "scaleout", "ddp"}
+    assert report["command"].startswith("scaleout ") and report["date"]
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
+    assert report["settings"]["batch"] == 32 and report["settings"]["peers"] == ["ddp"]
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(120)
+def test_smoke_on_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _require_testbed()
+    out = rank_env / "out.json"
+    assert main([*TINY, "--rate", "1gbit", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    _check_report(report, testbed=True)
+    assert report["network"]["rate"] == "1gbit"
+    text = capsys.readouterr().out
+    assert "testbed: 2 hosts" in text and "scaleout/this" in text
+    assert not list((rank_env / "testbeds").glob("*.json")), "the testbed was not removed"
+
+
+@pytest.mark.timeout(120)
+def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = rank_env / "out.json"
+    assert main([*TINY, "--no-testbed", "--json", str(out)]) == 0
+    _check_report(json.loads(out.read_text()), testbed=False)
+    assert "NO TESTBED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--workload", "resnet9000"], "unknown workload 'resnet9000'"),
+    (["--vs", "ddp,horovod"], "peers: unknown 'horovod'"),
+    (["--ranks", "1"], "ranks: expected an integer >= 2, got 1"),
+    (["--rounds", "0"], "rounds: expected an integer >= 1, got 0"),
+    (["--iters", "0"], "iters: expected an integer >= 1"),
+    (["--rate", "1gbps"], "rate"),
+    (["--compression", "zip"], "zip"),
+])
+def test_argument_errors(extra: list[str], message: str,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "scaleout bench train: error:" in err and message in err
+
+
+def test_without_root_names_the_way_out(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    def unavailable() -> None:
+        raise TestbedUnavailable("the testbed needs root to create network namespaces")
+
+    monkeypatch.setattr("scaleout.testbed.check_capabilities", unavailable)
+    assert main(TINY) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "--no-testbed" in err
+
+
+def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main([*TINY, "--no-testbed", "--plot", "x.png"]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_rotation_puts_every_configuration_first_once() -> None:
+    names = ("single", "scaleout", "ddp")
+    firsts = [rotation(names, r)[0] for r in range(3)]
+    assert sorted(firsts) == sorted(names)
+    assert all(sorted(rotation(names, r)) == sorted(names) for r in range(5))
+
+
+def _raw() -> dict:
+    """Two rounds; single 100 samples/s then 50; scaleout and ddp at known fractions."""
+    cfg = TrainBenchConfig(workload="digits-mlp", peers=("ddp",), rounds=2, testbed=False)
+    runs = []
+    for r, (single, so, ddp) in enumerate([(100.0, 150.0, 100.0), (50.0, 90.0, 60.0)]):
+        for name, thr, ranks in (("single", single, 1), ("scaleout", so, 2), ("ddp", ddp, 2)):
+            stats = {"exposed_ms": 2.0 + r, "comm_ms": 5.0, "bytes": 1e6, "raw_bytes": 1e6,
+                     "iterations": 3} if name == "scaleout" else None
+            runs.append({"round": r, "config": name, "ranks": ranks, "batch_per_rank": 10,
+                         "median_iter_s": 10 * ranks / thr, "scaleout_stats": stats,
+                         "details": {}})
+    return {"config": cfg.as_dict(), "network": {"testbed": False, "description": "loopback"},
+            "runs": runs}
+
+
+def test_summary_figures_are_per_round_then_median() -> None:
+    summary = summarize(_raw())
+    assert summary["single"]["throughput"] == pytest.approx(75.0)
+    # efficiency per round: 150/200 = 0.75, 90/100 = 0.9 -> median 0.825
+    assert summary["scaleout"]["efficiency"] == pytest.approx(0.825)
+    assert summary["ddp"]["efficiency"] == pytest.approx((0.5 + 0.6) / 2)
+    # ratio per round: 1.5 and 1.5 -> 1.5 (not the ratio of medians, 120/80)
+    assert summary["ddp"]["scaleout_over_this"] == pytest.approx(1.5)
+    assert summary["scaleout"]["exposed_ms_per_iter"] == pytest.approx(2.5)
+    assert summary["ddp"]["throughput_min"] == pytest.approx(60.0)
+    assert summary["ddp"]["throughput_max"] == pytest.approx(100.0)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot is an optional extra (pip install matplotlib)")
+    raw = _raw()
+    report = {"settings": raw["config"], "network": raw["network"], "summary": summarize(raw)}
+    plot_report(report, str(tmp_path / "chart.png"))
+    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+    assert "efficiency" in format_report(report)
+
+
+@pytest.mark.parametrize("module", [train, train_progress, train_report])
+def test_doctests(module: object) -> None:
+    result = doctest.testmod(module)  # type: ignore[arg-type]
+    assert result.failed == 0

@@ -87,3 +87,13 @@ def test_two_nodes_rendezvous(tmp_path: Path) -> None:
     assert all(node.returncode == 0 for node in nodes), outputs
     assert "[rank 0] rank=0 local=0 node=0 total=2" in outputs[0]
     assert "[rank 1] rank=1 local=0 node=1 total=2" in outputs[1]
+
+
+def test_split_argv_keeps_target_options() -> None:
+    from scaleout.cli.run import split_argv
+
+    assert split_argv(["-n", "2", "-m", "pkg.mod", "--flag", "1"]) == (
+        ["-n", "2"], ["-m", "pkg.mod", "--flag", "1"])
+    assert split_argv(["--testbed", "tb", "train.py", "-n", "5"]) == (
+        ["--testbed", "tb"], ["train.py", "-n", "5"])
+    assert split_argv(["-n", "2", "--", "-x"]) == (["-n", "2"], ["--", "-x"])

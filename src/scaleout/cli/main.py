@@ -36,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and not {"-h", "--help"} & set(argv[1:2]):
+        from scaleout.cli.run import split_argv
+
+        own, target = split_argv(argv[1:])
+        args = parser.parse_args(["run", *own])
+        args.target = target
+    else:
+        args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

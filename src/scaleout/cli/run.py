@@ -9,10 +9,33 @@ from scaleout.launcher import LaunchConfig, launch
 
 EXAMPLE = """examples:
   scaleout run -n 2 examples/train_digits.py --epochs 5
-  scaleout run -n 2 -m scaleout.bench.collectives_worker --help
+  scaleout run -n 2 -m scaleout.bench.collectives --sizes 1M --json /tmp/c.json
   # two nodes (run on each, node-rank 0 and 1):
   scaleout run -n 4 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
 """
+
+
+# run's own options that take a value; everything from the script (or -m) on is the target's
+_VALUED = {"-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+           "--testbed"}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``scaleout run`` arguments into run's own and the target's.
+
+    The target starts at ``--``, at ``-m``, or at the first word that is not an option of
+    run (or an option's value), so ``scaleout run -n 2 -m pkg.mod --flag`` passes ``--flag``
+    to the module.
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word in ("--", "-m") or not word.startswith("-"):
+            return argv[:index], argv[index:]
+        if word in _VALUED:
+            index += 1
+        index += 1
+    return argv, []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

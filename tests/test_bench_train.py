@@ -50,11 +50,11 @@ def _check_report(report: dict, *, testbed: bool) -> None:
         assert entry["throughput"] > 0, name
         assert entry["throughput_min"] <= entry["throughput"] <= entry["throughput_max"]
         assert entry["iter_ms"] > 0
-        assert ("efficiency" in entry) and ("scaleout_over_this" in entry)
+        assert ("efficiency" in entry) and ("over_peers" in entry)
     assert report["summary"]["single"]["efficiency"] is None
     assert report["summary"]["scaleout"]["efficiency"] > 0
     assert report["summary"]["ddp"]["efficiency"] > 0
-    assert report["summary"]["ddp"]["scaleout_over_this"] > 0
+    assert report["summary"]["scaleout"]["over_peers"]["ddp"] > 0
     so = report["summary"]["scaleout"]
     assert so["bytes_per_iter"] > 0 and so["comm_ms_per_iter"] >= 0 and so["exposed_ms_per_iter"] >= 0
     assert len(report["runs"]) == 3 and all(len(r["iter_s"]) == 3 for r in report["runs"])
@@ -74,7 +74,7 @@ def test_smoke_on_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) ->
     _check_report(report, testbed=True)
     assert report["network"]["rate"] == "1gbit"
     text = capsys.readouterr().out
-    assert "testbed: 2 hosts" in text and "scaleout/this" in text
+    assert "testbed: 2 hosts" in text and "vs ddp" in text
     assert not list((rank_env / "testbeds").glob("*.json")), "the testbed was not removed"
 
 
@@ -149,7 +149,7 @@ def test_summary_figures_are_per_round_then_median() -> None:
     assert summary["scaleout"]["efficiency"] == pytest.approx(0.825)
     assert summary["ddp"]["efficiency"] == pytest.approx((0.5 + 0.6) / 2)
     # ratio per round: 1.5 and 1.5 -> 1.5 (not the ratio of medians, 120/80)
-    assert summary["ddp"]["scaleout_over_this"] == pytest.approx(1.5)
+    assert summary["scaleout"]["over_peers"]["ddp"] == pytest.approx(1.5)
     assert summary["scaleout"]["exposed_ms_per_iter"] == pytest.approx(2.5)
     assert summary["ddp"]["throughput_min"] == pytest.approx(60.0)
     assert summary["ddp"]["throughput_max"] == pytest.approx(100.0)
@@ -168,3 +168,18 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 def test_doctests(module: object) -> None:
     result = doctest.testmod(module)  # type: ignore[arg-type]
     assert result.failed == 0
+
+
+def test_several_scaleout_variants_are_configurations() -> None:
+    cfg = TrainBenchConfig(workload="digits-mlp", peers=("ddp", "ddp-fp16"), testbed=False,
+                           compression=("none", "cast:bf16", "topk:ratio=0.1"))
+    assert cfg.configurations == ("single", "scaleout", "scaleout+cast:bf16",
+                                  "scaleout+topk:ratio=0.1", "ddp", "ddp-fp16")
+    with pytest.raises(ValueError, match="each codec once"):
+        TrainBenchConfig(workload="digits-mlp", testbed=False, compression=("sign", "sign"))
+    raw = _raw()
+    raw["config"]["compression"] = ["none", "sign"]
+    for run in [r for r in raw["runs"] if r["config"] == "scaleout"]:
+        raw["runs"].append({**run, "config": "scaleout+sign", "median_iter_s": run["median_iter_s"] / 2})
+    summary = summarize(raw)
+    assert summary["scaleout+sign"]["over_peers"]["ddp"] == pytest.approx(3.0)

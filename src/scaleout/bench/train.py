@@ -52,7 +52,9 @@ class TrainBenchConfig:
         iters: timed iterations per run.
         warmup: untimed iterations before them.
         batch: samples per rank (``None``: the workload's default).
-        compression: scaleout's codec spec (``"cast:bf16"``), ``None`` for exact gradients.
+        compression: scaleout variants to measure, one per codec spec (``"cast:bf16"``);
+            ``"none"`` is exact gradients. Each variant is its own configuration,
+            ``scaleout`` for ``"none"`` and ``scaleout+SPEC`` otherwise.
         policy: scaleout's scheduling policy, ``"priority"`` or ``"fifo"``.
         mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
         threads: torch intra-op threads per rank.
@@ -73,7 +75,7 @@ class TrainBenchConfig:
     iters: int = 10
     warmup: int = 2
     batch: int | None = None
-    compression: str | None = None
+    compression: tuple[str, ...] = ("none",)
     policy: str = "priority"
     mode: str = "overlap"
     threads: int = 1
@@ -104,10 +106,15 @@ class TrainBenchConfig:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.compression is not None:
-            from scaleout.compression import make_codec
+        if isinstance(self.compression, str) or not self.compression:
+            raise ValueError(f"compression: expected a non-empty tuple of codec specs, got "
+                             f"{self.compression!r}")
+        if len(set(self.compression)) != len(self.compression):
+            raise ValueError(f"compression: each codec once, got {', '.join(self.compression)}")
+        from scaleout.compression import make_codec
 
-            make_codec(self.compression)  # raises ValueError naming the valid codecs
+        for spec in self.compression:
+            make_codec(spec)  # raises ValueError naming the valid codecs
         if self.testbed:
             from scaleout.testbed import TestbedConfig
 
@@ -117,8 +124,8 @@ class TrainBenchConfig:
 
     @property
     def configurations(self) -> tuple[str, ...]:
-        """``("single", "scaleout", *peers)``: every configuration a round runs."""
-        return ("single", "scaleout", *self.peers)
+        """``("single", *scaleout variants, *peers)``: every configuration a round runs."""
+        return ("single", *(variant_name(c) for c in self.compression), *self.peers)
 
     @property
     def batch_per_rank(self) -> int:
@@ -129,7 +136,19 @@ class TrainBenchConfig:
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict of the fields, with ``batch`` resolved."""
-        return {**asdict(self), "peers": list(self.peers), "batch": self.batch_per_rank}
+        return {**asdict(self), "peers": list(self.peers), "compression": list(self.compression),
+                "batch": self.batch_per_rank}
+
+
+def variant_name(spec: str) -> str:
+    """The configuration name of scaleout with codec ``spec``: ``scaleout[+SPEC]``."""
+    return "scaleout" if spec == "none" else f"scaleout+{spec}"
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """``"scaleout+blockquant"`` -> ``("scaleout", "blockquant")``; peers -> ``(name, None)``."""
+    base, _, spec = name.partition("+")
+    return base, (spec or None)
 
 
 def rotation(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
@@ -206,14 +225,15 @@ class _RankOutput:
 
 
 def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
-    args = ["-m", "scaleout.bench.train_worker", "--config", name,
+    base, spec = split_variant(name)
+    args = ["-m", "scaleout.bench.train_worker", "--config", base,
             "--workload", config.workload, "--batch", str(config.batch_per_rank),
             "--warmup", str(config.warmup), "--iters", str(config.iters),
             "--threads", str(config.threads), "--seed", str(config.seed),
             "--policy", config.policy, "--mode", config.mode,
             "--timeout", str(config.timeout_s), "--json", path]
-    if config.compression is not None:
-        args += ["--compression", config.compression]
+    if spec is not None:
+        args += ["--compression", spec]
     return args
 
 
@@ -265,7 +285,7 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                     result = _run_once(config, name, place, tmp, bar)
                     throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
                     bar.finish_run(f"{throughput:.1f} samples/s")
-                    runs.append({"round": r, "order": order, **result})
+                    runs.append({"round": r, "order": order, **result, "config": name})
     finally:
         bar.close()
     return {"config": config.as_dict(), "network": place.network, "runs": runs}

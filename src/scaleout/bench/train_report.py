@@ -50,7 +50,8 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
     """
     config = raw["config"]
     ranks = config["ranks"]
-    names = ["single", "scaleout", *config["peers"]]
+    peers = list(config["peers"])
+    names = ["single", *(_variant(c) for c in config["compression"]), *peers]
     by_round: dict[int, dict[str, dict]] = {}
     for run in raw["runs"]:
         thr = run["batch_per_rank"] * run["ranks"] / run["median_iter_s"]
@@ -68,13 +69,14 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
             "throughput_max": max(thr, default=None), "throughput_per_round": thr,
             "iter_ms": _median([rnd[name]["median_iter_s"] * 1e3 for rnd in present]),
             "efficiency": _median(eff), "efficiency_per_round": eff,
-            "scaleout_over_this": None,
+            "over_peers": {}, "over_peers_per_round": {},
         }
-        if name not in ("single", "scaleout"):
-            ratios = [rnd["scaleout"]["throughput"] / rnd[name]["throughput"]
-                      for rnd in present if "scaleout" in rnd]
-            entry["scaleout_over_this"] = _median(ratios)
-            entry["scaleout_over_this_per_round"] = ratios
+        if name.startswith("scaleout"):
+            for peer in peers:
+                ratios = [rnd[name]["throughput"] / rnd[peer]["throughput"]
+                          for rnd in present if peer in rnd]
+                entry["over_peers"][peer] = _median(ratios)
+                entry["over_peers_per_round"][peer] = ratios
         stats = [rnd[name]["scaleout_stats"] for rnd in present if rnd[name].get("scaleout_stats")]
         if stats:
             for key in ("exposed_ms", "comm_ms", "bytes", "raw_bytes"):
@@ -83,6 +85,10 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
         entry["details"] = details[0] if details else {}
         summary[name] = entry
     return summary
+
+
+def _variant(spec: str) -> str:
+    return "scaleout" if spec == "none" else f"scaleout+{spec}"
 
 
 def machine_facts() -> dict[str, object]:
@@ -131,6 +137,7 @@ def format_report(report: dict) -> str:
               f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
               f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank\n"
               f"network: {net['description']}")
+    peers = list(s["peers"])
     rows = []
     for name, e in summary.items():
         spread = (f"{e['throughput_min']:.1f}..{e['throughput_max']:.1f}"
@@ -139,18 +146,18 @@ def format_report(report: dict) -> str:
         rows.append([
             name if name != "single" else "single (1 rank)", _fmt(e["throughput"], ".1f"), spread,
             _fmt(e["iter_ms"], ".1f"), _fmt(e["efficiency"], ".0%"),
-            _fmt(e["scaleout_over_this"], ".3f"), _fmt(e.get("exposed_ms_per_iter"), ".1f"),
-            _fmt(e.get("comm_ms_per_iter"), ".1f"), _fmt(None if mb is None else mb / 1e6, ".2f"),
+            *(_fmt(e["over_peers"].get(p), ".3f") for p in peers),
+            _fmt(e.get("exposed_ms_per_iter"), ".1f"), _fmt(e.get("comm_ms_per_iter"), ".1f"),
+            _fmt(None if mb is None else mb / 1e6, ".2f"),
         ])
     headers = ["configuration", "samples/s", "min..max", "iter ms", "efficiency",
-               "scaleout/this", "exposed ms/it", "comm ms/it", "MB/it"]
-    so = summary["scaleout"]["details"] or {}
+               *(f"vs {p}" for p in peers), "exposed ms/it", "comm ms/it", "MB/it"]
+    so = next((e["details"] for n, e in summary.items() if n.startswith("scaleout")), {}) or {}
     notes = [
-        f"efficiency = samples/s / ({s['ranks']} x single's, same round); scaleout/this = median "
-        "of per-round throughput ratios (> 1: scaleout faster); medians over rounds",
-        f"scaleout: policy {so.get('policy')}, mode {so.get('mode')}, compression "
-        f"{so.get('compression') or 'none'}; exposed/comm ms and MB per iteration are its "
-        "Statistics on rank 0",
+        f"efficiency = samples/s / ({s['ranks']} x single's, same round); vs PEER = median "
+        "of per-round throughput ratios scaleout/PEER (> 1: scaleout faster); medians over rounds",
+        f"scaleout: policy {so.get('policy')}, mode {so.get('mode')}; exposed/comm ms and MB "
+        "per iteration are its Statistics on rank 0 (MB after compression)",
     ]
     psgd = summary.get("ddp-powersgd", {}).get("details")
     if psgd:
@@ -183,7 +190,7 @@ def plot_report(report: dict, path: str) -> None:
     low = [v - (summary[n]["throughput_min"] or v) for n, v in zip(names, values)]
     high = [(summary[n]["throughput_max"] or v) - v for n, v in zip(names, values)]
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
-    colors = ["#999999" if n == "single" else "#d62728" if n == "scaleout" else "#1f77b4"
+    colors = ["#999999" if n == "single" else "#d62728" if n.startswith("scaleout") else "#1f77b4"
               for n in names]
     ax.bar(names, values, yerr=[low, high], capsize=4, color=colors)
     ideal = s["ranks"] * (summary["single"]["throughput"] or 0.0)

@@ -50,9 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="untimed iterations before them (default 2)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
-    parser.add_argument("--compression", default=None, metavar="SPEC",
-                        help="scaleout's gradient codec, e.g. cast:bf16, powersgd:2, topk:0.01 "
-                             "(default: exact gradients)")
+    parser.add_argument("--compression", action="append", default=None, metavar="SPEC",
+                        help="a scaleout variant with this gradient codec, e.g. cast:bf16, "
+                             "powersgd:2, topk:ratio=0.01; repeat for several variants in the "
+                             "same run; 'none' is exact gradients (default: only 'none')")
     parser.add_argument("--policy", default="priority", choices=("priority", "fifo"),
                         help="scaleout's scheduling policy (default priority)")
     parser.add_argument("--mode", default="overlap", choices=("overlap", "sync"),
@@ -103,7 +104,7 @@ def handler(args: argparse.Namespace) -> int:
             workload=args.workload, ranks=args.ranks, rate=args.rate,
             peers=tuple(p.strip() for p in args.vs.split(",") if p.strip()),
             rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
-            compression=args.compression, policy=args.policy, mode=args.mode,
+            compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
             timeout_s=args.timeout)
     except (ValueError, TypeError) as err:

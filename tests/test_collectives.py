@@ -147,3 +147,26 @@ def test_grid_layout_is_mlsl() -> None:
     assert [lay["model"] for lay in layouts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [lay["data"] for lay in layouts] == [(0, 2), (1, 3), (0, 2), (1, 3)]
     assert all(lay["global"] == (0, 1, 2, 3) for lay in layouts)
+
+
+def body_out_buffers() -> None:
+    env = scaleout.init(timeout=30)
+    d = env.create_distribution()
+    g, size = GroupType.DATA, env.world_size
+    out = torch.full((size * 2, 3), -1.0)
+    got = d.allgather(torch.full((2, 3), float(env.rank)), group=g, out=out).wait()
+    assert got is out and torch.equal(out[::2, 0], torch.arange(size, dtype=torch.float32))
+    shard = torch.empty(2)
+    assert d.reduce_scatter(torch.ones(2 * size), group=g, out=shard).wait() is shard
+    assert torch.equal(shard, torch.full((2,), float(size)))
+    buf = torch.empty(size * 2)
+    assert d.alltoall(torch.arange(size * 2.0), group=g, out=buf).wait() is buf
+    with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \(4, 3\)"):
+        d.allgather(torch.ones(2, 3), group=g, out=torch.empty(5, 3))
+    with pytest.raises(TypeError, match="out must have dtype torch.float32"):
+        d.alltoall(torch.ones(2 * size), group=g, out=torch.empty(2 * size, dtype=torch.int64))
+    env.finalize()
+
+
+def test_results_into_caller_buffers() -> None:
+    run_ranks(2, body_out_buffers, timeout=60)

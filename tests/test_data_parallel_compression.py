@@ -42,3 +42,39 @@ def body(spec: object) -> list[float]:
 def test_codecs_through_data_parallel(spec: object, min_ratio: float) -> None:
     ratios = run_ranks(2, body, spec, timeout=120)
     assert ratios[0][0] >= min_ratio, ratios
+
+
+def body_checkpoint() -> None:
+    env = scaleout.init(timeout=60)
+    torch.manual_seed(0)
+
+    def build() -> tuple[nn.Module, DataParallel, DistributedOptimizer]:
+        net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        model = DataParallel(net, env.create_distribution(), compression="topk:ratio=0.05")
+        return net, model, DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), model)
+
+    net, model, opt = build()
+    g = torch.Generator().manual_seed(env.rank)
+    for _ in range(2):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = model.state_dict()
+    residuals = saved["_extra_state"]["compression"]
+    assert set(residuals) == {"0.weight", "2.weight"}  # biases are below min_numel
+    first = residuals["0.weight"]["states"]["0.weight"]
+    assert any(torch.is_tensor(v) and v.abs().sum() > 0 for v in first["buffers"].values())
+    _, restored, _ = build()
+    restored.load_state_dict(saved)
+    restored(torch.randn(2, 64))  # the first forward builds the session and applies the state
+    again = restored.state_dict()["_extra_state"]["compression"]
+    for key, value in first["buffers"].items():
+        torch.testing.assert_close(again["0.weight"]["states"]["0.weight"]["buffers"][key], value)
+    model.close()
+    restored.close()
+    env.finalize()
+
+
+def test_error_feedback_state_is_checkpointed() -> None:
+    run_ranks(2, body_checkpoint, timeout=120)

@@ -131,6 +131,21 @@ def _op(op: object, dtype: torch.dtype, operation: str) -> ReduceOp:
     return op
 
 
+def _output(out: object, shape: tuple[int, ...], like: torch.Tensor, operation: str) -> torch.Tensor:
+    """``out`` checked to receive a result of ``shape`` (or a new tensor when it is None)."""
+    if out is None:
+        return like.new_empty(shape)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{operation}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{operation}: out must have dtype {like.dtype}, got {out.dtype}")
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"{operation}: out must be a contiguous tensor of shape {tuple(shape)}, "
+                         f"got shape {tuple(out.shape)}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    return out
+
+
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
 
@@ -180,14 +195,15 @@ def bcast(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, 1))
 
 
-def allgather(comm: Communicator, tensor: torch.Tensor) -> Request:
+def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
     """Concatenate every rank's ``tensor`` along dim 0 (0-d tensors count as one row).
 
-    The result has shape ``(size * tensor.shape[0], *tensor.shape[1:])`` on every rank.
+    The result has shape ``(size * tensor.shape[0], *tensor.shape[1:])`` on every rank; it
+    is written into ``out`` when given (reuse one buffer across iterations).
     """
     name = "allgather"
     send = _rows(_checked(comm, name, tensor))
-    out = send.new_empty((comm.size * send.shape[0], *send.shape[1:]))
+    out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
     work = _start(comm, name, lambda: all_gather_single(
         out, send, group=comm.group, async_op=True))
     return comm.request(name, [work], lambda: out)
@@ -234,7 +250,8 @@ def gather(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     return comm.request(name, [work], lambda: torch.cat(parts) if parts is not None else None)
 
 
-def scatter(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
+def scatter(comm: Communicator, tensor: torch.Tensor, root: int,
+            out: torch.Tensor | None = None) -> Request:
     """Split group rank ``root``'s ``tensor`` into ``size`` equal row blocks; rank i gets block i.
 
     Every rank passes a tensor of the same shape (only the root's contents are read);
@@ -244,20 +261,21 @@ def scatter(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     root = check_root(root, comm.size, name, comm.label)
     tensor = _checked(comm, name, tensor, root)
     rows = check_divisible(tensor, comm.size, name)
-    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     parts = list(tensor.contiguous().split(rows)) if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.scatter(
         out, parts, src=comm.ranks[root], group=comm.group, async_op=True))
     return comm.request(name, [work], lambda: out)
 
 
-def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
+def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                   out: torch.Tensor | None = None) -> Request:
     """Reduce ``tensor`` over the group and give rank i the i-th of ``size`` equal row blocks."""
     name = "reduce_scatter"
     tensor = _checked(comm, name, tensor, op)
     op = _op(op, tensor.dtype, name)
     rows = check_divisible(tensor, comm.size, name)
-    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     send = tensor.contiguous()
     work = _start(comm, name, lambda: reduce_scatter_single(
         out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True))
@@ -265,20 +283,20 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
     return comm.request(name, [work], lambda: _finish_in_place(out, out, divisor))
 
 
-def alltoall(comm: Communicator, tensor: torch.Tensor) -> Request:
+def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
     """Send row block j of ``tensor`` to rank j; result block i came from rank i."""
     name = "alltoall"
     tensor = _checked(comm, name, tensor)
     check_divisible(tensor, comm.size, name)
     send = tensor.contiguous()
-    out = torch.empty_like(send)
+    out = _output(out, tuple(send.shape), send, name)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, group=comm.group, async_op=True))
     return comm.request(name, [work], lambda: out)
 
 
 def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[int],
-              recv_counts: Sequence[int]) -> Request:
+              recv_counts: Sequence[int], out: torch.Tensor | None = None) -> Request:
     """Send ``send_counts[j]`` rows to rank j; receive ``recv_counts[i]`` rows from rank i."""
     name = "alltoallv"
     send_counts = check_counts(send_counts, comm.size, "send_counts", name)
@@ -289,7 +307,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
             f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "
             f"got shape {tuple(send.shape)}"
         )
-    out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
         group=comm.group, async_op=True))

@@ -162,9 +162,10 @@ class Distribution:
         """Broadcast group rank ``root``'s ``tensor`` in place."""
         return coll.bcast(self.communicator(group), tensor, root)
 
-    def allgather(self, tensor: torch.Tensor, *, group: GroupType) -> Request:
-        """Concatenate every rank's ``tensor`` along dim 0 on every rank."""
-        return coll.allgather(self.communicator(group), tensor)
+    def allgather(self, tensor: torch.Tensor, *, group: GroupType,
+                  out: torch.Tensor | None = None) -> Request:
+        """Concatenate every rank's ``tensor`` along dim 0 on every rank (into ``out``)."""
+        return coll.allgather(self.communicator(group), tensor, out)
 
     def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int], *,
                    group: GroupType) -> Request:
@@ -175,23 +176,26 @@ class Distribution:
         """Concatenate every rank's ``tensor`` on ``root`` (``None`` elsewhere)."""
         return coll.gather(self.communicator(group), tensor, root)
 
-    def scatter(self, tensor: torch.Tensor, root: int, *, group: GroupType) -> Request:
-        """Give rank i the i-th equal row block of ``root``'s ``tensor``."""
-        return coll.scatter(self.communicator(group), tensor, root)
+    def scatter(self, tensor: torch.Tensor, root: int, *, group: GroupType,
+                out: torch.Tensor | None = None) -> Request:
+        """Give rank i the i-th equal row block of ``root``'s ``tensor`` (into ``out``)."""
+        return coll.scatter(self.communicator(group), tensor, root, out)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
-                       group: GroupType) -> Request:
-        """Reduce ``tensor``; rank i receives the i-th equal row block."""
-        return coll.reduce_scatter(self.communicator(group), tensor, op)
+                       group: GroupType, out: torch.Tensor | None = None) -> Request:
+        """Reduce ``tensor``; rank i receives the i-th equal row block (into ``out``)."""
+        return coll.reduce_scatter(self.communicator(group), tensor, op, out)
 
-    def alltoall(self, tensor: torch.Tensor, *, group: GroupType) -> Request:
-        """Send row block j to rank j; block i of the result came from rank i."""
-        return coll.alltoall(self.communicator(group), tensor)
+    def alltoall(self, tensor: torch.Tensor, *, group: GroupType,
+                 out: torch.Tensor | None = None) -> Request:
+        """Send row block j to rank j; block i of the result came from rank i (into ``out``)."""
+        return coll.alltoall(self.communicator(group), tensor, out)
 
     def alltoallv(self, tensor: torch.Tensor, send_counts: Sequence[int],
-                  recv_counts: Sequence[int], *, group: GroupType) -> Request:
-        """All-to-all with per-rank row counts."""
-        return coll.alltoallv(self.communicator(group), tensor, send_counts, recv_counts)
+                  recv_counts: Sequence[int], *, group: GroupType,
+                  out: torch.Tensor | None = None) -> Request:
+        """All-to-all with per-rank row counts (into ``out``)."""
+        return coll.alltoallv(self.communicator(group), tensor, send_counts, recv_counts, out)
 
     def barrier(self, *, group: GroupType, timeout: float | None = None) -> None:
         """Block until every rank of ``group`` arrives."""

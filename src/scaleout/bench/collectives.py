@@ -41,7 +41,8 @@ def bus_factor(op: str, p: int) -> float:
 
 
 def _calls(op: str, d: scaleout.Distribution, numel: int) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(scaleout call, plain torch.distributed call) moving the same bytes."""
+    """(scaleout call, plain torch.distributed call) moving the same bytes into the same,
+    preallocated output buffers."""
     p, me = d.size(GroupType.GLOBAL), d.rank(GroupType.GLOBAL)
     g = GroupType.GLOBAL
     pg = d.process_group(g)
@@ -52,13 +53,13 @@ def _calls(op: str, d: scaleout.Distribution, numel: int) -> tuple[Callable[[], 
     parts = [torch.empty(block) for _ in range(p)]
     ours: dict[str, Callable[[], object]] = {
         "allreduce": lambda: d.allreduce(full, group=g).wait(),
-        "reduce_scatter": lambda: d.reduce_scatter(full, group=g).wait(),
-        "allgather": lambda: d.allgather(part, group=g).wait(),
+        "reduce_scatter": lambda: d.reduce_scatter(full, group=g, out=part).wait(),
+        "allgather": lambda: d.allgather(part, group=g, out=out_full).wait(),
         "bcast": lambda: d.bcast(full, 0, group=g).wait(),
         "reduce": lambda: d.reduce(full, 0, group=g).wait(),
-        "alltoall": lambda: d.alltoall(full, group=g).wait(),
+        "alltoall": lambda: d.alltoall(full, group=g, out=out_full).wait(),
         "gather": lambda: d.gather(part, 0, group=g).wait(),
-        "scatter": lambda: d.scatter(full, 0, group=g).wait(),
+        "scatter": lambda: d.scatter(full, 0, group=g, out=part).wait(),
     }
     theirs: dict[str, Callable[[], object]] = {
         "allreduce": lambda: tdist.all_reduce(full, group=pg),

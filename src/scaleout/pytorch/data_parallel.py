@@ -78,6 +78,7 @@ class DataParallel(nn.Module):
         self._optimizer: DistributedOptimizer | None = None
         self._session: Session | None = None
         self._forward_order: list[Layer] = []
+        self._pending_compression_state: dict[str, Any] = {}
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
@@ -158,6 +159,21 @@ class DataParallel(nn.Module):
         self.synchronize()
         return super().state_dict(*args, **kwargs)
 
+    def get_extra_state(self) -> dict[str, Any]:
+        """Checkpointed with ``state_dict()``: the codecs' error-feedback state."""
+        if self._session is None:
+            return {"compression": dict(self._pending_compression_state)}
+        return {"compression": self._session.compression_state_dict()}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restored by ``load_state_dict()`` (applied at the first forward if not yet built)."""
+        if not isinstance(state, dict) or "compression" not in state:
+            raise ValueError("DataParallel extra state must be a dict with a 'compression' entry")
+        if self._session is None:
+            self._pending_compression_state = dict(state["compression"])
+        else:
+            self._session.load_compression_state_dict(state["compression"])
+
     def close(self) -> None:
         """Stop the progress thread and remove the hooks."""
         if self._session is not None:
@@ -200,6 +216,9 @@ class DataParallel(nn.Module):
             layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
             layer.sets = layer.op.parameter_sets
         session.commit()
+        if self._pending_compression_state:
+            session.load_compression_state_dict(self._pending_compression_state)
+            self._pending_compression_state = {}
         self._session = session
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}

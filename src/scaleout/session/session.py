@@ -70,6 +70,16 @@ def _compressor_for(ps: ParameterSet) -> Any:
     return Compressor(config)
 
 
+def _multi_round(compressor: Any, ps: ParameterSet) -> bool:
+    """Whether ``ps``'s codec brings its own (multi-round) exchange."""
+    from scaleout.compression import Codec
+
+    probe = torch.empty(ps.spec.shape or (ps.local_count,), dtype=ps.spec.dtype)
+    config = compressor.config
+    codec = config.select(ps.name, probe, step=config.warmup_steps)
+    return type(codec).exchange is not Codec.exchange
+
+
 class _Bucket:
     """A committed bucket: a flat buffer, its members, and the job that sends it."""
 
@@ -93,7 +103,8 @@ class _Bucket:
         self._out: list[Any] = [None]
         self.job = Job(name="+".join(ps.name for ps in members), lane=plan.lane,
                        order=0, chunks=self._chunks(), finish=self._finish,
-                       exclusive=self.compressor is not None)
+                       exclusive=(self.compressor is not None
+                                  and _multi_round(self.compressor, head)))
 
     def _chunks(self) -> list[tuple[int, Any]]:
         if self.data_size == 1:
@@ -311,6 +322,25 @@ class Session:
             bucket.engine = engine
         self._engines.append(engine)
         self.buckets.extend(buckets)
+
+    def compression_state_dict(self) -> dict[str, Any]:
+        """Every compressed parameter set's codec state (error-feedback residuals, ...)."""
+        return {bucket.members[0].name: bucket.compressor.state_dict()
+                for bucket in self.buckets if bucket.compressor is not None}
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`compression_state_dict` returned.
+
+        Raises:
+            ValueError: the state names parameter sets this session does not compress.
+        """
+        compressed = {b.members[0].name: b for b in self.buckets if b.compressor is not None}
+        unknown = sorted(set(state) - set(compressed))
+        if unknown:
+            raise ValueError(f"compression state for parameter sets this session does not "
+                             f"compress: {unknown}")
+        for name, entry in state.items():
+            compressed[name].compressor.load_state_dict(entry)
 
     def measure_isolation(self, repeats: int = 3) -> None:
         """Time each bucket's collective alone (every rank must call); adds isolation time."""

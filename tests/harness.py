@@ -112,3 +112,17 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         text = "\n".join(f"----- rank {r} -----\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{text}")
     return [results[r] for r in range(world_size)]
+
+
+def require_testbed() -> None:
+    """Skip unless this machine can host a testbed (root, ip, tc); under CI=true, fail."""
+    import pytest
+
+    from scaleout.testbed import TestbedUnavailable, check_capabilities
+
+    try:
+        check_capabilities()
+    except TestbedUnavailable as err:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but the testbed cannot run here: {err}")
+        pytest.skip(str(err))

@@ -25,13 +25,7 @@ TINY = ["bench", "train", "--workload", "digits-mlp", "--ranks", "2", "--rounds"
         "--iters", "3", "--warmup", "1", "--vs", "ddp", "--no-progress"]
 
 
-def _require_testbed() -> None:
-    try:
-        check_capabilities()
-    except TestbedUnavailable as err:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but the testbed cannot run here: {err}")
-        pytest.skip(str(err))
+from harness import require_testbed as _require_testbed  # noqa: E402
 
 
 @pytest.fixture

@@ -32,13 +32,7 @@ from scaleout.testbed.units import parse_percent, parse_rate, parse_time
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def _require_testbed() -> None:
-    try:
-        check_capabilities()
-    except TestbedUnavailable as err:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but the testbed cannot run here: {err}")
-        pytest.skip(str(err))
+from harness import require_testbed as _require_testbed  # noqa: E402
 
 
 def _require_netem() -> None:

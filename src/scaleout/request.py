@@ -10,7 +10,7 @@ from typing import Any
 
 from scaleout.errors import CommunicationError, CommunicationTimeout
 
-__all__ = ["Request", "completed_request"]
+__all__ = ["Request", "completed_request", "countdown"]
 
 
 class Request:
@@ -104,17 +104,12 @@ class Request:
         if not self._works:
             callback(self)
             return
-        remaining = [len(self._works)]
-        lock = threading.Lock()  # futures complete on several communication threads
 
-        def one_done(_future: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self._signalled = True
-                callback(self)
+        def finished() -> None:
+            self._signalled = True
+            callback(self)
 
+        one_done = countdown(len(self._works), finished)
         for work in self._works:
             try:
                 future = work.get_future()
@@ -140,6 +135,24 @@ class Request:
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"
         return f"<Request {self._operation} group={self._group} rank={self._rank} {state}>"
+
+
+def countdown(count: int, then: Callable[[], None]) -> Callable[[Any], None]:
+    """A thread-safe callback that calls ``then()`` on its ``count``-th call.
+
+    For "all of these completed" on completions that arrive on several threads.
+    """
+    remaining = [count]
+    lock = threading.Lock()
+
+    def one_done(_item: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then()
+
+    return one_done
 
 
 def _wait_then(work: Any, timeout: float, callback: Callable[[Any], None]) -> None:

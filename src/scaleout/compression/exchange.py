@@ -11,7 +11,6 @@ engine) or :meth:`~CompressedRequest.wait`.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, work_dtype
 from scaleout.compression.state import CodecState
 from scaleout.errors import CommunicationTimeout
+from scaleout.request import countdown
 
 __all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "generic_exchange", "wire_bytes"]
 
@@ -207,16 +207,7 @@ class CompressedRequest:
         if self._stats is not None or not pending:
             callback(self)
             return
-        remaining = [len(pending)]
-        lock = threading.Lock()
-
-        def one_done(_request: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                callback(self)
-
+        one_done = countdown(len(pending), lambda: callback(self))
         for request in pending:
             request.when_done(one_done)
 

@@ -133,8 +133,8 @@ def handler(args: argparse.Namespace) -> int:
         return _error(str(err))
     except TestbedError as err:
         return _error(f"the testbed failed: {err}")
-    report = build_report(raw, argv=["scaleout", *sys.argv[1:]], started=started,
-                          machine_before=before)
+    command = getattr(args, "command_line", ["scaleout", *sys.argv[1:]])
+    report = build_report(raw, argv=command, started=started, machine_before=before)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as handle:

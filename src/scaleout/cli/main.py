@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.target = target
     else:
         args = parser.parse_args(argv)
+    args.command_line = ["scaleout", *argv]  # for reports that record how they were made
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

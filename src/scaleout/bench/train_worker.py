@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -93,11 +94,20 @@ def main(argv: list[str] | None = None) -> None:
         "setup_and_warmup_s": loop_start - started, "threads": args.threads, "details": setup.details,
         "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
     }
-    setup.close()
     if rank == 0:
         with open(args.json, "w") as handle:
             json.dump(result, handle)
+    if distributed:
+        torch.distributed.barrier()  # nobody tears down while a peer still communicates
+    setup.close()
 
 
 if __name__ == "__main__":
     main()
+    # The results are written and every process group is destroyed. Skip interpreter
+    # finalisation: on gloo it can abort ("terminate called without an active
+    # exception") when torch's C++ work objects are freed after Python's, which would
+    # turn a finished measurement into a failed configuration.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

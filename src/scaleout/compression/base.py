@@ -33,6 +33,7 @@ __all__ = [
     "Request",
     "TensorMeta",
     "compensate",
+    "keep_residual",
     "remember",
     "work_dtype",
 ]
@@ -114,22 +115,26 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
         enabled: Whether error feedback is on; if off the residual is ignored.
 
     Returns:
-        A new 1-D tensor in :func:`work_dtype` (never aliases ``tensor``).
+        A 1-D tensor in :func:`work_dtype`: the state's ``"work"`` scratch buffer, which
+        the codec owns until its exchange ends (it never aliases ``tensor``).
 
     Raises:
         TypeError: If ``tensor`` is not a floating-point tensor.
         ValueError: If a stored residual does not match the tensor's size.
     """
     _check_floating(codec, tensor)
-    flat = tensor.detach().reshape(-1).to(work_dtype(tensor.dtype), copy=True)
+    source = tensor.detach().reshape(-1)
+    flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype))
     residual = state.buffers.get("residual") if enabled else None
-    if residual is not None:
-        if residual.numel() != flat.numel():
-            raise ValueError(
-                f"codec {codec!r}: error-feedback residual has {residual.numel()} elements "
-                f"but the tensor has {flat.numel()}; one CodecState per tensor is required"
-            )
-        flat.add_(residual.to(device=flat.device, dtype=flat.dtype))
+    if residual is None:
+        flat.copy_(source)
+        return flat
+    if residual.numel() != flat.numel():
+        raise ValueError(
+            f"codec {codec!r}: error-feedback residual has {residual.numel()} elements "
+            f"but the tensor has {flat.numel()}; one CodecState per tensor is required"
+        )
+    torch.add(source, residual.reshape(-1).to(dtype=flat.dtype), out=flat)
     return flat
 
 
@@ -143,18 +148,35 @@ def remember(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, e
 
     Args:
         state: The tensor's codec state (``buffers["residual"]`` is written).
-        compensated: The flat compensated gradient that was encoded.
+        compensated: The flat compensated gradient that was encoded (if it is the
+            state's work buffer, from :func:`compensate`, it is overwritten).
         sent: What this rank actually contributed after decoding, same size.
         enabled: Whether error feedback is on; if off nothing is stored.
     """
     if not enabled:
         return
-    new = compensated - sent
-    finite = torch.isfinite(new)
-    if not bool(finite.all()):
-        old = state.buffers.get("residual")
-        old = torch.zeros_like(new) if old is None else old.to(new.dtype)
-        new = torch.where(finite, new, old)
+    if compensated is state.scratch.get("work"):
+        new = compensated.sub_(sent)
+    else:
+        new = compensated - sent
+    keep_residual(state, new)
+
+
+def keep_residual(state: CodecState, new: torch.Tensor) -> None:
+    """Make ``new`` the residual; non-finite elements keep the previous one (see remember).
+
+    When ``new`` is the state's work buffer, the previous residual's storage becomes
+    the next work buffer (double buffering: no allocation per step).
+    """
+    old = state.buffers.get("residual")
+    if not bool(torch.isfinite(new.sum())):  # one reduction; exact check only if needed
+        keep = torch.zeros_like(new) if old is None else old.reshape(-1).to(new.dtype)
+        torch.where(torch.isfinite(new), new, keep, out=new)
+    if new is state.scratch.get("work"):
+        if old is not None and old.dtype == new.dtype and old.numel() == new.numel():
+            state.scratch["work"] = old.reshape(-1)
+        else:
+            del state.scratch["work"]
     state.buffers["residual"] = new
 
 

@@ -28,6 +28,7 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     compensate,
+    keep_residual,
     remember,
     work_dtype,
 )
@@ -135,8 +136,10 @@ class BlockQuantCodec(Codec):
 
     def exponents(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-block exponent of a flat work-dtype tensor (int8, see module doc)."""
-        blocks = self._blocks(flat)
-        amax = blocks.abs().amax(dim=1)
+        amax = torch.zeros(self._num_blocks(flat.numel()), dtype=flat.dtype)
+        for (values, _), rows in zip(self._segments(flat), self._row_ranges(flat.numel())):
+            low, high = torch.aminmax(values, dim=1)  # one pass, no |x| temporary
+            torch.maximum(high, low.neg(), out=amax[rows])
         exp = torch.frexp(amax).exponent.clamp(_EXP_MIN, _EXP_MAX)
         exp = torch.where(amax == 0, torch.full_like(exp, EXP_EMPTY), exp)
         exp = torch.where(torch.isfinite(amax), exp, torch.full_like(exp, EXP_NONFINITE))
@@ -158,11 +161,9 @@ class BlockQuantCodec(Codec):
             ``([mantissas], ctx)``; mantissas are ``tensor.numel()`` integers.
         """
         flat = compensate(self.name, tensor, state, self.error_feedback)
-        if exponents is None:
-            exponents = self.exponents(flat)
-        payload, ctx = self._quantize_flat(flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype))
-        remember(state, flat, self._decode_flat(payload[0], ctx), self.error_feedback)
-        return payload, ctx
+        own = self.exponents(flat) if exponents is None else exponents
+        return self._quantize_and_remember(flat, own, ranks, TensorMeta(tensor.shape, tensor.dtype),
+                                           state, saturate=exponents is not None)
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], BlockQuantCtx]:
         """Encode with local exponents and ``L = 127``; see :meth:`Codec.encode`."""
@@ -180,40 +181,88 @@ class BlockQuantCodec(Codec):
         flat = compensate(self.name, tensor, state, self.error_feedback)
         exponents = self.exponents(flat)
         exponents = yield comm.allreduce(exponents, op=ReduceOp.MAX, group=group)
-        payload, ctx = self._quantize_flat(flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype))
-        remember(state, flat, self._decode_flat(payload[0], ctx), self.error_feedback)
+        payload, ctx = self._quantize_and_remember(
+            flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False)
         summed = yield comm.allreduce(payload[0], op=ReduceOp.SUM, group=group)
-        return self._decode_flat(summed, ctx)
+        return self._decode_flat(summed, ctx, out=state.work_buffer("quantized", summed.numel(), flat.dtype))
 
     # -- internals -----------------------------------------------------------
+    #
+    # Every pass over the gradient costs CPU that, on a busy machine, training would have
+    # used; the hot path makes about six: compensate, min/max per block, scale, round,
+    # narrow to the wire type, and the residual (one fused multiply-add, in place).
 
-    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
-        pad = (-flat.numel()) % self.block_size
-        if pad or flat.numel() == 0:
-            flat = torch.cat([flat, flat.new_zeros(pad if flat.numel() else self.block_size)])
-        return flat.view(-1, self.block_size)
+    def _num_blocks(self, numel: int) -> int:
+        return max(-(-numel // self.block_size), 1)
 
-    def _quantize_flat(
-        self, flat: torch.Tensor, exponents: torch.Tensor, ranks: int, meta: TensorMeta
+    def _row_ranges(self, numel: int) -> list[slice]:
+        full = numel // self.block_size
+        rows = [slice(0, full)] if full else []
+        return rows + ([slice(full, full + 1)] if numel > full * self.block_size else [])
+
+    def _segments(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+        """``flat`` as (blocks x block_size) rows: the whole blocks, then the short last one."""
+        full = flat.numel() // self.block_size
+        cut = full * self.block_size
+        out = [(flat[:cut].view(full, self.block_size), slice(0, full))] if full else []
+        if flat.numel() > cut:
+            out.append((flat[cut:].view(1, -1), slice(full, full + 1)))
+        return out
+
+    def _quantize_and_remember(
+        self, flat: torch.Tensor, exponents: torch.Tensor, ranks: int, meta: TensorMeta,
+        state: CodecState, *, saturate: bool,
     ) -> tuple[list[torch.Tensor], BlockQuantCtx]:
+        """Quantise ``flat`` (compensated, owned by us) and keep ``flat - sent`` as residual."""
         levels, wire = self.wire_format(ranks)
-        blocks = self._blocks(flat)
-        if exponents.shape != (blocks.shape[0],):
-            raise ValueError(
-                f"blockquant: expected {blocks.shape[0]} block exponents, got shape {tuple(exponents.shape)}"
-            )
+        blocks = self._num_blocks(flat.numel())
+        if exponents.shape != (blocks,):
+            raise ValueError(f"blockquant: expected {blocks} block exponents, got shape {tuple(exponents.shape)}")
         exp = exponents.to(torch.int32)
         bad = exp == EXP_NONFINITE
-        q = torch.ldexp(blocks * levels, -exp[:, None].to(blocks.dtype))
-        q = torch.nan_to_num(q, nan=0.0).round_().clamp_(-levels, levels)
-        q = torch.where(bad[:, None], torch.zeros_like(q), q)
-        mantissas = q.reshape(-1)[: meta.numel].to(wire)
-        return [mantissas], BlockQuantCtx(meta, exponents.to(torch.int8), levels, self.block_size)
+        any_bad = bool(bad.any())
+        # |x| <= amax < 2**e, so |x * L / 2**e| < L: rounding stays within +-L unless the
+        # exponent saturated at its maximum (or the caller's exponents are smaller).
+        saturate = saturate or bool((exp >= _EXP_MAX).any())
+        finite_exp = exp.clamp(_EXP_MIN, _EXP_MAX).to(torch.float64)  # all-zero blocks: any
+        pow2 = torch.ldexp(torch.ones_like(finite_exp), -finite_exp)
+        step = torch.ldexp(torch.full(exp.shape, 1.0 / levels, dtype=flat.dtype), finite_exp.to(flat.dtype))
+        pow2 = torch.where(exp == EXP_EMPTY, torch.zeros_like(pow2), pow2)  # zeros stay zero
+        if any_bad:
+            pow2 = torch.where(bad, torch.zeros_like(pow2), pow2)
+            step = torch.where(bad, torch.zeros_like(step), step)
+        # One multiply by L / 2**e where that factor fits the work dtype (always, but for
+        # blocks below ~2**-120); else 2**-e first, then L, as two passes.
+        fused = bool((pow2 * levels).max() <= torch.finfo(flat.dtype).max)
+        mult = (pow2 * levels if fused else pow2).to(flat.dtype)
+        q = state.work_buffer("quantized", flat.numel(), flat.dtype)
+        for (values, rows), (out, _) in zip(self._segments(flat), self._segments(q)):
+            torch.mul(values, mult[rows, None], out=out)
+        if not fused:
+            q.mul_(levels)
+        if any_bad:
+            q.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        q.round_()
+        if saturate:
+            q.clamp_(-levels, levels)
+        mantissas = state.work_buffer("mantissas", flat.numel(), wire)
+        mantissas.copy_(q)
+        ctx = BlockQuantCtx(meta, exponents.to(torch.int8), levels, self.block_size)
+        if self.error_feedback and any_bad:
+            remember(state, flat, self._decode_flat(mantissas, ctx), True)
+        elif self.error_feedback:  # finite everywhere: residual = flat - q * 2**e / L, in place
+            for (values, rows), (sent, _) in zip(self._segments(flat), self._segments(q)):
+                values.addcmul_(sent, step[rows, None], value=-1.0)
+            keep_residual(state, flat)
+        return [mantissas], ctx
 
-    def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx) -> torch.Tensor:
+    def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         dtype = work_dtype(ctx.meta.dtype)
         exp = ctx.exponents.to(torch.int32)
         scale = torch.ldexp(torch.full(exp.shape, 1.0 / ctx.levels, dtype=dtype), exp.to(dtype))
         scale = torch.where(exp == EXP_NONFINITE, torch.full_like(scale, float("nan")), scale)
-        blocks = self._blocks(mantissas.to(dtype))
-        return (blocks * scale[:, None]).reshape(-1)[: ctx.meta.numel]
+        values = mantissas.to(dtype) if out is None else out.copy_(mantissas)
+        for segment, rows in self._segments(values):
+            segment.mul_(scale[rows, None])
+        return values

@@ -278,9 +278,11 @@ class CompressedRequest:
         tensor = self._tensor
         if summed is not None:
             out = summed.reshape(tensor.shape)
-            if self._average:
-                out = out.to(work_dtype(tensor.dtype)) / self._ranks
-            if out.data_ptr() != tensor.data_ptr() or out.dtype != tensor.dtype:
+            if self._average and out.dtype == tensor.dtype:
+                torch.div(out, self._ranks, out=tensor)  # one pass, no temporary
+            elif self._average:
+                tensor.copy_(out.to(work_dtype(tensor.dtype)) / self._ranks)
+            elif out.data_ptr() != tensor.data_ptr() or out.dtype != tensor.dtype:
                 tensor.copy_(out)
         elif self._average and tensor.numel():
             tensor.div_(self._ranks)

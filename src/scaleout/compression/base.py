@@ -260,3 +260,32 @@ class Codec(ABC):
             :data:`ExchangeGenerator` returning the sum over ranks.
         """
         return None
+
+    def exchange_bucket(
+        self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
+        comm: Communicator, group: Any,
+    ) -> ExchangeGenerator | None:
+        """The exchange of a fused bucket: tensors of ``shapes`` back to back in ``flat``.
+
+        One state serves the whole bucket. The default treats the bucket as one tensor,
+        right for codecs that work element by element or in blocks (none, cast,
+        blockquant, sign, top-k); a codec that needs each tensor's shape (PowerSGD)
+        overrides it.
+
+        Args:
+            flat: The bucket, 1-D.
+            shapes: The shape of each tensor in it, in order.
+            state: The bucket's codec state.
+            comm: The communicator.
+            group: The group.
+
+        Returns:
+            Like :meth:`exchange`.
+        """
+        return self.exchange(flat, state, comm, group)
+
+    @property
+    def multi_round(self) -> bool:
+        """Whether this codec brings its own exchange (possibly several rounds)."""
+        own = type(self)
+        return own.exchange is not Codec.exchange or own.exchange_bucket is not Codec.exchange_bucket

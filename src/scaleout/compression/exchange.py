@@ -11,6 +11,7 @@ engine) or :meth:`~CompressedRequest.wait`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -306,6 +307,7 @@ def compressed_allreduce(
     *,
     group: Any,
     average: bool = True,
+    shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> CompressedRequest:
     """Start a compressed allreduce of ``tensor`` over ``group``; non-blocking.
 
@@ -324,6 +326,8 @@ def compressed_allreduce(
             ``allreduce``/``allgather`` returning requests, and ``size``).
         group: The group to reduce over, e.g. ``GroupType.DATA``.
         average: Divide the sum by the group size.
+        shapes: ``tensor`` is a fused bucket (1-D) holding tensors of these shapes back
+            to back (:meth:`Codec.exchange_bucket`); ``None``: one tensor.
 
     Returns:
         A :class:`CompressedRequest`; ``wait()`` returns ``tensor``,
@@ -331,6 +335,7 @@ def compressed_allreduce(
 
     Raises:
         TypeError: For a wrong argument type, or ``average`` on an integer tensor.
+        ValueError: ``shapes`` that do not add up to a 1-D ``tensor``.
 
     Example:
         >>> codec = make_codec("topk:ratio=0.01")                 # doctest: +SKIP
@@ -347,11 +352,20 @@ def compressed_allreduce(
         raise TypeError(f"state must be a CodecState, got {type(state).__name__}")
     if average and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"average=True needs a floating-point tensor, got {tensor.dtype}; pass average=False")
+    if shapes is not None:
+        shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        total = sum(math.prod(shape) for shape in shapes)
+        if tensor.dim() != 1 or total != tensor.numel():
+            raise ValueError(f"a bucket must be 1-D with as many elements as its shapes hold: "
+                             f"shapes {shapes} hold {total}, tensor has shape {tuple(tensor.shape)}")
     counter = _CountingComm(comm)
     ranks, rank = comm.size(group), comm.rank(group)
     generator = None
     if tensor.numel():
-        generator = codec.exchange(tensor, state, counter, group)
+        if shapes is None:
+            generator = codec.exchange(tensor, state, counter, group)
+        else:
+            generator = codec.exchange_bucket(tensor, shapes, state, counter, group)
         if generator is None:
             generator = generic_exchange(codec, tensor, state, counter, group)
     request = CompressedRequest(

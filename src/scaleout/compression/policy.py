@@ -123,7 +123,8 @@ class Compressor:
         return self.config.select(name, tensor, self.state(name).step)
 
     def allreduce(
-        self, name: str, tensor: torch.Tensor, comm: Any, *, group: Any, average: bool = True
+        self, name: str, tensor: torch.Tensor, comm: Any, *, group: Any, average: bool = True,
+        shapes: Any = None,
     ) -> CompressedRequest:
         """:func:`compressed_allreduce` with the codec and state chosen for ``name``.
 
@@ -133,12 +134,14 @@ class Compressor:
             comm: A ``scaleout`` Distribution.
             group: Group to reduce over.
             average: Divide the sum by the group size.
+            shapes: ``tensor`` is a fused bucket of tensors of these shapes.
 
         Returns:
             The request.
         """
         return compressed_allreduce(
-            self.codec_for(name, tensor), tensor, self.state(name), comm, group=group, average=average
+            self.codec_for(name, tensor), tensor, self.state(name), comm, group=group,
+            average=average, shapes=shapes,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ fewer than 2 dimensions, or too small for rank ``r`` to save bytes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     compensate,
+    keep_residual,
     remember,
 )
 from scaleout.compression.state import CodecState
@@ -141,20 +143,72 @@ class PowerSGDCodec(Codec):
         remember(state, flat, total / comm.size(group), self.error_feedback)
         return total
 
+    def exchange_bucket(
+        self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
+        comm: Communicator, group: Any,
+    ) -> ExchangeGenerator:
+        """A whole bucket in two collectives, like torch's PowerSGD hook.
+
+        Round 1 allreduces, in one buffer, the tensors sent uncompressed and every
+        matrix's ``P = M Q``; round 2 every matrix's ``Q = M^T P`` (after
+        orthonormalising each ``P``). Per matrix the result is what :meth:`exchange`
+        gives; the warm-start factors are kept per matrix (``"q0"``, ``"q1"``, ...).
+        """
+        layout = []  # (index, offset, numel, matrix dims or None)
+        offset = 0
+        for index, shape in enumerate(shapes):
+            numel = math.prod(shape)
+            layout.append((index, offset, numel, self.matrix_shape(torch.Size(shape))))
+            offset += numel
+        mats = [entry for entry in layout if entry[3] is not None]
+        plain = [entry for entry in layout if entry[3] is None]
+        work = compensate(self.name, flat, state, self.error_feedback and bool(mats))
+        if not mats:
+            summed = yield comm.allreduce(work, group=group)
+            return summed
+        ps = [work[o:o + n].view(d) @ self._q(state, d, work.dtype, f"q{i}") for i, o, n, d in mats]
+        first = torch.cat([work[o:o + n] for _, o, n, _ in plain] + [p.reshape(-1) for p in ps])
+        first = yield comm.allreduce(first, group=group)
+        result = state.work_buffer("result", work.numel(), work.dtype)
+        at = 0
+        for _, o, n, _ in plain:
+            result[o:o + n] = first[at:at + n]
+            at += n
+        for k, (_, _, _, d) in enumerate(mats):
+            ps[k] = self._orthonormal(first[at:at + ps[k].numel()].view(d[0], -1))
+            at += ps[k].numel()
+        qs = [work[o:o + n].view(d).T @ p for (_, o, n, d), p in zip(mats, ps)]
+        second = yield comm.allreduce(torch.cat([q.reshape(-1) for q in qs]), group=group)
+        at = 0
+        for (i, o, n, d), p in zip(mats, ps):
+            q = second[at:at + d[1] * p.shape[1]].view(d[1], -1)
+            at += q.numel()
+            self._keep_q(state, q, f"q{i}")
+            torch.matmul(p, q.T, out=result[o:o + n].view(d))
+        if self.error_feedback:  # matrices keep M_i - result / p; exact tensors keep nothing
+            ranks = comm.size(group)
+            for _, o, n, _ in mats:
+                work[o:o + n].sub_(result[o:o + n], alpha=1.0 / ranks)
+            for _, o, n, _ in plain:
+                work[o:o + n].zero_()
+            keep_residual(state, work)
+        return result
+
     # -- internals -----------------------------------------------------------
 
-    def _q(self, state: CodecState, dims: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    def _q(self, state: CodecState, dims: tuple[int, int], dtype: torch.dtype,
+           key: str = "q") -> torch.Tensor:
         n, m = dims
         r = min(self.rank, n, m)
-        q = state.buffers.get("q") if self.warm_start else None
+        q = state.buffers.get(key) if self.warm_start else None
         if q is None or q.shape != (m, r):
             gen = torch.Generator().manual_seed(self.seed + (0 if self.warm_start else state.step))
             q = torch.randn(m, r, generator=gen, dtype=torch.float64)
         return q.to(dtype)
 
-    def _keep_q(self, state: CodecState, q: torch.Tensor) -> None:
+    def _keep_q(self, state: CodecState, q: torch.Tensor, key: str = "q") -> None:
         if self.warm_start and bool(torch.isfinite(q).all()):
-            state.buffers["q"] = q.detach().clone()
+            state.buffers[key] = q.detach().clone()
 
     @staticmethod
     def _orthonormal(p: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,10 @@ class PlanItem:
         dtype: dtype name (items fuse only with items of the same dtype).
         elem_bytes: bytes per element.
         position: forward position (0 = needed first by the next forward).
-        fusible: may share a bucket (plain allreduce) with neighbours.
+        fusible: may share a bucket with neighbours (of the same codec).
+        codec: the codec that compresses it (any string naming it; ``""``: sent exact).
+            Items fuse only with items of the same codec; exact buckets are plain
+            allreduces and may be cut into chunks, compressed ones go whole.
     """
 
     key: int
@@ -33,6 +36,7 @@ class PlanItem:
     elem_bytes: int
     position: int
     fusible: bool = True
+    codec: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -52,7 +56,8 @@ class BucketPlan:
         dtype, elem_bytes: of every item.
         position: the smallest forward position of its items (its priority).
         chunks: (start, stop) element ranges, sent in this order.
-        fused: True when the bucket is a plain allreduce buffer (else a single special item).
+        fused: True when the bucket may hold several items (else a single special item).
+        codec: its items' codec (``""``: exact).
     """
 
     index: int
@@ -65,6 +70,7 @@ class BucketPlan:
     position: int
     chunks: tuple[tuple[int, int], ...]
     fused: bool
+    codec: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -92,9 +98,11 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
     """Group ``items`` into buckets in issue (backward) order.
 
     Items are issued latest-forward-position first (the order in which backward produces
-    their gradients). Consecutive fusible items of the same lane and dtype share a bucket up
-    to ``bucket_bytes`` (``first_bucket_bytes`` for the first one). Under the priority policy
-    every bucket is split into ``partition_bytes`` chunks.
+    their gradients). Fusible items of the same lane, dtype and codec share a bucket, in
+    that order, up to ``bucket_bytes`` (``first_bucket_bytes`` for the first one), even when
+    items of other codecs come between them; a bucket is issued when its last item is
+    ready. Under the priority policy every exact bucket is split into ``partition_bytes``
+    chunks (a compressed one travels whole: its codec works on the whole bucket).
 
     Raises:
         ValueError: duplicate keys.
@@ -113,17 +121,24 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
     order = sorted(items, key=lambda i: (-i.position, i.key))
     split = config.policy == "priority"
     groups: list[list[PlanItem]] = []
+    # One open bucket per (lane, dtype, codec): compressed weights interleaved with
+    # small exact tensors (biases, norms) still fuse with each other.
+    open_buckets: dict[tuple[int, str, str], list[PlanItem]] = {}
     for item in order:
-        limit = config.first_bucket_bytes if not groups else config.bucket_bytes
-        if groups:
-            current = groups[-1]
-            head = current[0]
-            size = sum(i.nbytes for i in current)
-            if (item.fusible and head.fusible and lanes[item.key] == lanes[head.key]
-                    and item.dtype == head.dtype and size + item.nbytes <= limit):
-                current.append(item)
-                continue
-        groups.append([item])
+        if not item.fusible:
+            groups.append([item])
+            continue
+        kind = (lanes[item.key], item.dtype, item.codec)
+        current = open_buckets.get(kind)
+        limit = config.first_bucket_bytes if groups and current is groups[0] else config.bucket_bytes
+        if current is not None and sum(i.nbytes for i in current) + item.nbytes <= limit:
+            current.append(item)
+            continue
+        open_buckets[kind] = [item]
+        groups.append(open_buckets[kind])
+    # Issue order: a bucket is ready when its last item's gradient is (backward order).
+    rank_of = {item.key: n for n, item in enumerate(order)}
+    groups.sort(key=lambda group: rank_of[group[-1].key])
     plans = []
     for index, group in enumerate(groups):
         offsets, total = [], 0
@@ -135,7 +150,7 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
             index=index, lane=lanes[head.key], keys=tuple(i.key for i in group),
             offsets=tuple(offsets), numel=total, dtype=head.dtype, elem_bytes=head.elem_bytes,
             position=min(i.position for i in group),
-            chunks=_chunks(total, head.elem_bytes, config, split and head.fusible),
-            fused=head.fusible,
+            chunks=_chunks(total, head.elem_bytes, config, split and head.fusible and not head.codec),
+            fused=head.fusible, codec=head.codec,
         ))
     return plans

@@ -54,30 +54,34 @@ class _CommView:
         return self.comm.rank
 
 
-def _compressor_for(ps: ParameterSet) -> Any:
-    """A Compressor when ``ps`` is compressed (its codec is not 'none' once warmed up)."""
+def _codec_of(ps: ParameterSet) -> Any:
+    """The codec ``ps`` is compressed with once warmed up, or ``None`` if it goes exact."""
     spec = ps.spec.compression
     if spec is None:
         return None
-    from scaleout.compression import CompressionConfig, Compressor, NoneCodec
+    from scaleout.compression import CompressionConfig, NoneCodec
 
     config = spec if isinstance(spec, CompressionConfig) else CompressionConfig(codec=spec,
                                                                                 min_numel=0)
-    shape = ps.spec.shape if ps.local_count == ps.global_count and ps.spec.shape else None
-    probe = torch.empty(shape or (ps.local_count,), dtype=ps.spec.dtype)
-    if isinstance(config.select(ps.name, probe, step=config.warmup_steps), NoneCodec):
-        return None
-    return Compressor(config)
-
-
-def _multi_round(compressor: Any, ps: ParameterSet) -> bool:
-    """Whether ``ps``'s codec brings its own (multi-round) exchange."""
-    from scaleout.compression import Codec
-
-    probe = torch.empty(ps.spec.shape or (ps.local_count,), dtype=ps.spec.dtype)
-    config = compressor.config
+    probe = torch.empty(_shape_of(ps), dtype=ps.spec.dtype)
     codec = config.select(ps.name, probe, step=config.warmup_steps)
-    return type(codec).exchange is not Codec.exchange
+    return None if isinstance(codec, NoneCodec) else codec
+
+
+def _shape_of(ps: ParameterSet) -> tuple[int, ...]:
+    """The gradient's shape on this rank (flat when the model group splits it)."""
+    if ps.spec.shape and ps.local_count == ps.global_count:
+        return tuple(ps.spec.shape)
+    return (ps.local_count,)
+
+
+def _bucket_compressor(ps: ParameterSet, codec: Any) -> Any:
+    """One Compressor (one codec state) for a bucket whose members all use ``codec``."""
+    from scaleout.compression import CompressionConfig, Compressor
+
+    spec = ps.spec.compression
+    warmup = spec.warmup_steps if isinstance(spec, CompressionConfig) else 0
+    return Compressor(CompressionConfig(codec=codec, min_numel=0, warmup_steps=warmup))
 
 
 class _Bucket:
@@ -92,7 +96,9 @@ class _Bucket:
         head = members[0]
         self.data_size = lanes[0].size
         self.sharded = head.spec.distributed_update
-        self.compressor = _compressor_for(head)
+        codec = _codec_of(head)
+        self.compressor = None if codec is None else _bucket_compressor(head, codec)
+        self.shapes = [_shape_of(ps) for ps in members]
         self.padded = head.owned_count * self.data_size if self.sharded else plan.numel
         self.buffer = torch.zeros(self.padded, dtype=head.spec.dtype)
         self.increment_comm = increment_comm
@@ -103,8 +109,7 @@ class _Bucket:
         self._out: list[Any] = [None]
         self.job = Job(name="+".join(ps.name for ps in members), lane=plan.lane,
                        order=0, chunks=self._chunks(), finish=self._finish,
-                       exclusive=(self.compressor is not None
-                                  and _multi_round(self.compressor, head)))
+                       exclusive=codec is not None and codec.multi_round)
 
     def _chunks(self) -> list[tuple[int, Any]]:
         if self.data_size == 1:
@@ -127,12 +132,9 @@ class _Bucket:
 
     def _start_compressed(self, comm: Communicator) -> Any:
         # Non-blocking: the engine advances multi-round codecs (PowerSGD) round by round.
-        head = self.members[0]
-        shaped = self.buffer
-        if head.spec.shape is not None and head.local_count == head.global_count:
-            shaped = self.buffer.view(head.spec.shape)
-        request = self.compressor.allreduce(head.name, shaped, _CommView(comm),
-                                            group=GroupType.DATA, average=True)
+        request = self.compressor.allreduce(self.job.name, self.buffer, _CommView(comm),
+                                            group=GroupType.DATA, average=True,
+                                            shapes=self.shapes)
         self._out[0] = request
         return request
 
@@ -298,11 +300,13 @@ class Session:
 
     def _commit_distribution(self, dist: Distribution, sets: list[ParameterSet]) -> None:
         config = self.scheduler
+        codecs = [_codec_of(ps) for ps in sets]
         items = [PlanItem(key=k, numel=ps.local_count, dtype=str(ps.spec.dtype).removeprefix("torch."),
                           elem_bytes=ps.spec.dtype.itemsize,
                           position=ps.operation.index * 1000 + ps.index,
-                          fusible=not ps.spec.distributed_update and _compressor_for(ps) is None)
-                 for k, ps in enumerate(sets)]
+                          fusible=not ps.spec.distributed_update,
+                          codec="" if codec is None else repr(codec))
+                 for k, (ps, codec) in enumerate(zip(sets, codecs))]
         plans = build_plan(items, config)
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
         increments = dist.duplicate(GroupType.DATA, "data-increments")
@@ -324,8 +328,9 @@ class Session:
         self.buckets.extend(buckets)
 
     def compression_state_dict(self) -> dict[str, Any]:
-        """Every compressed parameter set's codec state (error-feedback residuals, ...)."""
-        return {bucket.members[0].name: bucket.compressor.state_dict()
+        """Every compressed bucket's codec state (error-feedback residuals, ...), by bucket
+        name (its parameter sets' names joined with ``+``)."""
+        return {bucket.job.name: bucket.compressor.state_dict()
                 for bucket in self.buckets if bucket.compressor is not None}
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,11 +339,11 @@ class Session:
         Raises:
             ValueError: the state names parameter sets this session does not compress.
         """
-        compressed = {b.members[0].name: b for b in self.buckets if b.compressor is not None}
+        compressed = {b.job.name: b for b in self.buckets if b.compressor is not None}
         unknown = sorted(set(state) - set(compressed))
         if unknown:
-            raise ValueError(f"compression state for parameter sets this session does not "
-                             f"compress: {unknown}")
+            raise ValueError(f"compression state for buckets this session does not have: "
+                             f"{unknown}; it has {sorted(compressed)}")
         for name, entry in state.items():
             compressed[name].compressor.load_state_dict(entry)
 

@@ -1,0 +1,50 @@
+"""The communication plan: fusion by codec, issue order, chunking (pure function, no ranks)."""
+
+from __future__ import annotations
+
+from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan
+
+KB = 1024
+
+
+def _item(key: int, kb: int, codec: str = "") -> PlanItem:
+    return PlanItem(key=key, numel=kb * KB // 4, dtype="float32", elem_bytes=4, position=key,
+                    codec=codec)
+
+
+def test_compressed_items_fuse_across_interleaved_exact_ones() -> None:
+    # A conv net in forward order: weight (compressed), norm (exact), weight, norm, ...
+    items = [_item(k, 64 if k % 2 == 0 else 1, "blockquant" if k % 2 == 0 else "")
+             for k in range(8)]
+    config = SchedulerConfig(policy="fifo", bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
+    plans = build_plan(items, config)
+    assert [p.keys for p in plans] == [(7, 5, 3, 1), (6, 4, 2, 0)]
+    assert [p.codec for p in plans] == ["", "blockquant"]
+    # Issued when their last item is ready: the exact bucket's last item (1) comes
+    # before the compressed bucket's (0) in backward order.
+    assert [p.index for p in plans] == [0, 1]
+
+
+def test_issue_order_follows_each_buckets_last_item() -> None:
+    items = [_item(0, 1), _item(1, 64, "sign"), _item(2, 64, "sign"), _item(3, 1)]
+    config = SchedulerConfig(policy="fifo", bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
+    plans = build_plan(items, config)
+    # backward order 3, 2, 1, 0: the sign bucket {2, 1} is complete before the exact {3, 0}
+    assert [p.keys for p in plans] == [(2, 1), (3, 0)]
+
+
+def test_only_exact_buckets_are_chunked() -> None:
+    items = [_item(0, 512), _item(1, 4096, "blockquant"), _item(2, 4096)]
+    config = SchedulerConfig(policy="priority", bucket_bytes=8 << 20, first_bucket_bytes=8 << 20,
+                             partition_bytes=1 << 20, credit_bytes=2 << 20, urgent_bytes=0)
+    plans = {p.keys: p for p in build_plan(items, config)}
+    assert len(plans[(1,)].chunks) == 1
+    assert len(plans[(2, 0)].chunks) == 5  # 4.5 MB in 1 MB chunks
+
+
+def test_bucket_limit_is_per_codec() -> None:
+    items = [_item(k, 300, "cast" if k % 2 else "") for k in range(6)]
+    config = SchedulerConfig(policy="fifo", bucket_bytes=700 * KB, first_bucket_bytes=700 * KB)
+    plans = build_plan(items, config)
+    assert sorted(p.keys for p in plans) == [(0,), (1,), (4, 2), (5, 3)]
+    assert all(p.nbytes <= 700 * KB for p in plans)

@@ -33,6 +33,28 @@ if TYPE_CHECKING:
 __all__ = ["DataParallel"]
 
 
+class _Stopwatch:
+    """Seconds between laps: each layer's compute runs from one hook to the next.
+
+    A plain object rather than DataParallel attributes, because hooks lap it hundreds of
+    times per iteration and every ``nn.Module.__setattr__`` costs microseconds.
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the previous lap or restart; starts the next lap."""
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        return elapsed
+
+
 class DataParallel(nn.Module):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
@@ -92,7 +114,7 @@ class DataParallel(nn.Module):
         self._buffer_request: Request | None = None
         self._mask_comm = distribution.duplicate(GroupType.DATA, "used")
         self._handles = []
-        self._clock = 0.0  # when the last layer's compute began (statistics)
+        self._stopwatch = _Stopwatch()  # times each layer's compute (statistics)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(layer)))
@@ -233,15 +255,14 @@ class DataParallel(nn.Module):
                     self._forward_order.append(layer)
                 return
             self._complete_layer(layer)
-            self._clock = time.perf_counter()
+            self._stopwatch.restart()
         return hook
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            now = time.perf_counter()
+            elapsed = self._stopwatch.lap()  # backward compute is timed from here
             if self._session is not None:
-                self._session.statistics.add(layer.name, compute_s=now - self._clock)
-            self._clock = now  # backward compute is timed from here to each gradient
+                self._session.statistics.add(layer.name, compute_s=elapsed)
         return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -254,9 +275,7 @@ class DataParallel(nn.Module):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         layer, ps = self._set_of[id(param)]
-        now = time.perf_counter()
-        self._session.statistics.add(layer.name, compute_s=now - self._clock)
-        self._clock = now
+        self._session.statistics.add(layer.name, compute_s=self._stopwatch.lap())
         if ps.gradient_pending:
             raise RuntimeError(
                 f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "

@@ -3,7 +3,8 @@
 Autograd hooks hand each parameter's gradient to its ParameterSet the moment it is
 accumulated; the session's scheduler fuses, prioritises and sends them on its progress
 thread. With a :class:`~scaleout.pytorch.DistributedOptimizer` in overlap mode, each layer's
-update is applied in that layer's forward pre-hook of the next iteration, so the next
+update is applied at the latest in that layer's forward pre-hook of the next iteration
+(together with the following layers whose gradients have already arrived), so the next
 forward starts while later layers' gradients are still on the wire.
 """
 
@@ -24,12 +25,37 @@ from scaleout.env import attach
 from scaleout.pytorch.layers import Layer, broadcast_tensors, find_layers
 from scaleout.request import Request
 from scaleout.scheduler import SchedulerConfig
-from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
+from scaleout.session import ParameterSet, ParameterSetSpec, Phase, Session, Statistics
 
 if TYPE_CHECKING:
     from scaleout.pytorch.optimizer import DistributedOptimizer
 
 __all__ = ["DataParallel"]
+
+#: The operation whose one parameter set carries, per parameter, whether this rank used it.
+_USAGE = "<parameters used>"
+
+
+class _Stopwatch:
+    """Seconds between laps: each layer's compute runs from one hook to the next.
+
+    A plain object rather than DataParallel attributes, because hooks lap it hundreds of
+    times per iteration and every ``nn.Module.__setattr__`` costs microseconds.
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the previous lap or restart; starts the next lap."""
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        return elapsed
 
 
 class DataParallel(nn.Module):
@@ -82,16 +108,15 @@ class DataParallel(nn.Module):
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
-        self._unused_mask: Request | None = None
+        self._usage: ParameterSet | None = None
         self._globally_used: dict[int, bool] = {}
         broadcast_tensors(self._comm, [*module.parameters(), *module.buffers()])
         self._float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self._buffer_comm = (distribution.duplicate(GroupType.DATA, "buffers")
                              if broadcast_buffers and self._float_buffers else None)
         self._buffer_request: Request | None = None
-        self._mask_comm = distribution.duplicate(GroupType.DATA, "used")
         self._handles = []
-        self._clock = 0.0  # when the last layer's compute began (statistics)
+        self._stopwatch = _Stopwatch()  # times each layer's compute (statistics)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(layer)))
@@ -206,6 +231,13 @@ class DataParallel(nn.Module):
         ran = {id(layer) for layer in self._forward_order}
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
         session = self.env.create_session(Phase.TRAIN, scheduler=self._scheduler)
+        params = [p for layer in self._forward_order for p in layer.params]
+        if params:
+            # Registered first, so it shares the bucket of the first layers' gradients (the
+            # last to be ready in backward): knowing who used what costs no collective of its own.
+            spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE)
+            self._usage = session.add_operation(_USAGE, self.distribution,
+                                                parameter_sets=[spec]).parameter_sets[0]
         names = {id(p): n for n, p in self.module.named_parameters()}
         compression = self._compression_config()
         for layer in self._forward_order:
@@ -232,15 +264,14 @@ class DataParallel(nn.Module):
                     self._forward_order.append(layer)
                 return
             self._complete_layer(layer)
-            self._clock = time.perf_counter()
+            self._stopwatch.restart()
         return hook
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            now = time.perf_counter()
+            elapsed = self._stopwatch.lap()  # backward compute is timed from here
             if self._session is not None:
-                self._session.statistics.add(layer.name, compute_s=now - self._clock)
-            self._clock = now  # backward compute is timed from here to each gradient
+                self._session.statistics.add(layer.name, compute_s=elapsed)
         return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -253,9 +284,7 @@ class DataParallel(nn.Module):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         layer, ps = self._set_of[id(param)]
-        now = time.perf_counter()
-        self._session.statistics.add(layer.name, compute_s=now - self._clock)
-        self._clock = now
+        self._session.statistics.add(layer.name, compute_s=self._stopwatch.lap())
         if ps.gradient_pending:
             raise RuntimeError(
                 f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "
@@ -265,14 +294,15 @@ class DataParallel(nn.Module):
 
     def _end_backward(self) -> None:
         self._backward_queued = False
-        mask = []
+        used = []
         for layer in self._forward_order:
             for param, ps in zip(layer.params, layer.sets):
                 if not ps.gradient_pending:  # unused here: send zeros, keep the order
                     ps.start_gradient_comm(torch.zeros(ps.local_count, dtype=param.dtype))
-                mask.append(1.0 if self._used[id(param)] else 0.0)
+                used.append(1.0 if self._used[id(param)] else 0.0)
                 self._used[id(param)] = False
-        self._unused_mask = collectives.allreduce(self._mask_comm, torch.tensor(mask))
+        assert self._usage is not None  # a gradient arrived, so there are parameters
+        self._usage.start_gradient_comm(torch.tensor(used, dtype=self._usage.spec.dtype))
         if self._distributed_update:
             if self._optimizer is None:
                 raise RuntimeError("DataParallel(distributed_update=True) needs a "
@@ -283,46 +313,68 @@ class DataParallel(nn.Module):
     # -- completing communication -------------------------------------------------------
 
     def _used_globally(self) -> dict[int, bool]:
-        if self._unused_mask is not None:
-            counts = self._unused_mask.wait().tolist()
-            self._unused_mask = None
+        """Whether any rank used each parameter in the last backward (unused ones get no update)."""
+        if self._usage is not None and self._usage.gradient_pending:
+            shares = self._usage.wait_gradient_comm().tolist()
             params = [p for layer in self._forward_order for p in layer.params]
-            self._globally_used = {id(p): c > 0 for p, c in zip(params, counts)}
+            self._globally_used = {id(p): share > 0 for p, share in zip(params, shares)}
         return self._globally_used
 
     def _gradients_to_grad(self) -> None:
         """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
-        used = self._used_globally()
-        for layer in self._forward_order:
-            for param, ps in zip(layer.params, layer.sets):
-                if not ps.gradient_pending:
-                    continue
-                averaged = ps.wait_gradient_comm()
-                if not used.get(id(param), True):
-                    param.grad = None
-                elif self._distributed_update:
-                    raise RuntimeError("distributed_update needs a DistributedOptimizer to "
-                                       "apply the sharded update")
-                elif param.grad is None:
-                    param.grad = averaged.view_as(param).clone()
-                else:
-                    param.grad.copy_(averaged.view_as(param))
+        pending = [(param, ps) for layer in self._forward_order
+                   for param, ps in zip(layer.params, layer.sets) if ps.gradient_pending]
+        arrived = [ps.wait_gradient_comm() for _, ps in pending]
+        used = self._used_globally()  # after the gradients: waits count against their layers
+        for (param, _), averaged in zip(pending, arrived):
+            if not used.get(id(param), True):
+                param.grad = None
+            elif self._distributed_update:
+                raise RuntimeError("distributed_update needs a DistributedOptimizer to "
+                                   "apply the sharded update")
+            elif param.grad is None:
+                param.grad = averaged.view_as(param).clone()
+            else:
+                param.grad.copy_(averaged.view_as(param))
 
     def _complete_layer(self, layer: Layer) -> None:
         if not (layer.update_requested or layer.increments_pending):
             return
-        assert self._optimizer is not None
         if layer.update_requested:
-            layer.update_requested = False
-            grads = [ps.wait_gradient_comm() for ps in layer.sets]
-            used = self._used_globally()
-            flags = [used.get(id(p), True) for p in layer.params]
-            self._optimizer._apply_layer(layer, grads, flags)
+            self._apply_updates(self._updates_ready_with(layer))
         if layer.increments_pending:
             layer.increments_pending = False
             with torch.no_grad():
                 for param, ps in zip(layer.params, layer.sets):
                     param.copy_(ps.wait_increment_comm().view_as(param))
+
+    def _updates_ready_with(self, layer: Layer) -> list[Layer]:
+        """``layer`` and the requested layers right after it whose gradients already arrived.
+
+        Updating them together costs one optimizer step (which walks every parameter) instead
+        of one per layer; the values are the same, only applied earlier.
+        """
+        batch = [layer]
+        for later in self._forward_order[self._forward_order.index(layer) + 1:]:
+            if not later.update_requested:
+                continue
+            if not all(ps.test_gradient_comm() for ps in later.sets):
+                break
+            batch.append(later)
+        return batch
+
+    def _apply_updates(self, layers: list[Layer]) -> None:
+        """Wait for ``layers``' averaged gradients and apply their update in one step."""
+        assert self._optimizer is not None
+        params, grads = [], []
+        for layer in layers:
+            layer.update_requested = False
+            for param, ps in zip(layer.params, layer.sets):
+                params.append(param)
+                grads.append(ps.wait_gradient_comm())
+        used = self._used_globally()  # after the gradients: waits count against their layers
+        flags = [used.get(id(param), True) for param in params]
+        self._optimizer._apply_update(params, grads, flags)
 
     def _finish_buffers(self) -> None:
         if self._buffer_request is None:

@@ -131,18 +131,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- updates -------------------------------------------------------------------------
 
-    def _apply_layer(self, layer: Layer, grads: Sequence[torch.Tensor],
-                     used: Sequence[bool]) -> None:
-        """Update ``layer`` alone with its averaged ``grads`` and this iteration's options."""
+    def _apply_update(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
+                      used: Sequence[bool]) -> None:
+        """Update ``params`` alone with their averaged ``grads`` and this iteration's options."""
         saved = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         for group, options in zip(self.param_groups, self._snapshot):
             group.update(options)
         try:
-            for param, grad, flag in zip(layer.params, grads, used):
+            for param, grad, flag in zip(params, grads, used):
                 param.grad = grad.view_as(param) if flag else None
             self.inner.step()  # parameters without .grad are skipped by torch optimizers
         finally:
-            for param in layer.params:
+            for param in params:
                 param.grad = None
             for group, options in zip(self.param_groups, saved):
                 group.update(options)

@@ -33,6 +33,7 @@ __all__ = [
     "Request",
     "TensorMeta",
     "compensate",
+    "compensate_check",
     "keep_residual",
     "remember",
     "work_dtype",
@@ -65,7 +66,8 @@ class Communicator(Protocol):
 
 #: A multi-round exchange: yields one request (or a list of requests) per round,
 #: receives what ``wait()`` returned (a tensor or a list of tensors), and finally
-#: returns the SUM over ranks of the decoded tensor, flat, in the work dtype.
+#: returns the SUM over ranks of the decoded tensor, flat, in the work dtype (or in a
+#: narrower float dtype, which the caller widens while averaging: no extra pass).
 ExchangeGenerator = Generator[Union[Request, Sequence[Request]], Any, torch.Tensor]
 
 
@@ -95,7 +97,8 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_floating(codec: str, tensor: torch.Tensor) -> None:
+def compensate_check(codec: str, tensor: torch.Tensor) -> None:
+    """Raise the TypeError :func:`compensate` raises for a tensor a codec cannot compress."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"codec {codec!r} expects a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
@@ -122,7 +125,7 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
         TypeError: If ``tensor`` is not a floating-point tensor.
         ValueError: If a stored residual does not match the tensor's size.
     """
-    _check_floating(codec, tensor)
+    compensate_check(codec, tensor)
     source = tensor.detach().reshape(-1)
     flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype))
     residual = state.buffers.get("residual") if enabled else None
@@ -192,6 +195,8 @@ class Codec(ABC):
     name: ClassVar[str]
     #: Whether payloads may be summed elementwise on the wire (see module doc).
     summable: ClassVar[bool]
+    #: Most rounds of collectives one exchange takes (the generic exchange takes one).
+    rounds: ClassVar[int] = 1
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], Any]:
@@ -286,6 +291,5 @@ class Codec(ABC):
 
     @property
     def multi_round(self) -> bool:
-        """Whether this codec brings its own exchange (possibly several rounds)."""
-        own = type(self)
-        return own.exchange is not Codec.exchange or own.exchange_bucket is not Codec.exchange_bucket
+        """Whether an exchange may take several rounds of collectives (it then owns its lane)."""
+        return self.rounds > 1

@@ -103,6 +103,7 @@ class BlockQuantCodec(Codec):
 
     name: ClassVar[str] = "blockquant"
     summable: ClassVar[bool] = True
+    rounds: ClassVar[int] = 2
 
     block_size: int = 256
     error_feedback: bool = True
@@ -134,12 +135,15 @@ class BlockQuantCodec(Codec):
                 return levels, dtype
         raise ValueError(f"blockquant: {ranks} ranks leave fewer than {self.min_levels} int32 levels")
 
-    def exponents(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-block exponent of a flat work-dtype tensor (int8, see module doc)."""
+    def exponents(self, flat: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-block exponent of a flat work-dtype tensor (int8, see module doc).
+
+        ``scratch``, a buffer like ``flat``, receives ``|flat|`` (else a temporary does).
+        """
+        magnitudes = torch.abs(flat, out=scratch) if scratch is not None else flat.abs()
         amax = torch.zeros(self._num_blocks(flat.numel()), dtype=flat.dtype)
-        for (values, _), rows in zip(self._segments(flat), self._row_ranges(flat.numel())):
-            low, high = torch.aminmax(values, dim=1)  # one pass, no |x| temporary
-            torch.maximum(high, low.neg(), out=amax[rows])
+        for values, rows in self._segments(magnitudes):
+            torch.amax(values, dim=1, out=amax[rows])  # |x| then max: ~5x faster than aminmax
         exp = torch.frexp(amax).exponent.clamp(_EXP_MIN, _EXP_MAX)
         exp = torch.where(amax == 0, torch.full_like(exp, EXP_EMPTY), exp)
         exp = torch.where(torch.isfinite(amax), exp, torch.full_like(exp, EXP_NONFINITE))
@@ -179,7 +183,7 @@ class BlockQuantCodec(Codec):
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
         ranks = comm.size(group)
         flat = compensate(self.name, tensor, state, self.error_feedback)
-        exponents = self.exponents(flat)
+        exponents = self.exponents(flat, state.work_buffer("quantized", flat.numel(), flat.dtype))
         exponents = yield comm.allreduce(exponents, op=ReduceOp.MAX, group=group)
         payload, ctx = self._quantize_and_remember(
             flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False)
@@ -194,11 +198,6 @@ class BlockQuantCodec(Codec):
 
     def _num_blocks(self, numel: int) -> int:
         return max(-(-numel // self.block_size), 1)
-
-    def _row_ranges(self, numel: int) -> list[slice]:
-        full = numel // self.block_size
-        rows = [slice(0, full)] if full else []
-        return rows + ([slice(full, full + 1)] if numel > full * self.block_size else [])
 
     def _segments(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
         """``flat`` as (blocks x block_size) rows: the whole blocks, then the short last one."""

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from scaleout.compression.base import Codec, TensorMeta, compensate, remember
+from scaleout.compression.base import (
+    Codec,
+    Communicator,
+    ExchangeGenerator,
+    TensorMeta,
+    compensate,
+    compensate_check,
+    remember,
+)
 from scaleout.compression.state import CodecState
 
 __all__ = ["CastCodec", "CAST_DTYPES"]
@@ -68,11 +76,28 @@ class CastCodec(Codec):
         return CAST_DTYPES[self.dtype]
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], TensorMeta]:
-        """Cast to :attr:`wire_dtype`; see :meth:`Codec.encode`."""
-        flat = compensate(self.name, tensor, state, self.error_feedback)
-        wire = flat.to(self.wire_dtype)
-        remember(state, flat, wire.to(flat.dtype), self.error_feedback)
+        """Cast to :attr:`wire_dtype`; see :meth:`Codec.encode`.
+
+        The payload is the state's ``"wire"`` scratch buffer (reused every step).
+        """
+        if self.error_feedback:
+            flat = compensate(self.name, tensor, state, True)
+            wire = state.work_buffer("wire", flat.numel(), self.wire_dtype).copy_(flat)
+            remember(state, flat, wire.to(flat.dtype), True)
+        else:  # straight from the gradient: one pass
+            compensate_check(self.name, tensor)
+            source = tensor.detach().reshape(-1)
+            wire = state.work_buffer("wire", source.numel(), self.wire_dtype).copy_(source)
         return [wire], TensorMeta(tensor.shape, tensor.dtype)
+
+    def exchange(
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+    ) -> ExchangeGenerator:
+        """One allreduce in the wire dtype; returns the sum still in it (widened by the caller
+        while averaging, so no extra pass)."""
+        payload, _ = self.encode(tensor, state)
+        summed = yield comm.allreduce(payload[0], group=group)
+        return summed
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Cast back to the original dtype; see :meth:`Codec.decode`."""

@@ -281,6 +281,8 @@ class CompressedRequest:
             out = summed.reshape(tensor.shape)
             if self._average and out.dtype == tensor.dtype:
                 torch.div(out, self._ranks, out=tensor)  # one pass, no temporary
+            elif self._average and out.element_size() < tensor.element_size():
+                tensor.copy_(out).div_(self._ranks)  # widen exactly, divide in the wide type
             elif self._average:
                 tensor.copy_(out.to(work_dtype(tensor.dtype)) / self._ranks)
             elif out.data_ptr() != tensor.data_ptr() or out.dtype != tensor.dtype:

@@ -68,6 +68,7 @@ class PowerSGDCodec(Codec):
 
     name: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = False
+    rounds: ClassVar[int] = 2
 
     rank: int = 4
     error_feedback: bool = True

@@ -193,8 +193,8 @@ class BlockQuantCodec(Codec):
     # -- internals -----------------------------------------------------------
     #
     # Every pass over the gradient costs CPU that, on a busy machine, training would have
-    # used; the hot path makes about six: compensate, min/max per block, scale, round,
-    # narrow to the wire type, and the residual (one fused multiply-add, in place).
+    # used; the hot path makes about seven: compensate, |x| into scratch, max per block,
+    # scale, round, narrow to the wire type, and the residual (one multiply-add, in place).
 
     def _num_blocks(self, numel: int) -> int:
         return max(-(-numel // self.block_size), 1)

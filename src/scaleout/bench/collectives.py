@@ -3,7 +3,8 @@
 Run by ``scaleout bench collectives``, which launches the ranks; each rank runs
 :func:`main`. For every operation and size, rounds alternate between scaleout's
 non-blocking call + ``wait()`` and the equivalent blocking torch.distributed call (each
-going first in every other round), so both see the same machine conditions. Rank 0 writes the results as JSON.
+going first in every other round), so both see the same machine conditions. Rank 0
+writes the results as JSON.
 
 Sizes are the whole buffer (nccl-tests convention): the allreduce/bcast/reduce tensor,
 the allgather/gather output, the reduce_scatter/scatter input, the alltoall buffer.
@@ -114,13 +115,10 @@ def main(argv: list[str] | None = None) -> None:
             ours(), theirs()  # warm up both paths
             iters = _iterations(theirs, pg, args.budget)
             t_ours, t_theirs = [], []
+            sides = [(ours, t_ours), (theirs, t_theirs)]
             for round_ in range(args.rounds):  # interleaved, alternating who goes first
-                if round_ % 2:
-                    t_theirs.append(_timed(theirs, iters, pg))
-                    t_ours.append(_timed(ours, iters, pg))
-                else:
-                    t_ours.append(_timed(ours, iters, pg))
-                    t_theirs.append(_timed(theirs, iters, pg))
+                for call, times in (sides if round_ % 2 == 0 else sides[::-1]):
+                    times.append(_timed(call, iters, pg))
             nbytes = (numel // p if numel >= p else 1) * p * 4
             row = {
                 "op": op, "bytes": nbytes, "ranks": p, "iters": iters, "rounds": args.rounds,

@@ -208,6 +208,12 @@ class BlockQuantCodec(Codec):
             out.append((flat[cut:].view(1, -1), slice(full, full + 1)))
         return out
 
+    @staticmethod
+    def _step_sizes(exp: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+        """Value of one mantissa step per block, ``2**e / L`` (NaN for non-finite blocks)."""
+        step = torch.ldexp(torch.full(exp.shape, 1.0 / levels, dtype=dtype), exp.to(dtype))
+        return torch.where(exp == EXP_NONFINITE, torch.full_like(step, float("nan")), step)
+
     def _quantize_and_remember(
         self, flat: torch.Tensor, exponents: torch.Tensor, ranks: int, meta: TensorMeta,
         state: CodecState, *, saturate: bool,
@@ -225,11 +231,9 @@ class BlockQuantCodec(Codec):
         saturate = saturate or bool((exp >= _EXP_MAX).any())
         finite_exp = exp.clamp(_EXP_MIN, _EXP_MAX).to(torch.float64)  # all-zero blocks: any
         pow2 = torch.ldexp(torch.ones_like(finite_exp), -finite_exp)
-        step = torch.ldexp(torch.full(exp.shape, 1.0 / levels, dtype=flat.dtype), finite_exp.to(flat.dtype))
         pow2 = torch.where(exp == EXP_EMPTY, torch.zeros_like(pow2), pow2)  # zeros stay zero
         if any_bad:
             pow2 = torch.where(bad, torch.zeros_like(pow2), pow2)
-            step = torch.where(bad, torch.zeros_like(step), step)
         # One multiply by L / 2**e where that factor fits the work dtype (always, but for
         # blocks below ~2**-120); else 2**-e first, then L, as two passes.
         fused = bool((pow2 * levels).max() <= torch.finfo(flat.dtype).max)
@@ -250,6 +254,7 @@ class BlockQuantCodec(Codec):
         if self.error_feedback and any_bad:
             remember(state, flat, self._decode_flat(mantissas, ctx), True)
         elif self.error_feedback:  # finite everywhere: residual = flat - q * 2**e / L, in place
+            step = self._step_sizes(exp, levels, flat.dtype)
             for (values, rows), (sent, _) in zip(self._segments(flat), self._segments(q)):
                 values.addcmul_(sent, step[rows, None], value=-1.0)
             keep_residual(state, flat)
@@ -258,9 +263,7 @@ class BlockQuantCodec(Codec):
     def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         dtype = work_dtype(ctx.meta.dtype)
-        exp = ctx.exponents.to(torch.int32)
-        scale = torch.ldexp(torch.full(exp.shape, 1.0 / ctx.levels, dtype=dtype), exp.to(dtype))
-        scale = torch.where(exp == EXP_NONFINITE, torch.full_like(scale, float("nan")), scale)
+        scale = self._step_sizes(ctx.exponents.to(torch.int32), ctx.levels, dtype)
         values = mantissas.to(dtype) if out is None else out.copy_(mantissas)
         for segment, rows in self._segments(values):
             segment.mul_(scale[rows, None])

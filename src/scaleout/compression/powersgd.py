@@ -107,9 +107,9 @@ class PowerSGDCodec(Codec):
         if dims is None:
             return [flat], meta
         mat = flat.view(dims)
-        p = self._orthonormal(mat @ self._q(state, dims, flat.dtype))
+        p = self._orthonormal(mat @ self._q(state, dims, flat.dtype, "q0"))
         q = _t_matmul(mat, p)
-        self._keep_q(state, q)
+        self._keep_q(state, q, "q0")
         approx = p @ q.T
         remember(state, flat, approx.reshape(-1), self.error_feedback)
         return [p.reshape(-1), q.reshape(-1)], meta
@@ -126,29 +126,15 @@ class PowerSGDCodec(Codec):
     def exchange(
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
     ) -> ExchangeGenerator:
-        """Allreduce ``P``, orthonormalise, allreduce ``Q`` (one round if uncompressed)."""
-        dims = self.matrix_shape(tensor.shape)
-        flat = compensate(self.name, tensor, state, self.error_feedback and dims is not None)
-        if dims is None:
-            summed = yield comm.allreduce(flat, group=group)
-            return summed
-        mat = flat.view(dims)
-        p = (mat @ self._q(state, dims, flat.dtype)).reshape(-1)
-        p = yield comm.allreduce(p, group=group)
-        p = self._orthonormal(p.view(dims[0], -1))
-        q = _t_matmul(mat, p).reshape(-1)
-        q = yield comm.allreduce(q, group=group)
-        q = q.view(dims[1], -1)
-        self._keep_q(state, q)
-        total = (p @ q.T).reshape(-1)
-        remember(state, flat, total / comm.size(group), self.error_feedback)
-        return total
+        """Allreduce ``P``, orthonormalise, allreduce ``Q`` (one round if uncompressed):
+        a bucket of one tensor."""
+        return self.exchange_bucket(tensor, [tuple(tensor.shape)], state, comm, group)
 
     def exchange_bucket(
         self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
         comm: Communicator, group: Any,
     ) -> ExchangeGenerator:
-        """A whole bucket in two collectives, like torch's PowerSGD hook.
+        """A whole bucket (``flat`` of any shape) in two collectives, like torch's hook.
 
         Round 1 allreduces, in one buffer, the tensors sent uncompressed and every
         matrix's ``P = M Q``; round 2 every matrix's ``Q = M^T P`` (after
@@ -198,7 +184,7 @@ class PowerSGDCodec(Codec):
     # -- internals -----------------------------------------------------------
 
     def _q(self, state: CodecState, dims: tuple[int, int], dtype: torch.dtype,
-           key: str = "q") -> torch.Tensor:
+           key: str) -> torch.Tensor:
         n, m = dims
         r = min(self.rank, n, m)
         q = state.buffers.get(key) if self.warm_start else None
@@ -207,7 +193,7 @@ class PowerSGDCodec(Codec):
             q = torch.randn(m, r, generator=gen, dtype=torch.float64)
         return q.to(dtype).T.contiguous().T  # column-major: M @ Q runs ~4x faster
 
-    def _keep_q(self, state: CodecState, q: torch.Tensor, key: str = "q") -> None:
+    def _keep_q(self, state: CodecState, q: torch.Tensor, key: str) -> None:
         if self.warm_start and bool(torch.isfinite(q).all()):
             state.buffers[key] = q.detach().clone()
 

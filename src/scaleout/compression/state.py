@@ -2,7 +2,7 @@
 
 One :class:`CodecState` per compressed tensor (or bucket). Codecs keep whatever
 they need in :attr:`CodecState.buffers` under documented names (``"residual"``,
-``"momentum"``, ``"q"``); the state is a plain container so that checkpointing it
+``"momentum"``, ``"q0"``, ...); the state is a plain container so that checkpointing it
 does not depend on which codec is in use.
 """
 
@@ -23,8 +23,8 @@ class CodecState:
     Attributes:
         step: Number of exchanges this tensor has gone through (drives warm-up).
         buffers: Codec-owned tensors by name, e.g. ``"residual"`` (error
-            feedback), ``"momentum"`` (top-k momentum correction), ``"q"``
-            (PowerSGD's warm-start factor). Checkpointed.
+            feedback), ``"momentum"`` (top-k momentum correction), ``"q0"``, ``"q1"``, ...
+            (PowerSGD's warm-start factors, one per matrix). Checkpointed.
         scratch: Work buffers reused from step to step (not checkpointed): a fresh
             large tensor costs page faults on every step (~20 ms per 45 MB on the
             development machine), a reused one does not.

@@ -231,7 +231,8 @@ class DataParallel(nn.Module):
         ran = {id(layer) for layer in self._forward_order}
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
         session = self.env.create_session(Phase.TRAIN, scheduler=self._scheduler)
-        params = [p for layer in self._forward_order for p in layer.params]
+        params = self._params_in_order = [p for layer in self._forward_order for p in layer.params]
+        self._position = {id(layer): i for i, layer in enumerate(self._forward_order)}
         if params:
             # Registered first, so it shares the bucket of the first layers' gradients (the
             # last to be ready in backward): knowing who used what costs no collective of its own.
@@ -316,8 +317,8 @@ class DataParallel(nn.Module):
         """Whether any rank used each parameter in the last backward (unused ones get no update)."""
         if self._usage is not None and self._usage.gradient_pending:
             shares = self._usage.wait_gradient_comm().tolist()
-            params = [p for layer in self._forward_order for p in layer.params]
-            self._globally_used = {id(p): share > 0 for p, share in zip(params, shares)}
+            self._globally_used = {id(p): share > 0
+                                   for p, share in zip(self._params_in_order, shares)}
         return self._globally_used
 
     def _gradients_to_grad(self) -> None:
@@ -355,7 +356,7 @@ class DataParallel(nn.Module):
         of one per layer; the values are the same, only applied earlier.
         """
         batch = [layer]
-        for later in self._forward_order[self._forward_order.index(layer) + 1:]:
+        for later in self._forward_order[self._position[id(layer)] + 1:]:
             if not later.update_requested:
                 continue
             if not all(ps.test_gradient_comm() for ps in later.sets):

@@ -87,16 +87,15 @@ def _bucket_compressor(ps: ParameterSet, codec: Any) -> Any:
 class _Bucket:
     """A committed bucket: a flat buffer, its members, and the job that sends it."""
 
-    def __init__(self, plan: Any, members: list[ParameterSet], lanes: Sequence[Communicator],
-                 increment_comm: Communicator, statistics: Statistics, rank: int,
-                 timeout: float) -> None:
+    def __init__(self, plan: Any, members: list[ParameterSet], codec: Any,
+                 lanes: Sequence[Communicator], increment_comm: Communicator,
+                 statistics: Statistics, rank: int, timeout: float) -> None:
         self.plan = plan
         self.members = members
         self.offsets = {id(ps): off for ps, off in zip(members, plan.offsets)}
         head = members[0]
         self.data_size = lanes[0].size
         self.sharded = head.spec.distributed_update
-        codec = _codec_of(head)
         self.compressor = None if codec is None else _bucket_compressor(head, codec)
         self.shapes = [_shape_of(ps) for ps in members]
         self.padded = head.owned_count * self.data_size if self.sharded else plan.numel
@@ -313,8 +312,8 @@ class Session:
         lengths = [0] * config.lanes
         buckets = []
         for plan in plans:
-            bucket = _Bucket(plan, [sets[k] for k in plan.keys], lanes, increments,
-                             self.statistics, self.env.rank, self.env.timeout)
+            bucket = _Bucket(plan, [sets[k] for k in plan.keys], codecs[plan.keys[0]], lanes,
+                             increments, self.statistics, self.env.rank, self.env.timeout)
             bucket.job.order = lengths[plan.lane]
             lengths[plan.lane] += 1
             for ps in bucket.members:

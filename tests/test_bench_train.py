@@ -177,3 +177,54 @@ def test_several_scaleout_variants_are_configurations() -> None:
         raw["runs"].append({**run, "config": "scaleout+sign", "median_iter_s": run["median_iter_s"] / 2})
     summary = summarize(raw)
     assert summary["scaleout+sign"]["over_peers"]["ddp"] == pytest.approx(3.0)
+
+
+def body_lockstep(traffic: bool) -> list[float]:
+    import torch
+    import torch.distributed as tdist
+
+    from scaleout.bench.train_ceilings import build_lockstep
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    reference = torch.nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    opt = build_lockstep(model, traffic=traffic, timeout_s=30, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    rank = tdist.get_rank()
+    for step in range(3):
+        x = torch.full((4, 3), float(rank + step))
+        for net, optimizer in ((model, opt), (reference, plain)):
+            net(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    opt.finish()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs), "lockstep must update exactly like SGD, locally"
+    if traffic:  # the traffic really went over the wire: zeros summed stay zeros, size matches
+        assert opt._bytes.numel() == sum(p.numel() for p in model.parameters())
+        assert opt._inflight is None
+    tdist.destroy_process_group()
+    return [float(p.sum()) for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("traffic", [False, True])
+def test_lockstep_trains_each_copy_alone(traffic: bool) -> None:
+    from harness import run_ranks
+
+    first, second = run_ranks(2, body_lockstep, traffic, timeout=45)
+    assert first != second  # no gradient exchange: the copies drift apart, as documented
+
+
+@pytest.mark.timeout(120)
+def test_ceilings_are_configurations(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = rank_env / "out.json"
+    args = [a if a != "ddp" else "lockstep,lockstep-traffic" for a in TINY]
+    assert main([*args, "--no-testbed", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"single", "scaleout", "lockstep", "lockstep-traffic"}
+    for name in ("lockstep", "lockstep-traffic"):
+        assert summary[name]["efficiency"] > 0
+        assert summary["scaleout"]["over_peers"][name] > 0
+    assert "vs lockstep-traffic" in capsys.readouterr().out

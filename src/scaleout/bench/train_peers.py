@@ -16,6 +16,8 @@ Configurations:
 * ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
   from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults).
 * ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
+* ``lockstep``, ``lockstep-traffic`` — the machine's ceilings, not trainers
+  (:mod:`scaleout.bench.train_ceilings`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.workloads import Workload
 
 __all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "SetupOptions", "Setup",
            "build_setup"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "zero")
+PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "zero", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -173,6 +176,21 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> 
                  statistics=None, close=tdist.destroy_process_group, details=details)
 
 
+def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
+    model = options.workload.build_model(options.seed)
+    optimizer = build_lockstep(model, traffic=traffic, timeout_s=options.timeout_s, lr=LR,
+                               momentum=MOMENTUM)
+
+    def close() -> None:
+        optimizer.finish()
+        tdist.destroy_process_group()
+
+    exchange = "one 4-byte allreduce per iteration" + (
+        " and one allreduce of the parameters' size in flight" if traffic else "")
+    return Setup(model=model, optimizer=optimizer, settle=optimizer.finish, reset=_nothing,
+                 statistics=None, close=close, details={"exchange": exchange})
+
+
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "single": _single,
     "scaleout": _scaleout,
@@ -180,6 +198,8 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-fp16": lambda o: _ddp(o, hook="fp16"),
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
+    "lockstep": lambda o: _lockstep(o, traffic=False),
+    "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }
 
 

@@ -20,7 +20,11 @@ Every round runs each configuration once, as fresh ranks, in a rotated order:
   single    one rank alone on host 0 (the ideal), same per-rank batch
   scaleout  DataParallel + DistributedOptimizer(SGD momentum 0.9)
   --vs      ddp, ddp-fp16 (fp16_compress_hook), ddp-powersgd (powerSGD_hook, rank 2,
-            from iteration 2), zero (DDP + ZeroRedundancyOptimizer)
+            from iteration 2), zero (DDP + ZeroRedundancyOptimizer), and two ceilings
+            that are not trainers: lockstep (ranks compute alone and meet once per
+            iteration: the best any synchronous data-parallel run can do here) and
+            lockstep-traffic (that, plus the exact gradients' bytes in flight, hidden
+            behind a whole iteration)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
 tc; --no-testbed runs over loopback instead, with no rate limit.
 """

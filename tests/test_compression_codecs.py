@@ -175,6 +175,27 @@ def test_topk_sends_exact_largest_entries() -> None:
     assert (x - y).norm() ** 2 <= (1 - 100 / 1000) * x.norm() ** 2
 
 
+@pytest.mark.parametrize("case", ["random", "nan", "sample-sees-only-large", "sample-sees-only-zeros"])
+def test_topk_selection_on_large_tensors_equals_full_topk(case: str) -> None:
+    # Large enough for the sampled-threshold path; the last two cases defeat the sample
+    # (too few candidates: full top-k; every entry a candidate: exact top-k among all).
+    from scaleout.compression.topk import _SAMPLE, _largest
+
+    n, k = 8 * _SAMPLE + 13, 4000
+    x = rand(n, seed=4)
+    stride = n // _SAMPLE
+    if case == "nan":
+        x[[5, 77_777, n - 1]] = float("nan")
+    elif case == "sample-sees-only-large":
+        x[::stride] = torch.arange(1.0, x[::stride].numel() + 1) * 10.0  # few above the threshold
+    elif case == "sample-sees-only-zeros":
+        x[::stride] = 0.0
+    got = _largest(x, k, CodecState())
+    magnitude = x.abs().nan_to_num(nan=float("inf"))
+    assert got.numel() == k and torch.equal(got, torch.sort(got).values)
+    assert set(got.tolist()) == set(magnitude.topk(k).indices.tolist())
+
+
 def test_topk_momentum_correction_follows_dgc() -> None:
     codec = TopKCodec(ratio=0.5, momentum=0.9)
     state = CodecState()

@@ -24,7 +24,7 @@ from scaleout.compression.state import CodecState
 from scaleout.errors import CommunicationTimeout
 from scaleout.request import countdown
 
-__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "generic_exchange", "wire_bytes"]
+__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "gather_payloads", "generic_exchange", "wire_bytes"]
 
 
 def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
@@ -135,6 +135,19 @@ def generic_exchange(
         reqs = [comm.allreduce(piece, group=group) for piece in payload]
         summed = yield reqs
         return codec.decode(summed, ctx)
+    payloads = yield from gather_payloads(payload, comm, group)
+    return codec.decode_sum(payloads, ctx)
+
+
+def gather_payloads(
+    payload: Sequence[torch.Tensor], comm: Communicator, group: Any
+) -> ExchangeGenerator:
+    """Allgather every rank's payload (tensors of the same shapes on every rank) as bytes,
+    in one collective; use with ``yield from`` in an exchange.
+
+    Returns:
+        One payload per rank, in rank order, each a list like ``payload``.
+    """
     wire = torch.cat([piece.reshape(-1).view(torch.uint8) for piece in payload])
     gathered = yield comm.allgather(wire, group=group)
     per_rank = gathered.view(comm.size(group), -1)
@@ -146,7 +159,7 @@ def generic_exchange(
             pieces.append(row[offset : offset + nbytes].clone().view(piece.dtype))
             offset += nbytes
         payloads.append(pieces)
-    return codec.decode_sum(payloads, ctx)
+    return payloads
 
 
 class CompressedRequest:

@@ -16,11 +16,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from scaleout.compression.base import Codec, TensorMeta, compensate, remember, work_dtype
+from scaleout.compression.base import (
+    Codec,
+    Communicator,
+    ExchangeGenerator,
+    TensorMeta,
+    compensate,
+    compensate_check,
+    keep_residual,
+    remember,
+    work_dtype,
+)
+from scaleout.compression.exchange import gather_payloads
 from scaleout.compression.state import CodecState
 
 __all__ = ["TopKCodec"]
@@ -78,24 +89,44 @@ class TopKCodec(Codec):
         Returns:
             ``([values float32|float64, indices int32], meta)``, both of length k.
         """
-        grad = compensate(self.name, tensor, CodecState(), False)
+        compensate_check(self.name, tensor)
+        grad = tensor.detach().reshape(-1)
         if self.momentum:
-            old = state.buffers.get("momentum")
-            u = grad if old is None else old * self.momentum + grad
-            grad = u.clone()
-            keep = torch.zeros_like(u) if old is None else old
-            state.buffers["momentum"] = torch.where(torch.isfinite(u), u, keep)
-        residual = state.buffers.get("residual") if self.error_feedback else None
-        velocity = grad if residual is None else grad.add_(residual)
+            grad = self._accumulate_momentum(grad, state)
+        velocity = compensate(self.name, grad, state, self.error_feedback)
         k = self.k(velocity.numel())
-        indices = torch.topk(velocity.abs(), k, sorted=False).indices
-        indices, _ = torch.sort(indices)
+        indices = _largest(velocity, k, state)
         values = velocity[indices]
-        sent = torch.zeros_like(velocity).index_put_((indices,), values)
-        remember(state, velocity, sent, self.error_feedback)
+        if not self.error_feedback:
+            pass
+        elif bool(torch.isfinite(values).all()):  # the residual: velocity less what was sent
+            keep_residual(state, velocity.index_fill_(0, indices, 0.0))
+        else:  # non-finite entries keep their previous residual (see remember)
+            sent = torch.zeros_like(velocity).index_put_((indices,), values)
+            remember(state, velocity, sent, self.error_feedback)
         if self.momentum:
             state.buffers["momentum"].index_fill_(0, indices, 0.0)
         return [values, indices.to(torch.int32)], TensorMeta(tensor.shape, tensor.dtype)
+
+    def _accumulate_momentum(self, grad: torch.Tensor, state: CodecState) -> torch.Tensor:
+        """``u = momentum * u + grad`` (double-buffered), returned as computed (NaN/Inf
+        included, so they propagate); the stored ``u`` keeps the old value where non-finite."""
+        old = state.buffers.get("momentum")
+        u = state.work_buffer("momentum", grad.numel(), work_dtype(grad.dtype))
+        if old is None:
+            u.copy_(grad)
+        else:
+            torch.add(grad, old, alpha=self.momentum, out=u)
+        if not bool(torch.isfinite(u.sum())):
+            keep = torch.zeros_like(u) if old is None else old
+            state.buffers["momentum"] = torch.where(torch.isfinite(u), u, keep)
+            return u
+        if old is not None and old.shape == u.shape and old.dtype == u.dtype:
+            state.scratch["momentum"] = old
+        else:
+            del state.scratch["momentum"]
+        state.buffers["momentum"] = u
+        return u
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Scatter the values into zeros; see :meth:`Codec.decode`."""
@@ -103,7 +134,47 @@ class TopKCodec(Codec):
 
     def decode_sum(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: TensorMeta) -> torch.Tensor:
         """Scatter-add every rank's values into one flat buffer."""
-        out = torch.zeros(ctx.numel, dtype=work_dtype(ctx.dtype))
-        for values, indices in payloads:
-            out.index_add_(0, indices.to(torch.int64), values.to(out.dtype))
-        return out
+        return _scatter_sum(payloads, torch.zeros(ctx.numel, dtype=work_dtype(ctx.dtype)))
+
+    def exchange(
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+    ) -> ExchangeGenerator:
+        """The generic gather, summed into a reused buffer (a fresh one costs page faults)."""
+        payload, ctx = self.encode(tensor, state)
+        payloads = yield from gather_payloads(payload, comm, group)
+        out = state.work_buffer("sum", ctx.numel, work_dtype(ctx.dtype))
+        return _scatter_sum(payloads, out.zero_())
+
+
+def _scatter_sum(payloads: Sequence[Sequence[torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+    for values, indices in payloads:
+        out.index_add_(0, indices.to(torch.int64), values.to(out.dtype))
+    return out
+
+
+_SAMPLE = 65536  # magnitudes sampled to find a threshold that keeps ~2k candidates
+
+
+def _largest(values: torch.Tensor, k: int, state: CodecState) -> torch.Tensor:
+    """Sorted indices of the ``k`` entries of largest magnitude (NaN counts as largest).
+
+    The same set as ``torch.topk(values.abs(), k)``, found ~10x faster on large tensors:
+    a strided sample gives a threshold expected to keep ~2k candidates; one pass keeps
+    every entry not below it (``~(|v| < t)``, so NaN stays in), and the exact top-k is
+    taken among those. If fewer than ``k`` survive, the full top-k runs instead.
+    """
+    n = values.numel()
+    if k >= n:
+        return torch.arange(n)
+    magnitude = torch.abs(values, out=state.work_buffer("magnitude", n, values.dtype))
+    stride = n // _SAMPLE
+    keep = 2 * k / n + 8 / _SAMPLE  # the share of entries to keep, with a margin
+    if stride >= 4 and keep < 0.5:
+        sample = magnitude[::stride]
+        position = max(0, int(sample.numel() * (1.0 - keep)) - 1)
+        threshold = sample.kthvalue(position + 1).values
+        candidates = torch.lt(magnitude, threshold).logical_not_().nonzero().view(-1)
+        if candidates.numel() >= k:
+            chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
+            return torch.sort(candidates[chosen]).values
+    return torch.sort(torch.topk(magnitude, k, sorted=False).indices).values

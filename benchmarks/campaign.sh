@@ -34,3 +34,7 @@ run resnet18-1gbit-5rounds   --workload resnet18 --rounds 5 --iters 6 --warmup 2
 # so the 100 Mbit/s table has no DDP row.
 run resnet18-1gbit-ceilings   --workload resnet18 --rounds 5 --iters 6 --warmup 2 --rate 1gbit --vs ddp,lockstep,lockstep-traffic --compression none --compression blockquant --compression cast:fp16 --compression sign --compression topk:ratio=0.01 --compression powersgd:rank=2
 run resnet18-100mbit-ceilings --workload resnet18 --rounds 5 --iters 6 --warmup 2 --rate 100mbit --vs lockstep --compression powersgd:rank=2 --compression sign --compression topk:ratio=0.01
+# Every codec against exact gradients at 1 Gbit/s on the other two workloads (stop 8).
+ALL="--compression none --compression blockquant --compression cast:fp16 --compression sign --compression topk:ratio=0.01 --compression powersgd:rank=2"
+run transformer-1gbit-codecs $T --rate 1gbit --vs ddp,lockstep $ALL
+run dlrm-1gbit-codecs        $D --rate 1gbit --vs ddp,lockstep $ALL

@@ -38,3 +38,6 @@ run resnet18-100mbit-ceilings --workload resnet18 --rounds 5 --iters 6 --warmup 
 ALL="--compression none --compression blockquant --compression cast:fp16 --compression sign --compression topk:ratio=0.01 --compression powersgd:rank=2"
 run transformer-1gbit-codecs $T --rate 1gbit --vs ddp,lockstep $ALL
 run dlrm-1gbit-codecs        $D --rate 1gbit --vs ddp,lockstep $ALL
+# The lossless row-sparse exchange (rows) against exact gradients, where embeddings are (stop 8).
+run transformer-1gbit-rows $T --rate 1gbit --vs ddp --compression none --compression rows
+run dlrm-1gbit-rows        $D --rate 1gbit --vs ddp --compression none --compression rows

@@ -69,7 +69,7 @@ def test_make_codec_parses_specs(spec: str, expected: Codec) -> None:
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("gzip", "valid codecs: none, cast, blockquant, sign, topk, powersgd"),
+        ("gzip", "valid codecs: none, cast, blockquant, sign, topk, powersgd, rows"),
         ("topk:k=3", "valid options: ratio, momentum, error_feedback"),
         ("topk:ratio=lots", "not a valid float"),
         ("topk:ratio=0", "ratio must be in (0, 1]"),

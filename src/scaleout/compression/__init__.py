@@ -27,6 +27,7 @@ from scaleout.compression.none import NoneCodec
 from scaleout.compression.policy import CompressionConfig, Compressor
 from scaleout.compression.powersgd import PowerSGDCodec
 from scaleout.compression.registry import CODECS, codec_spec, make_codec
+from scaleout.compression.rows import RowsCodec
 from scaleout.compression.sign import SignCodec
 from scaleout.compression.state import CodecState
 from scaleout.compression.topk import TopKCodec
@@ -45,6 +46,7 @@ __all__ = [
     "ExchangeStats",
     "NoneCodec",
     "PowerSGDCodec",
+    "RowsCodec",
     "Request",
     "SignCodec",
     "TensorMeta",

@@ -16,6 +16,7 @@ from scaleout.compression.blockquant import BlockQuantCodec
 from scaleout.compression.cast import CastCodec
 from scaleout.compression.none import NoneCodec
 from scaleout.compression.powersgd import PowerSGDCodec
+from scaleout.compression.rows import RowsCodec
 from scaleout.compression.sign import SignCodec
 from scaleout.compression.topk import TopKCodec
 
@@ -23,7 +24,8 @@ __all__ = ["CODECS", "codec_spec", "make_codec"]
 
 #: Codec classes by spec name.
 CODECS: dict[str, type[Codec]] = {
-    cls.name: cls for cls in (NoneCodec, CastCodec, BlockQuantCodec, SignCodec, TopKCodec, PowerSGDCodec)
+    cls.name: cls
+    for cls in (NoneCodec, CastCodec, BlockQuantCodec, SignCodec, TopKCodec, PowerSGDCodec, RowsCodec)
 }
 
 #: The option a bare value after ``name:`` sets.

@@ -20,15 +20,26 @@ def scaleout_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
+# _TEARDOWN: these scripts leave the interpreter with os._exit(0) once finalize() returned.
+# What the tests check (launch, tagging, rendezvous, the allreduce) is done by then, but
+# torch 2.13's gloo can still abort in interpreter teardown after destroy_process_group
+# ("terminate called without an active exception"): 1 of 25 two-node runs on a loaded
+# 2-core machine, and once in a full run of this suite. torch reports the same abort at
+# exit (pytorch/pytorch#190489; #179291, an atexit fix, was abandoned). It is tracked in the
+# stop notes as scaleout's open problem; it must not make these tests fail at random.
+
+
 def test_ranks_run_and_are_tagged(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text(textwrap.dedent("""
-        import sys, torch, scaleout
+        import os, sys, torch, scaleout
         env = scaleout.init(timeout=30)
         d = env.create_distribution()
         total = d.allreduce(torch.ones(1) * (env.rank + 1), group=scaleout.GroupType.DATA).wait()
         print(f"r={env.rank} w={env.world_size} total={total.item():g} arg={sys.argv[1]}")
         env.finalize()
+        sys.stdout.flush()
+        os._exit(0)  # see _TEARDOWN
     """))
     result = scaleout_run("-n", "3", str(script), "hello")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -69,13 +80,15 @@ def test_two_nodes_rendezvous(tmp_path: Path) -> None:
 
     script = tmp_path / "nodes.py"
     script.write_text(textwrap.dedent("""
-        import os, torch, scaleout
+        import os, sys, torch, scaleout
         env = scaleout.init(timeout=30)
         d = env.create_distribution()
         total = d.allreduce(torch.ones(1), group=scaleout.GroupType.DATA).wait()
         print(f"rank={env.rank} local={env.local_rank} node={os.environ['GROUP_RANK']} "
               f"total={total.item():g}")
         env.finalize()
+        sys.stdout.flush()
+        os._exit(0)  # see _TEARDOWN
     """))
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}

@@ -17,6 +17,7 @@ communication (PowerSGD, exponent-aligned block quantisation) overrides
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ __all__ = [
     "Request",
     "TensorMeta",
     "compensate",
+    "bucket_layout",
     "compensate_check",
+    "keep_buffer",
     "keep_residual",
     "remember",
     "work_dtype",
@@ -171,16 +174,36 @@ def keep_residual(state: CodecState, new: torch.Tensor) -> None:
     When ``new`` is the state's work buffer, the previous residual's storage becomes
     the next work buffer (double buffering: no allocation per step).
     """
-    old = state.buffers.get("residual")
+    keep_buffer(state, "residual", new, scratch="work")
+
+
+def keep_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str) -> None:
+    """Make ``new`` the state's buffer ``name``; non-finite elements keep the previous value
+    (zero if there was none).
+
+    When ``new`` is the scratch buffer ``scratch``, the previous buffer's storage becomes
+    that scratch buffer (double buffering: no allocation per step).
+    """
+    old = state.buffers.get(name)
     if not bool(torch.isfinite(new.sum())):  # one reduction; exact check only if needed
         keep = torch.zeros_like(new) if old is None else old.reshape(-1).to(new.dtype)
         torch.where(torch.isfinite(new), new, keep, out=new)
-    if new is state.scratch.get("work"):
+    if new is state.scratch.get(scratch):
         if old is not None and old.dtype == new.dtype and old.numel() == new.numel():
-            state.scratch["work"] = old.reshape(-1)
+            state.scratch[scratch] = old.reshape(-1)
         else:
-            del state.scratch["work"]
-    state.buffers["residual"] = new
+            del state.scratch[scratch]
+    state.buffers[name] = new
+
+
+def bucket_layout(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(offset, numel, shape)`` of each tensor of a fused bucket, back to back."""
+    layout, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        layout.append((offset, numel, tuple(shape)))
+        offset += numel
+    return layout
 
 
 class Codec(ABC):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +141,7 @@ def generic_exchange(
 
 def gather_payloads(
     payload: Sequence[torch.Tensor], comm: Communicator, group: Any
-) -> ExchangeGenerator:
+) -> Generator[Request, Any, list[list[torch.Tensor]]]:
     """Allgather every rank's payload (tensors of the same shapes on every rank) as bytes,
     in one collective; use with ``yield from`` in an exchange.
 

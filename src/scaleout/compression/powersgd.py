@@ -15,7 +15,6 @@ fewer than 2 dimensions, or too small for rank ``r`` to save bytes
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +26,7 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
+    bucket_layout,
     compensate,
     keep_residual,
     remember,
@@ -141,12 +141,8 @@ class PowerSGDCodec(Codec):
         orthonormalising each ``P``). Per matrix the result is what :meth:`exchange`
         gives; the warm-start factors are kept per matrix (``"q0"``, ``"q1"``, ...).
         """
-        layout = []  # (index, offset, numel, matrix dims or None)
-        offset = 0
-        for index, shape in enumerate(shapes):
-            numel = math.prod(shape)
-            layout.append((index, offset, numel, self.matrix_shape(torch.Size(shape))))
-            offset += numel
+        layout = [(index, offset, numel, self.matrix_shape(torch.Size(shape)))  # dims or None
+                  for index, (offset, numel, shape) in enumerate(bucket_layout(shapes))]
         mats = [entry for entry in layout if entry[3] is not None]
         plain = [entry for entry in layout if entry[3] is None]
         work = compensate(self.name, flat, state, self.error_feedback and bool(mats))

@@ -12,7 +12,6 @@ as in a dense allreduce.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
+    bucket_layout,
     compensate_check,
 )
 from scaleout.compression.state import CodecState
@@ -72,7 +72,7 @@ class RowsCodec(Codec):
         """
         compensate_check(self.name, tensor)
         matrix = _as_rows(tensor.detach().reshape(-1), tuple(tensor.shape))
-        touched = matrix.ne(0).any(dim=1).nonzero().view(-1)
+        touched = _touched(matrix).nonzero().view(-1)
         return ([matrix[touched].reshape(-1), touched.to(torch.int32)],
                 TensorMeta(tensor.shape, tensor.dtype))
 
@@ -98,13 +98,9 @@ class RowsCodec(Codec):
         compensate_check(self.name, flat)
         if flat.numel() == 0:
             return flat.clone()
-        layout, offset = [], 0
-        for shape in shapes:
-            numel = math.prod(shape)
-            layout.append((offset, numel, shape))
-            offset += numel
+        layout = bucket_layout(shapes)
         matrices = [(o, n, s) for o, n, s in layout if len(s) >= 2 and s[0] > 1]
-        flags = [_as_rows(flat[o:o + n], s).ne(0).any(dim=1).to(flat.dtype) for o, n, s in matrices]
+        flags = [_touched(_as_rows(flat[o:o + n], s)).to(flat.dtype) for o, n, s in matrices]
         union: dict[int, torch.Tensor] = {}
         if flags:
             summed = yield comm.allreduce(torch.cat(flags), group=group)
@@ -135,3 +131,8 @@ def _as_rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if len(shape) >= 2 and shape[0] > 0:
         return flat.view(shape[0], -1)
     return flat.view(1, -1)
+
+
+def _touched(matrix: torch.Tensor) -> torch.Tensor:
+    """Per row: holds a non-zero (NaN and Inf count)."""
+    return matrix.ne(0).any(dim=1)

@@ -27,6 +27,7 @@ from scaleout.compression.base import (
     TensorMeta,
     compensate,
     compensate_check,
+    keep_buffer,
     keep_residual,
     remember,
     work_dtype,
@@ -91,42 +92,30 @@ class TopKCodec(Codec):
         """
         compensate_check(self.name, tensor)
         grad = tensor.detach().reshape(-1)
+        source = self._momentum(grad, state) if self.momentum else grad  # u = m u + g
+        velocity = compensate(self.name, source, state, self.error_feedback)  # NaN/Inf kept
         if self.momentum:
-            grad = self._accumulate_momentum(grad, state)
-        velocity = compensate(self.name, grad, state, self.error_feedback)
+            keep_buffer(state, "momentum", source, scratch="momentum")  # stored u stays finite
         k = self.k(velocity.numel())
         indices = _largest(velocity, k, state)
         values = velocity[indices]
-        if not self.error_feedback:
-            pass
-        elif bool(torch.isfinite(values).all()):  # the residual: velocity less what was sent
-            keep_residual(state, velocity.index_fill_(0, indices, 0.0))
-        else:  # non-finite entries keep their previous residual (see remember)
-            sent = torch.zeros_like(velocity).index_put_((indices,), values)
-            remember(state, velocity, sent, self.error_feedback)
+        if self.error_feedback:
+            if bool(torch.isfinite(values).all()):  # the residual: velocity less what was sent
+                keep_residual(state, velocity.index_fill_(0, indices, 0.0))
+            else:  # non-finite entries keep their previous residual (see remember)
+                sent = torch.zeros_like(velocity).index_put_((indices,), values)
+                remember(state, velocity, sent, True)
         if self.momentum:
             state.buffers["momentum"].index_fill_(0, indices, 0.0)
         return [values, indices.to(torch.int32)], TensorMeta(tensor.shape, tensor.dtype)
 
-    def _accumulate_momentum(self, grad: torch.Tensor, state: CodecState) -> torch.Tensor:
-        """``u = momentum * u + grad`` (double-buffered), returned as computed (NaN/Inf
-        included, so they propagate); the stored ``u`` keeps the old value where non-finite."""
+    def _momentum(self, grad: torch.Tensor, state: CodecState) -> torch.Tensor:
+        """``momentum * u + grad`` into the ``"momentum"`` scratch buffer."""
         old = state.buffers.get("momentum")
         u = state.work_buffer("momentum", grad.numel(), work_dtype(grad.dtype))
         if old is None:
-            u.copy_(grad)
-        else:
-            torch.add(grad, old, alpha=self.momentum, out=u)
-        if not bool(torch.isfinite(u.sum())):
-            keep = torch.zeros_like(u) if old is None else old
-            state.buffers["momentum"] = torch.where(torch.isfinite(u), u, keep)
-            return u
-        if old is not None and old.shape == u.shape and old.dtype == u.dtype:
-            state.scratch["momentum"] = old
-        else:
-            del state.scratch["momentum"]
-        state.buffers["momentum"] = u
-        return u
+            return u.copy_(grad)
+        return torch.add(grad, old, alpha=self.momentum, out=u)
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Scatter the values into zeros; see :meth:`Codec.decode`."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scaleout.launch_env import detect_launch, first_host
+from scaleout.launch.environment import detect_launch, first_host
 
 
 def test_torchrun() -> None:

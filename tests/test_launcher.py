@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scaleout.launcher import LaunchConfig, command_for
+from scaleout.launch.launcher import LaunchConfig, command_for
 
 
 def scaleout_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -76,7 +76,7 @@ def test_usage_errors() -> None:
 
 def test_two_nodes_rendezvous(tmp_path: Path) -> None:
     """Two launchers (as on two nodes) with --nnodes/--node-rank form one job."""
-    from scaleout.launcher import free_port
+    from scaleout.launch.launcher import free_port
 
     script = tmp_path / "nodes.py"
     script.write_text(textwrap.dedent("""

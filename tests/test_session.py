@@ -8,7 +8,7 @@ import torch
 
 import scaleout
 from harness import run_ranks
-from scaleout import ActivationSpec, Exchange, GroupType, ParameterSetSpec, Phase, SchedulerConfig
+from scaleout import ActivationSpec, Exchange, GroupType, ParameterSetSpec, Phase, SchedulerConfig, Session
 
 POLICIES = [SchedulerConfig(policy="fifo"),
             SchedulerConfig(policy="priority", partition_bytes=256, credit_bytes=512,
@@ -24,7 +24,7 @@ def grad_of(rank: int, layer: int, it: int, n: int) -> torch.Tensor:
 def body_gradients(policy_index: int, iterations: int) -> None:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session(Phase.TRAIN, scheduler=POLICIES[policy_index])
+    session = Session(env, Phase.TRAIN, scheduler=POLICIES[policy_index])
     session.set_global_minibatch_size(6 * env.world_size)
     ops = [session.add_operation(f"layer{i}", dist,
                                  parameter_sets=[ParameterSetSpec(count=n, dtype=torch.float64)])
@@ -55,7 +55,7 @@ def body_out_of_order_start() -> None:
     # ranks start their sets in different orders: the fixed lane order keeps collectives matched
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session(scheduler=POLICIES[1])
+    session = Session(env, scheduler=POLICIES[1])
     ops = [session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(count=n)])
            for i, n in enumerate(SIZES)]
     session.commit()
@@ -77,7 +77,7 @@ def test_any_start_order_is_safe() -> None:
 def body_distributed_update() -> list[float]:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session()
+    session = Session(env)
     n = 10  # not divisible by 3: the last rank's owned slice is short
     op = session.add_operation("fc", dist, parameter_sets=[
         ParameterSetSpec(count=n, dtype=torch.float64, distributed_update=True)])
@@ -115,7 +115,7 @@ def body_model_parallel_fc() -> None:
     # input features; the output is reduce-scattered forward and all-gathered backward.
     env = scaleout.init(timeout=30)
     dist = env.create_distribution(env.world_size // 2, 2)
-    session = env.create_session()
+    session = Session(env)
     op = session.add_operation("fc", dist,
                                parameter_sets=[ParameterSetSpec(count=8 * 6)],
                                outputs=[ActivationSpec(exchange=Exchange.REDUCE_SCATTER)])
@@ -144,7 +144,7 @@ def test_activation_exchange_on_model_group(world: int) -> None:
 def body_misuse() -> None:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session()
+    session = Session(env)
     with pytest.raises(ValueError, match="count must be an int >= 1"):
         ParameterSetSpec(count=0)
     with pytest.raises(TypeError, match="parameter_sets must hold ParameterSetSpec"):
@@ -182,7 +182,7 @@ def test_misuse_is_reported() -> None:
 def body_peer_never_starts() -> str:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session()
+    session = Session(env)
     op = session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=4)])
     session.commit()
     message = ""
@@ -211,7 +211,7 @@ def body_compressed_lanes() -> None:
     # on every rank: the engine must never block on one lane while a peer waits on another.
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    session = env.create_session(scheduler=POLICIES[1])
+    session = Session(env, scheduler=POLICIES[1])
     shapes = [(16, 32), (64, 16), (40, 40), (8, 8), (32, 32), (30, 20)]
     ops = [session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(
         count=r * c, shape=(r, c), compression=CODECS[i], dtype=torch.float32)])

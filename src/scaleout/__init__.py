@@ -8,16 +8,17 @@ Example:
     >>> d.allreduce(torch.ones(4), group=GroupType.DATA).wait()
 """
 
-from scaleout.collectives import ReduceOp
-from scaleout.distribution import Distribution, GroupType
-from scaleout.env import Environment, init
-from scaleout.errors import (
+from scaleout.core.collectives import ReduceOp
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.core.env import Environment, init
+from scaleout.core.errors import (
     CommunicationError,
     CommunicationTimeout,
     NotInitializedError,
     ScaleoutError,
 )
-from scaleout.request import Request
+from scaleout.core.request import Request
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import (
     ActivationSpec,

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 
 import scaleout
 from scaleout import GroupType
-from scaleout.collectives import all_gather_single, reduce_scatter_single
+from scaleout.core.collectives import all_gather_single, reduce_scatter_single
 from scaleout.bench.stats import median, parse_sizes
 
 __all__ = ["OPS", "bus_factor", "main"]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from scaleout.bench.train_peers import PEERS
 from scaleout.bench.train_progress import ProgressBar
 from scaleout.bench.train_worker import PROGRESS_MARK
-from scaleout.launcher import LaunchConfig, RankWrapper, launch
+from scaleout.launch.launcher import LaunchConfig, RankWrapper, launch
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 

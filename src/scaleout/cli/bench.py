@@ -11,7 +11,7 @@ import tempfile
 
 from scaleout.bench.stats import format_size, parse_sizes
 from scaleout.table import format_table
-from scaleout.launcher import LaunchConfig, launch
+from scaleout.launch.launcher import LaunchConfig, launch
 
 EXAMPLE = """example:
   scaleout bench collectives -n 2 --ops allreduce,allgather --sizes 1K..64M --json out.json

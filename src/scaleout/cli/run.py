@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from scaleout.launcher import LaunchConfig, launch
+from scaleout.launch.launcher import LaunchConfig, launch
 
 EXAMPLE = """examples:
   scaleout run -n 2 examples/train_digits.py --epochs 5

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from scaleout.collectives import ReduceOp
+from scaleout.core.collectives import ReduceOp
 from scaleout.compression.base import (
     Codec,
     Communicator,

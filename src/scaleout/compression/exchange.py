@@ -21,8 +21,8 @@ import torch
 
 from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, work_dtype
 from scaleout.compression.state import CodecState
-from scaleout.errors import CommunicationTimeout
-from scaleout.request import countdown
+from scaleout.core.errors import CommunicationTimeout
+from scaleout.core.request import countdown
 
 __all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "gather_payloads", "generic_exchange", "wire_bytes"]
 

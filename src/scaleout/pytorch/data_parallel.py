@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from scaleout import collectives
-from scaleout.collectives import ReduceOp
-from scaleout.distribution import Distribution, GroupType
-from scaleout.env import attach
+from scaleout.core import collectives
+from scaleout.core.collectives import ReduceOp
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.core.env import attach
 from scaleout.pytorch.layers import Layer, broadcast_tensors, find_layers
-from scaleout.request import Request
+from scaleout.core.request import Request
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSet, ParameterSetSpec, Phase, Session, Statistics
 
@@ -230,7 +231,7 @@ class DataParallel(nn.Module):
         """Register the layers in the order the first forward ran them, then commit."""
         ran = {id(layer) for layer in self._forward_order}
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
-        session = self.env.create_session(Phase.TRAIN, scheduler=self._scheduler)
+        session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler)
         params = self._params_in_order = [p for layer in self._forward_order for p in layer.params]
         self._position = {id(layer): i for i, layer in enumerate(self._forward_order)}
         if params:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from scaleout.collectives import Communicator
-from scaleout import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core import collectives
 from scaleout.session import Operation, ParameterSet
 
 __all__ = ["Layer", "find_layers", "broadcast_tensors"]

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaleout.collectives import Communicator
-from scaleout.errors import CommunicationError, CommunicationTimeout
-from scaleout.request import Request
+from scaleout.core.collectives import Communicator
+from scaleout.core.errors import CommunicationError, CommunicationTimeout
+from scaleout.core.request import Request
 from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]

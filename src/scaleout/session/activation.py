@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scaleout import collectives
-from scaleout.collectives import Communicator
-from scaleout.request import Request, completed_request
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.request import Request, completed_request
 
 if TYPE_CHECKING:
     from scaleout.session.operation import Operation

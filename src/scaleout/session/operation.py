@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from scaleout.distribution import Distribution
+from scaleout.core.distribution import Distribution
 from scaleout.session.activation import Activation, ActivationSpec
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
 

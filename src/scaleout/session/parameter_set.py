@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaleout import collectives
-from scaleout.distribution import Distribution, GroupType
-from scaleout.request import Request
+from scaleout.core import collectives
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.core.request import Request
 
 if TYPE_CHECKING:
     from scaleout.session.operation import Operation

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scaleout import collectives
-from scaleout.collectives import Communicator, ReduceOp
-from scaleout.distribution import Distribution, GroupType
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator, ReduceOp
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
 from scaleout.scheduler import Job, PlanItem, ProgressEngine, SchedulerConfig, build_plan, make_policy
 from scaleout.session.activation import ActivationSpec
 from scaleout.session.operation import Operation
@@ -19,7 +20,7 @@ from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
 from scaleout.session.statistics import Statistics
 
 if TYPE_CHECKING:
-    from scaleout.env import Environment
+    from scaleout.core.env import Environment
 
 __all__ = ["Phase", "Session"]
 
@@ -186,7 +187,7 @@ class Session:
         scheduler: how gradients are fused, split and prioritised.
 
     Example (every rank):
-        >>> session = env.create_session(Phase.TRAIN)
+        >>> session = Session(env, Phase.TRAIN)
         >>> session.set_global_minibatch_size(64)
         >>> op = session.add_operation("fc1", dist, parameter_sets=[ParameterSetSpec(count=4096)])
         >>> session.commit()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from scaleout.errors import CommunicationError, CommunicationTimeout
+from scaleout.core.errors import CommunicationError, CommunicationTimeout
 
 __all__ = ["Request", "completed_request", "countdown"]
 

@@ -2,70 +2,29 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as tdist
 
-from scaleout import collectives as coll
-from scaleout.collectives import Communicator, ReduceOp
-from scaleout.request import Request
+from scaleout.core import collectives as coll
+from scaleout.core.collectives import Communicator, ReduceOp
+from scaleout.core.grid import Grid, GroupType
+from scaleout.core.request import Request
 
-if TYPE_CHECKING:
-    from scaleout.env import Environment
-
-__all__ = ["GroupType", "Distribution", "grid_groups"]
+__all__ = ["Distribution", "Member"]
 
 
-class GroupType(enum.Enum):
-    """Which group of the grid a collective runs on.
+class Member(Protocol):
+    """What a Distribution needs of its Environment (kept abstract: no import cycle)."""
 
-    ``DATA``: ranks with the same weights and different samples (they exchange gradients).
-    ``MODEL``: ranks holding different slices of the weights for the same samples (they
-    exchange activations). ``GLOBAL``: the whole data x model grid of this rank.
-    """
+    rank: int
+    world_size: int
+    timeout: float
+    check_consistency: bool
 
-    DATA = "data"
-    MODEL = "model"
-    GLOBAL = "global"
-
-
-def grid_groups(world_size: int, data_parts: int, model_parts: int) -> dict[GroupType, list[tuple[int, ...]]]:
-    """Every group of the grid, as MLSL lays them out.
-
-    Model groups are runs of ``model_parts`` consecutive ranks; data groups are strided by
-    ``model_parts``. When ``data_parts * model_parts`` is smaller than the world, the ranks
-    form ``world_size / (data_parts * model_parts)`` independent replicas of the grid.
-
-    Raises:
-        ValueError: the grid does not divide the world size.
-
-    Example:
-        >>> grid_groups(4, 2, 2)[GroupType.DATA]
-        [(0, 2), (1, 3)]
-    """
-    for name, value in (("data_parts", data_parts), ("model_parts", model_parts)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    grid = data_parts * model_parts
-    if world_size % grid != 0:
-        raise ValueError(
-            f"data_parts * model_parts = {data_parts} * {model_parts} = {grid} must divide the "
-            f"world size {world_size}"
-        )
-    groups: dict[GroupType, list[tuple[int, ...]]] = {t: [] for t in GroupType}
-    for base in range(0, world_size, grid):
-        for d in range(data_parts):
-            start = base + d * model_parts
-            groups[GroupType.MODEL].append(tuple(range(start, start + model_parts)))
-        for m in range(model_parts):
-            groups[GroupType.DATA].append(tuple(range(base + m, base + grid, model_parts)))
-        groups[GroupType.GLOBAL].append(tuple(range(base, base + grid)))
-    return groups
+    def require_alive(self) -> None: ...
 
 
 class Distribution:
@@ -73,7 +32,7 @@ class Distribution:
 
     Create one with :meth:`Environment.create_distribution` (every rank must call it, in the
     same order, since it creates process groups). Every collective takes ``group=`` and
-    returns a :class:`~scaleout.request.Request`; ``wait()`` gives the result tensor.
+    returns a :class:`~scaleout.core.request.Request`; ``wait()`` gives the result tensor.
 
     Example (2 ranks):
         >>> d = env.create_distribution(2, 1)
@@ -82,11 +41,17 @@ class Distribution:
         tensor([1., 1.])
     """
 
-    def __init__(self, env: Environment, data_parts: int, model_parts: int) -> None:
-        layout = grid_groups(env.world_size, data_parts, model_parts)
+    def __init__(self, env: Member, grid: Grid) -> None:
+        if not isinstance(grid, Grid):
+            raise TypeError(f"grid must be a scaleout Grid, got {type(grid).__name__}")
+        if grid.world_size != env.world_size:
+            raise ValueError(f"the grid is for {grid.world_size} ranks, the job has "
+                             f"{env.world_size}")
+        layout = grid.groups()
         self._env = env
-        self.data_parts = data_parts
-        self.model_parts = model_parts
+        self.grid = grid
+        self.data_parts = grid.data_parts
+        self.model_parts = grid.model_parts
         self._comms: dict[GroupType, Communicator] = {}
         for group_type in GroupType:  # every rank creates every group in the same order
             for ranks in layout[group_type]:
@@ -104,7 +69,7 @@ class Distribution:
         communication library. Every rank must call this, in the same order.
         """
         self._env.require_alive()
-        layout = grid_groups(self._env.world_size, self.data_parts, self.model_parts)
+        layout = self.grid.groups()
         mine = None
         for ranks in layout[group]:
             created = self._new_group(ranks, fresh=True)
@@ -121,7 +86,7 @@ class Distribution:
         return tdist.new_group(list(ranks))
 
     @property
-    def env(self) -> Environment:
+    def env(self) -> Any:
         """The Environment this distribution belongs to."""
         return self._env
 

@@ -1,7 +1,7 @@
 """Non-blocking collectives over one communicator (a process group and its ranks).
 
 Every function checks its arguments on the calling rank, starts the operation through
-``torch.distributed`` with ``async_op=True`` and returns a :class:`~scaleout.request.Request`.
+``torch.distributed`` with ``async_op=True`` and returns a :class:`~scaleout.core.request.Request`.
 Tensors are laid out by dim 0: a rank's block of an allgather or scatter is a slice of rows.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from scaleout.checks import check_counts, check_divisible, check_root, check_tensor
-from scaleout.errors import CommunicationError
-from scaleout.request import Request
+from scaleout.core.checks import check_counts, check_divisible, check_root, check_tensor
+from scaleout.core.errors import CommunicationError
+from scaleout.core.request import Request
 
 __all__ = [
     "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather", "allgatherv",

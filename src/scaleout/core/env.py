@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from scaleout.distribution import Distribution
-from scaleout.errors import NotInitializedError, ScaleoutError
-from scaleout.launch_env import LaunchInfo, detect_launch
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import Grid
+from scaleout.core.errors import NotInitializedError, ScaleoutError
+from scaleout.launch.environment import LaunchInfo, detect_launch
 
 __all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
 
@@ -88,7 +89,7 @@ class Environment:
             )
 
     def create_distribution(self, data_parts: int | None = None, model_parts: int = 1) -> Distribution:
-        """A data x model grid (see :class:`~scaleout.distribution.Distribution`).
+        """A data x model grid (see :class:`~scaleout.core.distribution.Distribution`).
 
         Args:
             data_parts: data-parallel degree; ``None`` or ``-1`` means world_size / model_parts.
@@ -98,17 +99,9 @@ class Environment:
             ValueError: ``data_parts * model_parts`` does not divide the world size.
         """
         self.require_alive()
-        if isinstance(model_parts, int) and not isinstance(model_parts, bool) and model_parts >= 1:
-            if data_parts is None or data_parts == -1:
-                data_parts = max(self.world_size // model_parts, 1)
-        return Distribution(self, data_parts, model_parts)  # type: ignore[arg-type]
-
-    def create_session(self, *args: Any, **kwargs: Any) -> Any:
-        """A training session (MLSL's object model); see :class:`scaleout.session.Session`."""
-        self.require_alive()
-        from scaleout.session import Session
-
-        return Session(self, *args, **kwargs)
+        grid = Grid(world_size=self.world_size, model_parts=model_parts,
+                    data_parts=-1 if data_parts is None else data_parts)
+        return Distribution(self, grid)
 
     def finalize(self) -> None:
         """Tear down torch.distributed. The Environment cannot be used afterwards.

@@ -94,8 +94,10 @@ def body_distributed_update() -> list[float]:
         torch.testing.assert_close(owned, full[ps.owned_offset: ps.owned_offset + ps.owned_valid])
         new_owned = weights[ps.owned_offset: ps.owned_offset + ps.owned_valid] - 0.1 * owned
         ps.start_increment_comm(new_owned)
+        previous = weights
         weights = ps.wait_increment_comm().clone()
-        torch.testing.assert_close(weights, (weights + 0.1 * full) - 0.1 * full)
+        # every rank's updated slice arrived: the whole tensor took the averaged step
+        torch.testing.assert_close(weights, previous - 0.1 * full)
     session.close()
     env.finalize()
     return weights.tolist()
@@ -226,6 +228,12 @@ def body_compressed_lanes() -> None:
         for i, op in enumerate(ops):  # equal inputs everywhere: every codec returns ~1
             got = op.parameter_sets[0].wait_gradient_comm(timeout=20)
             assert got.numel() == shapes[i][0] * shapes[i][1]
+            if CODECS[i] and CODECS[i].startswith("topk"):
+                # top-k sends its k largest (with error feedback: growing) entries only
+                sent = got[got != 0]
+                assert sent.numel() >= 0.1 * got.numel() and bool((sent >= 1 - 1e-3).all())
+            else:
+                torch.testing.assert_close(got, torch.ones_like(got), atol=1e-3, rtol=1e-3)
     session.close()
     env.finalize()
 

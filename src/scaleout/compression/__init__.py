@@ -13,7 +13,7 @@ Example:
     >>> req.wait(timeout=60); req.stats.wire_ratio                        # doctest: +SKIP
 """
 
-from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, TensorMeta
+from scaleout.compression.base import Codec, ExchangeGenerator, TensorMeta
 from scaleout.compression.blockquant import BlockQuantCodec
 from scaleout.compression.cast import CastCodec
 from scaleout.compression.exchange import (
@@ -24,7 +24,7 @@ from scaleout.compression.exchange import (
     wire_bytes,
 )
 from scaleout.compression.none import NoneCodec
-from scaleout.compression.policy import CompressionConfig, Compressor
+from scaleout.compression.config import CompressionConfig, Compressor, as_config
 from scaleout.compression.powersgd import PowerSGDCodec
 from scaleout.compression.registry import CODECS, codec_spec, make_codec
 from scaleout.compression.rows import RowsCodec
@@ -38,7 +38,6 @@ __all__ = [
     "CastCodec",
     "Codec",
     "CodecState",
-    "Communicator",
     "CompressedRequest",
     "CompressionConfig",
     "Compressor",
@@ -47,10 +46,10 @@ __all__ = [
     "NoneCodec",
     "PowerSGDCodec",
     "RowsCodec",
-    "Request",
     "SignCodec",
     "TensorMeta",
     "TopKCodec",
+    "as_config",
     "codec_spec",
     "compressed_allreduce",
     "generic_exchange",

@@ -21,17 +21,17 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, ClassVar, Union
 
 import torch
 
 from scaleout.compression.state import CodecState
+from scaleout.core.collectives import Communicator
+from scaleout.core.request import Request
 
 __all__ = [
     "Codec",
-    "Communicator",
     "ExchangeGenerator",
-    "Request",
     "TensorMeta",
     "compensate",
     "bucket_layout",
@@ -41,30 +41,6 @@ __all__ = [
     "remember",
     "work_dtype",
 ]
-
-
-class Request(Protocol):
-    """A pending non-blocking collective (``scaleout``'s core ``Request``)."""
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor: ...
-
-    def test(self) -> bool: ...
-
-
-class Communicator(Protocol):
-    """The part of ``scaleout.Distribution`` the exchange uses."""
-
-    def allreduce(self, tensor: torch.Tensor, op: Any = ..., group: Any = ...) -> Request: ...
-
-    def allgather(self, tensor: torch.Tensor, group: Any = ...) -> Request: ...
-
-    def allgatherv(
-        self, tensor: torch.Tensor, counts: Sequence[int], group: Any = ...
-    ) -> Request: ...
-
-    def size(self, group: Any = ...) -> int: ...
-
-    def rank(self, group: Any = ...) -> int: ...
 
 
 #: A multi-round exchange: yields one request (or a list of requests) per round,
@@ -273,15 +249,15 @@ class Codec(ABC):
         return total
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator | None:
         """A codec-specific multi-round exchange, or ``None`` for the generic one.
 
         Args:
             tensor: The gradient to reduce.
             state: Its codec state.
-            comm: The communicator (a ``scaleout`` Distribution).
-            group: The group to reduce over.
+            comm: The core communicator of the group to reduce over (the codec calls
+                :mod:`scaleout.core.collectives` on it).
 
         Returns:
             ``None`` (use the generic one-round exchange), or an
@@ -291,7 +267,7 @@ class Codec(ABC):
 
     def exchange_bucket(
         self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
-        comm: Communicator, group: Any,
+        comm: Communicator,
     ) -> ExchangeGenerator | None:
         """The exchange of a fused bucket: tensors of ``shapes`` back to back in ``flat``.
 
@@ -305,12 +281,11 @@ class Codec(ABC):
             shapes: The shape of each tensor in it, in order.
             state: The bucket's codec state.
             comm: The communicator.
-            group: The group.
 
         Returns:
             Like :meth:`exchange`.
         """
-        return self.exchange(flat, state, comm, group)
+        return self.exchange(flat, state, comm)
 
     @property
     def multi_round(self) -> bool:

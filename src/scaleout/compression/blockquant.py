@@ -33,6 +33,7 @@ from scaleout.compression.base import (
     work_dtype,
 )
 from scaleout.compression.state import CodecState
+from scaleout.core import collectives
 
 __all__ = ["BlockQuantCodec", "BlockQuantCtx"]
 
@@ -178,16 +179,16 @@ class BlockQuantCodec(Codec):
         return self._decode_flat(payload[0], ctx).to(ctx.meta.dtype).view(ctx.meta.shape)
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
-        ranks = comm.size(group)
+        ranks = comm.size
         flat = compensate(self.name, tensor, state, self.error_feedback)
         exponents = self.exponents(flat, state.work_buffer("quantized", flat.numel(), flat.dtype))
-        exponents = yield comm.allreduce(exponents, op=ReduceOp.MAX, group=group)
+        exponents = yield collectives.allreduce(comm, exponents, ReduceOp.MAX)
         payload, ctx = self._quantize_and_remember(
             flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False)
-        summed = yield comm.allreduce(payload[0], op=ReduceOp.SUM, group=group)
+        summed = yield collectives.allreduce(comm, payload[0], ReduceOp.SUM)
         return self._decode_flat(summed, ctx, out=state.work_buffer("quantized", summed.numel(), flat.dtype))
 
     # -- internals -----------------------------------------------------------

@@ -18,6 +18,7 @@ from scaleout.compression.base import (
     remember,
 )
 from scaleout.compression.state import CodecState
+from scaleout.core import collectives
 
 __all__ = ["CastCodec", "CAST_DTYPES"]
 
@@ -91,12 +92,12 @@ class CastCodec(Codec):
         return [wire], TensorMeta(tensor.shape, tensor.dtype)
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """One allreduce in the wire dtype; returns the sum still in it (widened by the caller
         while averaging, so no extra pass)."""
         payload, _ = self.encode(tensor, state)
-        summed = yield comm.allreduce(payload[0], group=group)
+        summed = yield collectives.allreduce(comm, payload[0])
         return summed
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:

@@ -4,52 +4,32 @@
 multi-round exchange if it has one (:meth:`Codec.exchange`), else the generic
 one: a SUM allreduce of every payload tensor for summable codecs, or one
 allgather of the payload bytes followed by :meth:`Codec.decode_sum` for the rest.
-Every collective is non-blocking; :class:`CompressedRequest` drives the rounds
-from :meth:`~CompressedRequest.test` (progress without blocking, for a progress
-engine) or :meth:`~CompressedRequest.wait`.
+Codecs call :mod:`scaleout.core.collectives` on the group's core communicator; every
+collective is non-blocking, and :class:`CompressedRequest` (a core
+:class:`~scaleout.core.request.Request`) drives the rounds from ``test()`` (progress
+without blocking, for a progress engine) or ``wait()``. Bytes are counted from the
+requests each round yields (:mod:`scaleout.core.traffic`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from scaleout.compression.base import Codec, Communicator, ExchangeGenerator, Request, work_dtype
+from scaleout.compression.base import Codec, ExchangeGenerator
 from scaleout.compression.state import CodecState
-from scaleout.core.errors import CommunicationTimeout
-from scaleout.core.request import countdown
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.distribution import Distribution
+from scaleout.core.request import Deadline, Request, countdown
+from scaleout.core.traffic import total_wire_bytes, wire_bytes
 
-__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "gather_payloads", "generic_exchange", "wire_bytes"]
-
-
-def wire_bytes(kind: str, nbytes: int, ranks: int) -> float:
-    """Bytes one rank sends for a collective under the ring model (REFERENCES.md §3).
-
-    Args:
-        kind: ``"allreduce"`` (``2 (p-1)/p n``), ``"allgather"`` (``(p-1) n``, n
-            per rank) or ``"allgatherv"`` (``(p-1)/p n``, n the gathered total).
-        nbytes: Bytes as described for each kind.
-        ranks: Group size ``p``.
-
-    Returns:
-        Estimated bytes sent by one rank (0 for a single rank).
-
-    Raises:
-        ValueError: For an unknown kind.
-    """
-    p = ranks
-    if kind == "allreduce":
-        return 2.0 * (p - 1) / p * nbytes
-    if kind == "allgather":
-        return float((p - 1) * nbytes)
-    if kind == "allgatherv":
-        return (p - 1) / p * nbytes
-    raise ValueError(f"wire_bytes: unknown collective {kind!r}; expected allreduce, allgather or allgatherv")
+__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "gather_payloads",
+           "generic_exchange", "wire_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,35 +64,8 @@ class ExchangeStats:
         return dense / self.wire_bytes if self.wire_bytes else float("inf")
 
 
-class _CountingComm:
-    """Forwards to the real communicator and records what each call hands it."""
-
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
-        self.calls: list[tuple[str, int]] = []
-
-    def allreduce(self, tensor: torch.Tensor, **kwargs: Any) -> Request:
-        self.calls.append(("allreduce", tensor.numel() * tensor.element_size()))
-        return self._comm.allreduce(tensor, **kwargs)
-
-    def allgather(self, tensor: torch.Tensor, **kwargs: Any) -> Request:
-        self.calls.append(("allgather", tensor.numel() * tensor.element_size()))
-        return self._comm.allgather(tensor, **kwargs)
-
-    def allgatherv(self, tensor: torch.Tensor, counts: Sequence[int], **kwargs: Any) -> Request:
-        row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
-        self.calls.append(("allgatherv", int(sum(counts)) * row))
-        return self._comm.allgatherv(tensor, counts, **kwargs)
-
-    def size(self, group: Any) -> int:
-        return self._comm.size(group)
-
-    def rank(self, group: Any) -> int:
-        return self._comm.rank(group)
-
-
 def generic_exchange(
-    codec: Codec, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+    codec: Codec, tensor: torch.Tensor, state: CodecState, comm: Communicator
 ) -> ExchangeGenerator:
     """The one-round exchange used by codecs without their own.
 
@@ -124,23 +77,22 @@ def generic_exchange(
         codec: The codec.
         tensor: The gradient.
         state: Its codec state.
-        comm: The communicator.
-        group: The group.
+        comm: The communicator of the group.
 
     Returns:
         A generator returning the sum over ranks (``tensor.numel()`` elements).
     """
     payload, ctx = codec.encode(tensor, state)
     if codec.summable:
-        reqs = [comm.allreduce(piece, group=group) for piece in payload]
+        reqs = [collectives.allreduce(comm, piece) for piece in payload]
         summed = yield reqs
         return codec.decode(summed, ctx)
-    payloads = yield from gather_payloads(payload, comm, group)
+    payloads = yield from gather_payloads(payload, comm)
     return codec.decode_sum(payloads, ctx)
 
 
 def gather_payloads(
-    payload: Sequence[torch.Tensor], comm: Communicator, group: Any
+    payload: Sequence[torch.Tensor], comm: Communicator
 ) -> Generator[Request, Any, list[list[torch.Tensor]]]:
     """Allgather every rank's payload (tensors of the same shapes on every rank) as bytes,
     in one collective; use with ``yield from`` in an exchange.
@@ -149,8 +101,8 @@ def gather_payloads(
         One payload per rank, in rank order, each a list like ``payload``.
     """
     wire = torch.cat([piece.reshape(-1).view(torch.uint8) for piece in payload])
-    gathered = yield comm.allgather(wire, group=group)
-    per_rank = gathered.view(comm.size(group), -1)
+    gathered = yield collectives.allgather(comm, wire)
+    per_rank = gathered.view(comm.size, -1)
     payloads = []
     for row in per_rank:
         pieces, offset = [], 0
@@ -162,36 +114,27 @@ def gather_payloads(
     return payloads
 
 
-class CompressedRequest:
-    """A compressed allreduce in flight; mirrors the core ``Request``.
+class CompressedRequest(Request):
+    """A compressed allreduce in flight (a core :class:`~scaleout.core.request.Request`).
 
-    The result (sum or average over the group, per ``average``) is written into
-    the tensor given to :func:`compressed_allreduce`, which ``wait()`` returns.
+    The result (sum or average over the group, per ``average``) is written into the tensor
+    given to :func:`compressed_allreduce`, which ``wait()`` returns.
     """
 
-    def __init__(
-        self,
-        *,
-        tensor: torch.Tensor,
-        generator: ExchangeGenerator | None,
-        counter: _CountingComm,
-        codec: str,
-        ranks: int,
-        rank: int,
-        group: Any,
-        average: bool,
-    ) -> None:
+    def __init__(self, *, tensor: torch.Tensor, generator: ExchangeGenerator | None,
+                 codec: str, comm: Communicator, average: bool) -> None:
+        super().__init__(rank=comm.global_rank, group=comm.label,
+                         operation=f"compressed allreduce (codec {codec!r})",
+                         timeout=comm.timeout)
         self._tensor = tensor
         self._gen = generator
-        self._counter = counter
         self._codec = codec
-        self._ranks = ranks
-        self._rank = rank
-        self._group = group
+        self._ranks = comm.size
         self._average = average
         self._pending: list[Request] = []
         self._single = True
         self._round = 0
+        self._calls: list[tuple[str, int]] = []
         self._error: BaseException | None = None
         self._stats: ExchangeStats | None = None
         if generator is None:
@@ -210,12 +153,11 @@ class CompressedRequest:
             raise RuntimeError(f"compressed allreduce ({self._codec}) has not completed; wait() first")
         return self._stats
 
-    def when_done(self, callback: Callable[[CompressedRequest], None]) -> None:
+    def when_done(self, callback: Callable[[Request], None]) -> None:
         """Call ``callback(self)`` once the current round's collectives completed.
 
-        The callback may run on a communication thread; the caller then calls
-        :meth:`test` (which starts the next round, if any) on its own thread, and
-        registers again while ``test()`` is False. Called at once when complete.
+        The caller then calls :meth:`test` (which starts the next round, if any) on its own
+        thread, and registers again while ``test()`` is False. Called at once when complete.
         """
         pending = list(self._pending)
         if self._stats is not None or not pending:
@@ -232,39 +174,14 @@ class CompressedRequest:
             if not all(req.test() for req in self._pending):
                 return False
             self._advance([req.wait() for req in self._pending])
+        self.wait()
         return True
 
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Block until complete and return the reduced tensor.
-
-        Args:
-            timeout: Seconds for the whole exchange (all rounds); ``None`` waits
-                as long as the underlying collectives do.
-
-        Returns:
-            The tensor passed to :func:`compressed_allreduce`, now reduced.
-
-        Raises:
-            scaleout.CommunicationTimeout: If ``timeout`` expires first (or a
-                collective's own timeout does); names rank, group and round.
-        """
+    def _wait(self, deadline: Deadline) -> torch.Tensor:
         self._raise_if_failed()
-        deadline = None if timeout is None else time.monotonic() + timeout
         while self._stats is None:
-            results = []
-            for req in self._pending:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    if not req.test():
-                        operation = f"compressed allreduce (codec {self._codec!r}, round {self._round})"
-                        raise CommunicationTimeout(
-                            f"rank {self._rank}: {operation} on group {self._group} did not "
-                            f"complete within {timeout:g} s",
-                            rank=self._rank, group=str(self._group), operation=operation,
-                        )
-                    remaining = None
-                results.append(req.wait(timeout=remaining))
-            self._advance(results)
+            self.operation = f"compressed allreduce (codec {self._codec!r}, round {self._round})"
+            self._advance([req.wait_until(deadline) for req in self._pending])
         return self._tensor
 
     # -- internals -----------------------------------------------------------
@@ -273,7 +190,7 @@ class CompressedRequest:
         if self._error is not None:
             raise RuntimeError(f"compressed allreduce (codec {self._codec!r}) failed earlier") from self._error
 
-    def _advance(self, results: list[torch.Tensor] | None, first: bool = False) -> None:
+    def _advance(self, results: list[Any] | None, first: bool = False) -> None:
         assert self._gen is not None
         value: Any = None if first else (results[0] if self._single else results)
         try:
@@ -287,29 +204,21 @@ class CompressedRequest:
         self._round += 1
         self._single = not isinstance(nxt, (list, tuple))
         self._pending = [nxt] if self._single else list(nxt)
+        self._calls += [(req.operation, req.nbytes) for req in self._pending]
 
     def _finish(self, summed: torch.Tensor | None) -> None:
         tensor = self._tensor
-        if summed is not None:
-            out = summed.reshape(tensor.shape)
-            if self._average and out.dtype == tensor.dtype:
-                torch.div(out, self._ranks, out=tensor)  # one pass, no temporary
-            elif self._average and out.element_size() < tensor.element_size():
-                tensor.copy_(out).div_(self._ranks)  # widen exactly, divide in the wide type
-            elif self._average:
-                tensor.copy_(out.to(work_dtype(tensor.dtype)) / self._ranks)
-            elif out.data_ptr() != tensor.data_ptr() or out.dtype != tensor.dtype:
-                tensor.copy_(out)
-        elif self._average and tensor.numel():
-            tensor.div_(self._ranks)
-        calls = tuple(self._counter.calls)
+        divisor = self._ranks if self._average else 1
+        collectives.average_into(tensor, tensor if summed is None else summed, divisor)
+        calls = tuple(self._calls)
         self._pending = []
+        self.nbytes = sum(n for _, n in calls)
         self._stats = ExchangeStats(
             codec=self._codec,
             ranks=self._ranks,
             dense_bytes=tensor.numel() * tensor.element_size(),
-            payload_bytes=sum(n for _, n in calls),
-            wire_bytes=sum(wire_bytes(kind, n, self._ranks) for kind, n in calls),
+            payload_bytes=self.nbytes,
+            wire_bytes=total_wire_bytes(calls, self._ranks),
             collectives=calls,
         )
 
@@ -318,15 +227,15 @@ def compressed_allreduce(
     codec: Codec,
     tensor: torch.Tensor,
     state: CodecState,
-    comm: Communicator,
+    comm: Communicator | Distribution,
     *,
-    group: Any,
+    group: Any = None,
     average: bool = True,
     shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> CompressedRequest:
-    """Start a compressed allreduce of ``tensor`` over ``group``; non-blocking.
+    """Start a compressed allreduce of ``tensor`` over a group; non-blocking.
 
-    Every rank of ``group`` must call this with the same codec, shape and dtype,
+    Every rank of the group must call this with the same codec, shape and dtype,
     in the same order. On completion ``tensor`` holds, on every rank, the same
     value: the SUM over ranks of each rank's decoded contribution, divided by
     the group size when ``average`` is true (the default, what data-parallel
@@ -337,9 +246,8 @@ def compressed_allreduce(
         tensor: The gradient; overwritten with the result. Don't touch it until
             the request completes.
         state: This tensor's codec state (one per tensor, same on every call).
-        comm: A ``scaleout`` Distribution (anything with non-blocking
-            ``allreduce``/``allgather`` returning requests, and ``size``).
-        group: The group to reduce over, e.g. ``GroupType.DATA``.
+        comm: The group's core communicator, or a ``scaleout`` Distribution with ``group``.
+        group: With a Distribution, the group to reduce over (e.g. ``GroupType.DATA``).
         average: Divide the sum by the group size.
         shapes: ``tensor`` is a fused bucket (1-D) holding tensors of these shapes back
             to back (:meth:`Codec.exchange_bucket`); ``None``: one tensor.
@@ -373,18 +281,20 @@ def compressed_allreduce(
         if tensor.dim() != 1 or total != tensor.numel():
             raise ValueError(f"a bucket must be 1-D with as many elements as its shapes hold: "
                              f"shapes {shapes} hold {total}, tensor has shape {tuple(tensor.shape)}")
-    counter = _CountingComm(comm)
-    ranks, rank = comm.size(group), comm.rank(group)
+    if isinstance(comm, Distribution):
+        comm = comm.communicator(group)
+    elif not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a scaleout Communicator or Distribution, got "
+                        f"{type(comm).__name__}")
     generator = None
     if tensor.numel():
         if shapes is None:
-            generator = codec.exchange(tensor, state, counter, group)
+            generator = codec.exchange(tensor, state, comm)
         else:
-            generator = codec.exchange_bucket(tensor, shapes, state, counter, group)
+            generator = codec.exchange_bucket(tensor, shapes, state, comm)
         if generator is None:
-            generator = generic_exchange(codec, tensor, state, counter, group)
-    request = CompressedRequest(
-        tensor=tensor, generator=generator, counter=counter, codec=codec.name, ranks=ranks, rank=rank, group=group, average=average
-    )
+            generator = generic_exchange(codec, tensor, state, comm)
+    request = CompressedRequest(tensor=tensor, generator=generator, codec=codec.name, comm=comm,
+                                average=average)
     state.step += 1
     return request

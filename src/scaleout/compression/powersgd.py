@@ -32,6 +32,7 @@ from scaleout.compression.base import (
     remember,
 )
 from scaleout.compression.state import CodecState
+from scaleout.core import collectives
 
 __all__ = ["PowerSGDCodec"]
 
@@ -124,15 +125,15 @@ class PowerSGDCodec(Codec):
         return (p.view(n, -1) @ q.view(m, -1).T).to(ctx.dtype).view(ctx.shape)
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """Allreduce ``P``, orthonormalise, allreduce ``Q`` (one round if uncompressed):
         a bucket of one tensor."""
-        return self.exchange_bucket(tensor, [tuple(tensor.shape)], state, comm, group)
+        return self.exchange_bucket(tensor, [tuple(tensor.shape)], state, comm)
 
     def exchange_bucket(
         self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
-        comm: Communicator, group: Any,
+        comm: Communicator,
     ) -> ExchangeGenerator:
         """A whole bucket (``flat`` of any shape) in two collectives, like torch's hook.
 
@@ -147,11 +148,11 @@ class PowerSGDCodec(Codec):
         plain = [entry for entry in layout if entry[3] is None]
         work = compensate(self.name, flat, state, self.error_feedback and bool(mats))
         if not mats:
-            summed = yield comm.allreduce(work, group=group)
+            summed = yield collectives.allreduce(comm, work)
             return summed
         ps = [work[o:o + n].view(d) @ self._q(state, d, work.dtype, f"q{i}") for i, o, n, d in mats]
         first = torch.cat([work[o:o + n] for _, o, n, _ in plain] + [p.reshape(-1) for p in ps])
-        first = yield comm.allreduce(first, group=group)
+        first = yield collectives.allreduce(comm, first)
         result = state.work_buffer("result", work.numel(), work.dtype)
         at = 0
         for _, o, n, _ in plain:
@@ -161,7 +162,7 @@ class PowerSGDCodec(Codec):
             ps[k] = self._orthonormal(first[at:at + ps[k].numel()].view(d[0], -1))
             at += ps[k].numel()
         qs = [_t_matmul(work[o:o + n].view(d), p) for (_, o, n, d), p in zip(mats, ps)]
-        second = yield comm.allreduce(torch.cat([q.reshape(-1) for q in qs]), group=group)
+        second = yield collectives.allreduce(comm, torch.cat([q.reshape(-1) for q in qs]))
         at = 0
         for (i, o, n, d), p in zip(mats, ps):
             q = second[at:at + d[1] * p.shape[1]].view(d[1], -1)
@@ -169,7 +170,7 @@ class PowerSGDCodec(Codec):
             self._keep_q(state, q, f"q{i}")
             torch.matmul(p, q.T, out=result[o:o + n].view(d))
         if self.error_feedback:  # matrices keep M_i - result / p; exact tensors keep nothing
-            ranks = comm.size(group)
+            ranks = comm.size
             for _, o, n, _ in mats:
                 work[o:o + n].sub_(result[o:o + n], alpha=1.0 / ranks)
             for _, o, n, _ in plain:

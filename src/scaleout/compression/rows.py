@@ -27,6 +27,7 @@ from scaleout.compression.base import (
     compensate_check,
 )
 from scaleout.compression.state import CodecState
+from scaleout.core import collectives
 
 __all__ = ["RowsCodec"]
 
@@ -85,14 +86,14 @@ class RowsCodec(Codec):
         return out.view(ctx.shape)
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """A bucket of one tensor."""
-        return self.exchange_bucket(tensor.reshape(-1), [tuple(tensor.shape)], state, comm, group)
+        return self.exchange_bucket(tensor.reshape(-1), [tuple(tensor.shape)], state, comm)
 
     def exchange_bucket(
         self, flat: torch.Tensor, shapes: Sequence[tuple[int, ...]], state: CodecState,
-        comm: Communicator, group: Any,
+        comm: Communicator,
     ) -> ExchangeGenerator:
         """Round 1: row flags of every matrix; round 2: the union's rows and the rest whole."""
         compensate_check(self.name, flat)
@@ -103,7 +104,7 @@ class RowsCodec(Codec):
         flags = [_touched(_as_rows(flat[o:o + n], s)).to(flat.dtype) for o, n, s in matrices]
         union: dict[int, torch.Tensor] = {}
         if flags:
-            summed = yield comm.allreduce(torch.cat(flags), group=group)
+            summed = yield collectives.allreduce(comm, torch.cat(flags))
             at = 0
             for o, n, s in matrices:
                 rows = summed[at:at + s[0]].ne(0).nonzero().view(-1)
@@ -112,7 +113,7 @@ class RowsCodec(Codec):
                     union[o] = rows
         pieces = [_as_rows(flat[o:o + n], s)[union[o]].reshape(-1) if o in union
                   else flat[o:o + n] for o, n, s in layout]
-        summed = yield comm.allreduce(torch.cat(pieces), group=group)
+        summed = yield collectives.allreduce(comm, torch.cat(pieces))
         result = state.work_buffer("result", flat.numel(), flat.dtype)
         at = 0
         for (o, n, s), piece in zip(layout, pieces):

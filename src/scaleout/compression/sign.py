@@ -30,6 +30,7 @@ from scaleout.compression.base import (
     work_dtype,
 )
 from scaleout.compression.state import CodecState
+from scaleout.core import collectives
 
 __all__ = ["SignCodec", "pack_bits", "unpack_bits"]
 
@@ -132,7 +133,7 @@ class SignCodec(Codec):
         return values.to(ctx.dtype).view(ctx.shape)
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """One allgather of every rank's scales and signs, then ``sum scale * sign``."""
         flat = compensate(self.name, tensor, state, self.error_feedback)
@@ -141,8 +142,8 @@ class SignCodec(Codec):
         wire = state.work_buffer("wire", nscale + signs.numel(), torch.uint8)
         wire[:nscale].copy_(scales.view(torch.uint8))
         wire[nscale:].copy_(signs)
-        gathered = yield comm.allgather(wire, group=group)
-        rows = gathered.view(comm.size(group), -1)
+        gathered = yield collectives.allgather(comm, wire)
+        rows = gathered.view(comm.size, -1)
         total = state.work_buffer("sum", signs.numel() * 8, flat.dtype)
         blocks = total.view(-1, self.block_size)
         for rank, row in enumerate(rows):
@@ -152,7 +153,7 @@ class SignCodec(Codec):
                 torch.mul(units, their_scales, out=blocks)
             else:
                 blocks.addcmul_(units, their_scales)
-            if rank == comm.rank(group):
+            if rank == comm.rank:
                 self._settle_residual(flat, units.view(-1), scales, state)
         return total[: flat.numel()]
 

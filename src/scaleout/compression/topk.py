@@ -126,11 +126,11 @@ class TopKCodec(Codec):
         return _scatter_sum(payloads, torch.zeros(ctx.numel, dtype=work_dtype(ctx.dtype)))
 
     def exchange(
-        self, tensor: torch.Tensor, state: CodecState, comm: Communicator, group: Any
+        self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """The generic gather, summed into a reused buffer (a fresh one costs page faults)."""
         payload, ctx = self.encode(tensor, state)
-        payloads = yield from gather_payloads(payload, comm, group)
+        payloads = yield from gather_payloads(payload, comm)
         out = state.work_buffer("sum", ctx.numel, work_dtype(ctx.dtype))
         return _scatter_sum(payloads, out.zero_())
 

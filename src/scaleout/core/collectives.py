@@ -18,11 +18,11 @@ import torch.distributed as tdist
 
 from scaleout.core.checks import check_counts, check_divisible, check_root, check_tensor
 from scaleout.core.errors import CommunicationError
-from scaleout.core.request import Request
+from scaleout.core.request import Request, WorkRequest
 
 __all__ = [
     "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather", "allgatherv",
-    "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
+    "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier", "average_into",
 ]
 
 
@@ -76,9 +76,10 @@ class Communicator:
     def rank(self) -> int:
         return self.ranks.index(self.global_rank)
 
-    def request(self, operation: str, works: Sequence[Any], finish: Callable[[], Any]) -> Request:
-        return Request(works, finish, rank=self.global_rank, group=self.label, operation=operation,
-                       timeout=self.timeout)
+    def request(self, operation: str, works: Sequence[Any], finish: Callable[[], Any],
+                nbytes: int = 0) -> Request:
+        return WorkRequest(works, finish, rank=self.global_rank, group=self.label,
+                           operation=operation, timeout=self.timeout, nbytes=nbytes)
 
     @property
     def label(self) -> str:
@@ -150,12 +151,29 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
 
 
-def _finish_in_place(target: torch.Tensor, buffer: torch.Tensor, divisor: int) -> torch.Tensor:
-    if divisor > 1:
-        buffer.div_(divisor)
-    if buffer is not target:
-        target.copy_(buffer)
+def average_into(target: torch.Tensor, summed: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``target = summed / divisor`` in one pass: scaleout's one averaging site.
+
+    ``summed`` may be ``target`` itself, another buffer of its dtype, or a narrower float
+    (a codec's fp16/bf16 sum, widened exactly and divided in ``target``'s dtype) or a wider
+    one (divided before it is narrowed).
+    ``divisor`` 1 copies (or does nothing when ``summed`` is ``target``).
+    """
+    summed = summed.reshape(target.shape)
+    if divisor == 1:
+        if summed.data_ptr() != target.data_ptr() or summed.dtype != target.dtype:
+            target.copy_(summed)
+    elif summed.dtype == target.dtype:
+        torch.div(summed, divisor, out=target)
+    elif summed.element_size() < target.element_size():
+        target.copy_(summed).div_(divisor)  # widen exactly, divide in the wide type
+    else:
+        target.copy_(summed / divisor)  # divide in the wider type, then narrow
     return target
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
@@ -167,7 +185,8 @@ def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.
     work = _start(comm, name, lambda: tdist.all_reduce(
         buffer, op=_TORCH_OPS[op], group=comm.group, async_op=True))
     divisor = comm.size if op is ReduceOp.AVG else 1
-    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, divisor))
+    return comm.request(name, [work], lambda: average_into(tensor, buffer, divisor),
+                        _nbytes(buffer))
 
 
 def reduce(comm: Communicator, tensor: torch.Tensor, root: int,
@@ -181,7 +200,7 @@ def reduce(comm: Communicator, tensor: torch.Tensor, root: int,
     work = _start(comm, name, lambda: tdist.reduce(
         buffer, dst=comm.ranks[root], op=_TORCH_OPS[op], group=comm.group, async_op=True))
     divisor = comm.size if op is ReduceOp.AVG and comm.rank == root else 1
-    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, divisor))
+    return comm.request(name, [work], lambda: average_into(tensor, buffer, divisor))
 
 
 def bcast(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
@@ -192,7 +211,7 @@ def bcast(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
     work = _start(comm, name, lambda: tdist.broadcast(
         buffer, src=comm.ranks[root], group=comm.group, async_op=True))
-    return comm.request(name, [work], lambda: _finish_in_place(tensor, buffer, 1))
+    return comm.request(name, [work], lambda: average_into(tensor, buffer, 1))
 
 
 def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
@@ -206,7 +225,7 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
     out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
     work = _start(comm, name, lambda: all_gather_single(
         out, send, group=comm.group, async_op=True))
-    return comm.request(name, [work], lambda: out)
+    return comm.request(name, [work], lambda: out, _nbytes(send))
 
 
 def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) -> Request:
@@ -233,7 +252,7 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
             return out
         return torch.cat([out[i * longest: i * longest + c] for i, c in enumerate(counts)])
 
-    return comm.request(name, [work], finish)
+    return comm.request(name, [work], finish, sum(counts) * _nbytes(send[:1]))
 
 
 def gather(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
@@ -280,7 +299,7 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
     work = _start(comm, name, lambda: reduce_scatter_single(
         out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True))
     divisor = comm.size if op is ReduceOp.AVG else 1
-    return comm.request(name, [work], lambda: _finish_in_place(out, out, divisor))
+    return comm.request(name, [work], lambda: average_into(out, out, divisor), _nbytes(send))
 
 
 def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:

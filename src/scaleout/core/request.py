@@ -1,63 +1,80 @@
-"""Non-blocking requests: what every collective returns."""
+"""One contract for everything that completes later: :class:`Request`.
+
+Collectives, compressed exchanges, scheduled bucket jobs and the futures of DDP-style comm
+hooks are all requests: ``wait(timeout)`` blocks until the result is there (or raises a
+:class:`~scaleout.core.errors.CommunicationTimeout` naming rank, group and operation),
+``test()`` tells without blocking, ``when_done(callback)`` reports completion to a progress
+thread. Every wait in scaleout is bounded by one mechanism, a :class:`Deadline`.
+"""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from scaleout.core.errors import CommunicationError, CommunicationTimeout
 
-__all__ = ["Request", "completed_request", "countdown"]
+__all__ = [
+    "Deadline", "Request", "WorkRequest", "FutureRequest", "ThenRequest", "completed_request",
+    "countdown", "wait_all", "test_any", "check_timeout",
+]
 
 
-class Request:
-    """A collective in flight.
+def check_timeout(timeout: object, what: str = "timeout") -> float:
+    """``timeout`` as seconds, or a ValueError/TypeError: a finite number > 0 (or a timedelta)."""
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{what} must be seconds (a number) or a timedelta, got "
+                        f"{type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{what} must be > 0 seconds and finite, got {timeout}")
+    return float(timeout)
 
-    ``wait()`` blocks until it completes (or its timeout passes) and returns the result;
-    ``test()`` tells without blocking whether it has completed. The result is computed once.
+
+class Deadline:
+    """A point in time every wait of one operation counts down to.
 
     Args:
-        works: the torch.distributed work handles making up the operation.
-        finish: called once after every work completed; returns the result.
-        describe: (rank, group name, operation name) for error messages.
-        timeout: default seconds a ``wait()`` may block.
+        seconds: from now; a finite number > 0.
     """
 
-    __slots__ = ("_works", "_finish", "_rank", "_group", "_operation", "_timeout", "_done",
-                 "_result", "_signalled")
+    __slots__ = ("seconds", "_at")
 
-    def __init__(
-        self,
-        works: Sequence[Any],
-        finish: Callable[[], Any],
-        *,
-        rank: int,
-        group: str,
-        operation: str,
-        timeout: float,
-    ) -> None:
-        self._works = list(works)
-        self._finish = finish
-        self._rank = rank
-        self._group = group
-        self._operation = operation
-        self._timeout = timeout
+    def __init__(self, seconds: float) -> None:
+        self.seconds = check_timeout(seconds)
+        self._at = time.monotonic() + self.seconds
+
+    def remaining(self) -> float:
+        """Seconds left (at least a millisecond, so a last poll is always possible)."""
+        return max(self._at - time.monotonic(), 1e-3)
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self._at
+
+
+class Request(ABC):
+    """Something that completes later; the result is computed once.
+
+    Attributes:
+        operation: what it is, for errors (``"allreduce"``, ``"gradient comm of fc1"``).
+        nbytes: bytes this rank handed to the communication library (traffic accounting).
+    """
+
+    def __init__(self, *, rank: int, group: str, operation: str, timeout: float,
+                 nbytes: int = 0) -> None:
+        self.rank = rank
+        self.group = group
+        self.operation = operation
+        self.timeout = timeout
+        self.nbytes = nbytes
         self._done = False
-        self._signalled = False  # every work reported completion through when_done
         self._result: Any = None
-
-    @property
-    def operation(self) -> str:
-        return self._operation
-
-    def _error(self, message: str, cls: type[CommunicationError] = CommunicationError):
-        return cls(
-            f"rank {self._rank}: {self._operation} on group {self._group} {message}",
-            rank=self._rank, group=self._group, operation=self._operation,
-        )
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the operation completes and return its result.
@@ -66,8 +83,8 @@ class Request:
             timeout: seconds to wait at most; ``None`` uses the environment's timeout.
 
         Returns:
-            The result tensor (for in-place operations, the tensor passed in; ``None`` where
-            an operation has no result on this rank, like ``gather`` on a non-root).
+            The result (for in-place collectives, the tensor passed in; ``None`` where an
+            operation has no result on this rank, like ``gather`` on a non-root).
 
         Raises:
             CommunicationTimeout: not complete within ``timeout``; names rank, group, operation.
@@ -75,32 +92,93 @@ class Request:
         """
         if self._done:
             return self._result
-        limit = self._timeout if timeout is None else float(timeout)
-        if limit <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        deadline = time.monotonic() + limit
-        for work in self._works:
-            remaining = max(deadline - time.monotonic(), 1e-3)
-            try:
-                work.wait(timeout=timedelta(seconds=remaining))
-            except RuntimeError as err:
-                if "timed out" in str(err).lower() or time.monotonic() >= deadline:
-                    raise self._error(
-                        f"did not complete within {limit:g} s (a peer rank may have died, "
-                        "diverged, or called a different operation)", CommunicationTimeout,
-                    ) from err
-                raise self._error(f"failed: {err}") from err
-        self._works.clear()
-        self._result = self._finish()
-        self._done = True
+        return self.wait_until(Deadline(self.timeout if timeout is None else timeout))
+
+    def wait_until(self, deadline: Deadline) -> Any:
+        """:meth:`wait` against a deadline shared with other waits (several rounds, say)."""
+        if not self._done:
+            self._result = self._wait(deadline)
+            self._done = True
         return self._result
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @abstractmethod
+    def _wait(self, deadline: Deadline) -> Any:
+        """Block until complete (raising :meth:`timed_out` at the deadline); the result."""
+
+    @abstractmethod
+    def test(self) -> bool:
+        """True when complete (then ``wait()`` returns at once); never blocks."""
+
+    @abstractmethod
     def when_done(self, callback: Callable[[Request], None]) -> None:
-        """Call ``callback(self)`` once every underlying work has completed (or failed).
+        """Call ``callback(self)`` once the operation (or its current round) has completed.
 
         The callback may run on a communication thread: keep it short and thread-safe; it
-        should hand the request to another thread, which then calls ``wait()``.
+        should hand the request to another thread, which then calls ``test()``/``wait()``.
         """
+
+    def then(self, finish: Callable[[Any], Any], operation: str | None = None) -> ThenRequest:
+        """A request whose result is ``finish(result of this one)``."""
+        return ThenRequest(self, finish, operation=operation)
+
+    def error(self, message: str, cls: type[CommunicationError] = CommunicationError
+              ) -> CommunicationError:
+        """An error naming this request's rank, group and operation."""
+        return cls(f"rank {self.rank}: {self.operation} on group {self.group} {message}",
+                   rank=self.rank, group=self.group, operation=self.operation)
+
+    def timed_out(self, deadline: Deadline) -> CommunicationTimeout:
+        return self.error(f"did not complete within {deadline.seconds:g} s (a peer rank may "
+                          "have died, diverged, or called a different operation)",
+                          CommunicationTimeout)  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        return f"<{type(self).__name__} {self.operation} group={self.group} rank={self.rank} {state}>"
+
+
+class WorkRequest(Request):
+    """A collective started through torch.distributed: its work handles and a finish step.
+
+    Args:
+        works: the torch.distributed work handles making up the operation.
+        finish: called once after every work completed; returns the result.
+    """
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], **describe: Any) -> None:
+        super().__init__(**describe)
+        self._works = list(works)
+        self._finish = finish
+        self._signalled = False  # every work reported completion through when_done
+
+    def _wait(self, deadline: Deadline) -> Any:
+        for work in self._works:
+            try:
+                work.wait(timeout=timedelta(seconds=deadline.remaining()))
+            except RuntimeError as err:
+                if "timed out" in str(err).lower() or deadline.expired():
+                    raise self.timed_out(deadline) from err
+                raise self.error(f"failed: {err}") from err
+        self._works.clear()
+        return self._finish()
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        try:
+            # (some gloo works never report is_completed(); their waiter thread signals)
+            finished = self._signalled or all(work.is_completed() for work in self._works)
+        except RuntimeError as err:
+            raise self.error(f"failed: {err}") from err
+        if finished:
+            self.wait()
+        return finished
+
+    def when_done(self, callback: Callable[[Request], None]) -> None:
         if not self._works:
             callback(self)
             return
@@ -114,27 +192,103 @@ class Request:
             try:
                 future = work.get_future()
             except RuntimeError:  # some gloo works (reduce_scatter) have no future
-                threading.Thread(target=_wait_then, args=(work, self._timeout, one_done),
+                threading.Thread(target=_wait_then, args=(work, self.timeout, one_done),
                                  daemon=True, name="scaleout-waiter").start()
             else:
                 future.add_done_callback(one_done)
 
+
+class FutureRequest(Request):
+    """A ``torch.futures.Future`` (what DDP comm hooks return) as a request."""
+
+    def __init__(self, future: Any, **describe: Any) -> None:
+        super().__init__(**describe)
+        self._future = future
+        self._event = threading.Event()
+        future.add_done_callback(lambda _f: self._event.set())
+
+    def _wait(self, deadline: Deadline) -> Any:
+        if not self._event.wait(deadline.remaining()):
+            raise self.timed_out(deadline)
+        try:
+            return self._future.value()
+        except RuntimeError as err:
+            raise self.error(f"failed: {err}") from err
+
     def test(self) -> bool:
-        """True when the operation has completed (then ``wait()`` returns at once)."""
+        if self._event.is_set():
+            self.wait()
+            return True
+        return False
+
+    def when_done(self, callback: Callable[[Request], None]) -> None:
+        self._future.add_done_callback(lambda _f: callback(self))
+
+
+class ThenRequest(Request):
+    """``finish`` applied to another request's result (see :meth:`Request.then`)."""
+
+    def __init__(self, inner: Request, finish: Callable[[Any], Any], *,
+                 operation: str | None = None) -> None:
+        super().__init__(rank=inner.rank, group=inner.group,
+                         operation=operation or inner.operation, timeout=inner.timeout,
+                         nbytes=inner.nbytes)
+        self.inner = inner
+        self._finish = finish
+
+    def _wait(self, deadline: Deadline) -> Any:
+        result = self.inner.wait_until(deadline)
+        self.nbytes = self.inner.nbytes  # known once an exchange has run all its rounds
+        return self._finish(result)
+
+    def test(self) -> bool:
         if self._done:
             return True
-        try:
-            # (some gloo works never report is_completed(); their waiter thread signals)
-            finished = self._signalled or all(work.is_completed() for work in self._works)
-        except RuntimeError as err:
-            raise self._error(f"failed: {err}") from err
-        if finished:
+        if self.inner.test():
             self.wait()
-        return finished
+            return True
+        return False
 
-    def __repr__(self) -> str:
-        state = "done" if self._done else "pending"
-        return f"<Request {self._operation} group={self._group} rank={self._rank} {state}>"
+    def when_done(self, callback: Callable[[Request], None]) -> None:
+        self.inner.when_done(lambda _r: callback(self))
+
+
+class _Completed(Request):
+    def _wait(self, deadline: Deadline) -> Any:  # pragma: no cover - done at construction
+        return self._result
+
+    def test(self) -> bool:
+        return True
+
+    def when_done(self, callback: Callable[[Request], None]) -> None:
+        callback(self)
+
+
+def completed_request(result: Any, *, rank: int, group: str, operation: str) -> Request:
+    """A request that is already complete (for operations with nothing to send)."""
+    request = _Completed(rank=rank, group=group, operation=operation, timeout=1.0)
+    request._result, request._done = result, True
+    return request
+
+
+def wait_all(requests: Iterable[Request], timeout: float | None = None) -> list[Any]:
+    """Wait for every request against one deadline; their results, in order.
+
+    ``timeout=None`` gives each request its own default timeout.
+    """
+    requests = list(requests)
+    if timeout is None:
+        return [request.wait() for request in requests]
+    deadline = Deadline(timeout)
+    return [request.wait_until(deadline) for request in requests]
+
+
+def test_any(requests: Iterable[Request]) -> int | None:
+    """The index of the first completed request, or ``None``; never blocks."""
+    for index, request in enumerate(requests):
+        if request.test():
+            return index
+    return None
 
 
 def countdown(count: int, then: Callable[[], None]) -> Callable[[Any], None]:
@@ -161,8 +315,3 @@ def _wait_then(work: Any, timeout: float, callback: Callable[[Any], None]) -> No
     except RuntimeError:
         pass  # the failure is raised again by Request.wait()
     callback(None)
-
-
-def completed_request(result: Any, *, rank: int, group: str, operation: str) -> Request:
-    """A request that is already complete (for operations with nothing to send)."""
-    return Request([], lambda: result, rank=rank, group=group, operation=operation, timeout=1.0)

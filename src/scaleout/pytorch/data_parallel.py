@@ -13,23 +13,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from scaleout.compression import as_config
 from scaleout.core import collectives
 from scaleout.core.collectives import ReduceOp
 from scaleout.core.distribution import Distribution
-from scaleout.core.grid import GroupType
 from scaleout.core.env import attach
-from scaleout.pytorch.layers import Layer, broadcast_tensors, find_layers
+from scaleout.core.grid import GroupType
 from scaleout.core.request import Request
+from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
+from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
-from scaleout.session import ParameterSet, ParameterSetSpec, Phase, Session, Statistics
-
-if TYPE_CHECKING:
-    from scaleout.pytorch.optimizer import DistributedOptimizer
+from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
+from scaleout.session.bucket import CommHook
 
 __all__ = ["DataParallel"]
 
@@ -98,20 +98,20 @@ class DataParallel(nn.Module):
         self.distribution = distribution
         self.env = distribution.env
         self._scheduler = scheduler or SchedulerConfig()
-        self._distributed_update = bool(distributed_update)
-        self._compression = compression
-        self._comm = distribution.communicator(GroupType.DATA)
+        self.distributed_update = bool(distributed_update)
+        # parsed here: a bad spec is a ValueError now, not at the first forward
+        self._compression = None if compression is None else as_config(compression)
+        self.comm = distribution.communicator(GroupType.DATA)
         self._layers = find_layers(module)
-        self._optimizer: DistributedOptimizer | None = None
+        self.updates = LazyUpdates(distributed_update=self.distributed_update)
         self._session: Session | None = None
         self._forward_order: list[Layer] = []
+        self._comm_hook: tuple[Any, CommHook] | None = None
         self._pending_compression_state: dict[str, Any] = {}
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
-        self._usage: ParameterSet | None = None
-        self._globally_used: dict[int, bool] = {}
-        broadcast_tensors(self._comm, [*module.parameters(), *module.buffers()])
+        broadcast_tensors(self.comm, [*module.parameters(), *module.buffers()])
         self._float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self._buffer_comm = (distribution.duplicate(GroupType.DATA, "buffers")
                              if broadcast_buffers and self._float_buffers else None)
@@ -152,14 +152,31 @@ class DataParallel(nn.Module):
         finally:
             self._no_sync = previous
 
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Send gradient buckets with ``hook(state, bucket)`` (DDP's comm-hook contract).
+
+        ``bucket`` is a :class:`~scaleout.session.GradBucket` (``buffer()``, ``index()``,
+        ``gradients()``, ``parameters()``, ``is_last()``); the hook returns a scaleout
+        Request or a ``torch.futures.Future`` whose result is the flat gradient averaged
+        over the data group. torch's own hooks run unchanged, e.g.
+        ``model.register_comm_hook(None, default_hooks.fp16_compress_hook)``.
+
+        Raises:
+            RuntimeError: after the first forward, or with ``compression=`` (one or the other).
+        """
+        if self._session is not None:
+            raise RuntimeError("register_comm_hook must be called before the first forward")
+        if self._compression is not None:
+            raise RuntimeError("register_comm_hook replaces compression=: pass one or the other")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._comm_hook = (state, hook)
+
     def synchronize(self) -> None:
         """Finish every pending communication and update; afterwards all ranks agree."""
         if self._session is None:
             return
-        for layer in self._forward_order:
-            self._complete_layer(layer)
-        if any(ps.gradient_pending for layer in self._forward_order for ps in layer.sets):
-            self._gradients_to_grad()
+        self.updates.synchronize()
         self._finish_buffers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -168,7 +185,7 @@ class DataParallel(nn.Module):
         if self._session is None:
             self._commit()
         for layer in self._forward_order:  # layers this forward did not run
-            self._complete_layer(layer)
+            self.updates.complete(layer)
         if self.training and self._buffer_comm is not None:
             flat = torch.cat([b.detach().reshape(-1) for b in self._float_buffers])
             self._buffer_request = collectives.allreduce(self._buffer_comm, flat, ReduceOp.AVG)
@@ -184,6 +201,14 @@ class DataParallel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self.synchronize()
         return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load weights (and codec state); the optimizer's sharded copies follow them."""
+        self.synchronize()
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.updates.updater is not None:
+            self.updates.updater.refresh_shards()
+        return result
 
     def get_extra_state(self) -> dict[str, Any]:
         """Checkpointed with ``state_dict()``: the codecs' error-feedback state."""
@@ -210,46 +235,37 @@ class DataParallel(nn.Module):
 
     # -- set-up ------------------------------------------------------------------------
 
-    def _attach_optimizer(self, optimizer: DistributedOptimizer) -> None:
-        if self._optimizer is not None and self._optimizer is not optimizer:
-            raise ValueError("this DataParallel already has a DistributedOptimizer")
-        self._optimizer = optimizer
-
-    def _compression_config(self) -> Any:
-        if self._compression is None:
-            return None
-        from scaleout.compression import CompressionConfig
-
-        spec = self._compression
-        if isinstance(spec, CompressionConfig):
-            return spec
-        if isinstance(spec, dict):
-            return CompressionConfig(codec="none", layers=spec)
-        return CompressionConfig(codec=spec)
-
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit."""
         ran = {id(layer) for layer in self._forward_order}
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler)
-        params = self._params_in_order = [p for layer in self._forward_order for p in layer.params]
-        self._position = {id(layer): i for i, layer in enumerate(self._forward_order)}
+        if self._comm_hook is not None:
+            session.register_comm_hook(*self._comm_hook)
+        params = [p for layer in self._forward_order for p in layer.params]
+        usage = None
         if params:
             # Registered first, so it shares the bucket of the first layers' gradients (the
             # last to be ready in backward): knowing who used what costs no collective of its own.
-            spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE)
-            self._usage = session.add_operation(_USAGE, self.distribution,
-                                                parameter_sets=[spec]).parameter_sets[0]
+            spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE,
+                                    device=params[0].device)
+            usage = session.add_operation(_USAGE, self.distribution,
+                                          parameter_sets=[spec]).parameter_sets[0]
         names = {id(p): n for n, p in self.module.named_parameters()}
-        compression = self._compression_config()
         for layer in self._forward_order:
             specs = [ParameterSetSpec(count=p.numel(), dtype=p.dtype, name=names.get(id(p), ""),
-                                      distributed_update=self._distributed_update,
-                                      compression=compression, shape=tuple(p.shape))
+                                      distributed_update=self.distributed_update,
+                                      compression=self._compression, shape=tuple(p.shape),
+                                      device=p.device)
                      for p in layer.params]
             layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
             layer.sets = layer.op.parameter_sets
         session.commit()
+        param_of = {id(ps): p for layer in self._forward_order
+                    for p, ps in zip(layer.params, layer.sets)}
+        for bucket in session.buckets:
+            bucket.set_parameters([param_of[id(ps)] for ps in bucket.members if id(ps) in param_of])
+        self.updates.commit(self._forward_order, usage)
         if self._pending_compression_state:
             session.load_compression_state_dict(self._pending_compression_state)
             self._pending_compression_state = {}
@@ -265,7 +281,7 @@ class DataParallel(nn.Module):
                 if layer not in self._forward_order:
                     self._forward_order.append(layer)
                 return
-            self._complete_layer(layer)
+            self.updates.complete(layer)
             self._stopwatch.restart()
         return hook
 
@@ -300,83 +316,24 @@ class DataParallel(nn.Module):
         for layer in self._forward_order:
             for param, ps in zip(layer.params, layer.sets):
                 if not ps.gradient_pending:  # unused here: send zeros, keep the order
-                    ps.start_gradient_comm(torch.zeros(ps.local_count, dtype=param.dtype))
+                    ps.start_gradient_comm(param.new_zeros(ps.local_count))
                 used.append(1.0 if self._used[id(param)] else 0.0)
                 self._used[id(param)] = False
-        assert self._usage is not None  # a gradient arrived, so there are parameters
-        self._usage.start_gradient_comm(torch.tensor(used, dtype=self._usage.spec.dtype))
-        if self._distributed_update:
-            if self._optimizer is None:
+        usage = self._usage_set()
+        usage.start_gradient_comm(torch.tensor(used, dtype=usage.spec.dtype,
+                                               device=usage.spec.device))
+        if self.distributed_update:
+            if self.updates.updater is None:
                 raise RuntimeError("DataParallel(distributed_update=True) needs a "
                                    "DistributedOptimizer to apply the sharded update")
-        elif self._optimizer is None or self._optimizer.mode == "sync":
-            self._gradients_to_grad()
+        elif self.updates.mode == "sync":
+            self.updates.gradients_to_grad()
 
-    # -- completing communication -------------------------------------------------------
+    def _usage_set(self) -> Any:
+        assert self._session is not None  # a gradient arrived, so the session exists
+        return self._session.operations[0].parameter_sets[0]
 
-    def _used_globally(self) -> dict[int, bool]:
-        """Whether any rank used each parameter in the last backward (unused ones get no update)."""
-        if self._usage is not None and self._usage.gradient_pending:
-            shares = self._usage.wait_gradient_comm().tolist()
-            self._globally_used = {id(p): share > 0
-                                   for p, share in zip(self._params_in_order, shares)}
-        return self._globally_used
-
-    def _gradients_to_grad(self) -> None:
-        """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
-        pending = [(param, ps) for layer in self._forward_order
-                   for param, ps in zip(layer.params, layer.sets) if ps.gradient_pending]
-        arrived = [ps.wait_gradient_comm() for _, ps in pending]
-        used = self._used_globally()  # after the gradients: waits count against their layers
-        for (param, _), averaged in zip(pending, arrived):
-            if not used.get(id(param), True):
-                param.grad = None
-            elif self._distributed_update:
-                raise RuntimeError("distributed_update needs a DistributedOptimizer to "
-                                   "apply the sharded update")
-            elif param.grad is None:
-                param.grad = averaged.view_as(param).clone()
-            else:
-                param.grad.copy_(averaged.view_as(param))
-
-    def _complete_layer(self, layer: Layer) -> None:
-        if not (layer.update_requested or layer.increments_pending):
-            return
-        if layer.update_requested:
-            self._apply_updates(self._updates_ready_with(layer))
-        if layer.increments_pending:
-            layer.increments_pending = False
-            with torch.no_grad():
-                for param, ps in zip(layer.params, layer.sets):
-                    param.copy_(ps.wait_increment_comm().view_as(param))
-
-    def _updates_ready_with(self, layer: Layer) -> list[Layer]:
-        """``layer`` and the requested layers right after it whose gradients already arrived.
-
-        Updating them together costs one optimizer step (which walks every parameter) instead
-        of one per layer; the values are the same, only applied earlier.
-        """
-        batch = [layer]
-        for later in self._forward_order[self._position[id(layer)] + 1:]:
-            if not later.update_requested:
-                continue
-            if not all(ps.test_gradient_comm() for ps in later.sets):
-                break
-            batch.append(later)
-        return batch
-
-    def _apply_updates(self, layers: list[Layer]) -> None:
-        """Wait for ``layers``' averaged gradients and apply their update in one step."""
-        assert self._optimizer is not None
-        params, grads = [], []
-        for layer in layers:
-            layer.update_requested = False
-            for param, ps in zip(layer.params, layer.sets):
-                params.append(param)
-                grads.append(ps.wait_gradient_comm())
-        used = self._used_globally()  # after the gradients: waits count against their layers
-        flags = [used.get(id(param), True) for param in params]
-        self._optimizer._apply_update(params, grads, flags)
+    # -- buffers ------------------------------------------------------------------------
 
     def _finish_buffers(self) -> None:
         if self._buffer_request is None:
@@ -388,3 +345,4 @@ class DataParallel(nn.Module):
             for buffer in self._float_buffers:
                 buffer.copy_(flat[offset: offset + buffer.numel()].view_as(buffer))
                 offset += buffer.numel()
+

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from scaleout.pytorch.data_parallel import DataParallel
-from scaleout.pytorch.layers import Layer
+from scaleout.pytorch.modules import Layer
+from scaleout.session.parameter_set import owned_range
 
 __all__ = ["DistributedOptimizer", "MODES", "optimizer_state_bytes"]
 
@@ -56,7 +57,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                      "parameter of the DataParallel model")
         self.mode = mode
         self.model = model
-        self.sharded = model._distributed_update
+        self.sharded = model.distributed_update
         self._user_optimizer = optimizer
         self._shards: dict[int, nn.Parameter] = {}
         self.inner = self._sharded_optimizer(optimizer) if self.sharded else optimizer
@@ -65,7 +66,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self.defaults = self.inner.defaults
         self._snapshot: list[dict[str, Any]] = []
-        model._attach_optimizer(self)
+        model.updates.attach(self)
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups = []
@@ -75,16 +76,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return type(optimizer)(groups)  # every group carries all its options
 
     def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
-        # The owned slice's offset follows MLSL: ceil(n / data size) per rank.
-        from math import ceil
-
-        size = self.model._comm.size
-        owned = ceil(param.numel() / size)
-        start = min(self.model._comm.rank * owned, param.numel())
-        stop = min(start + owned, param.numel())
-        shard = nn.Parameter(param.detach().reshape(-1)[start:stop].clone())
+        shard = nn.Parameter(self._owned_values(param).clone())
         self._shards[id(param)] = shard
         return shard
+
+    def _owned_values(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's owned slice of ``param`` (the same geometry as its ParameterSet)."""
+        start, count = owned_range(param.numel(), self.model.comm.size, self.model.comm.rank)
+        return param.detach().reshape(-1)[start: min(start + count, param.numel())]
+
+    def refresh_shards(self) -> None:
+        """Copy the model's current weights into the owned shards (after loading weights)."""
+        with torch.no_grad():
+            for layer in self.model.layers:
+                for param in layer.params:
+                    if id(param) in self._shards:
+                        self._shards[id(param)].copy_(self._owned_values(param))
 
     # -- the torch.optim.Optimizer surface ------------------------------------------------
 
@@ -95,9 +102,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        model = self.model
-        pending = [layer for layer in model._forward_order
-                   if any(ps.gradient_pending for ps in layer.sets)]
+        pending = self.model.updates.pending()
         if self.sharded:
             self._sharded_step(pending)
         elif self.mode == "sync" or not pending:
@@ -105,10 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._snapshot = [{k: v for k, v in g.items() if k != "params"}
                               for g in self.param_groups]
-            for layer in pending:
-                for param in layer.params:
-                    param.grad = None  # the averaged gradient arrives with the update
-                layer.update_requested = True
+            self.model.updates.request(pending)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -131,8 +133,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- updates -------------------------------------------------------------------------
 
-    def _apply_update(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
-                      used: Sequence[bool]) -> None:
+    def apply_update(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
+                     used: Sequence[bool]) -> None:
         """Update ``params`` alone with their averaged ``grads`` and this iteration's options."""
         saved = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         for group, options in zip(self.param_groups, self._snapshot):
@@ -148,7 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group.update(options)
 
     def _sharded_step(self, pending: list[Layer]) -> None:
-        used = self.model._used_globally()
+        used = self.model.updates.used_globally()
         for layer in pending:
             for param, ps in zip(layer.params, layer.sets):
                 shard = self._shards[id(param)]

@@ -14,12 +14,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from scaleout.core.collectives import Communicator
-from scaleout.core.errors import CommunicationError, CommunicationTimeout
-from scaleout.core.request import Request
+from scaleout.core.errors import CommunicationError
+from scaleout.core.request import Deadline, Request
 from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]
@@ -29,11 +28,11 @@ __all__ = ["Job", "ProgressEngine"]
 ChunkStart = Callable[[Communicator], Request]
 
 
-@dataclass(eq=False)
-class Job:
-    """One bucket's communication in one iteration, as the engine runs it.
+class Job(Request):
+    """One bucket's communication in one iteration, as the engine runs it (a Request: its
+    owner waits on it like on any collective).
 
-    Attributes:
+    Args:
         name: for errors and statistics.
         lane: which lane (communicator) carries it.
         order: its place in the lane's fixed issue sequence.
@@ -41,31 +40,61 @@ class Job:
         finish: runs on the engine thread once every chunk completed.
         exclusive: its requests may take several rounds; while one is in flight nothing
             else is sent on the lane, so every rank's sequence of collectives stays the same.
+        rank, timeout: for errors, and the default wait.
     """
 
-    name: str
-    lane: int
-    order: int
-    chunks: Sequence[tuple[int, ChunkStart]]
-    finish: Callable[[], None]
-    exclusive: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    ready_at: float = 0.0
-    issued_at: float = 0.0
-    completed_at: float = 0.0
-    remaining: int = 0
+    def __init__(self, *, name: str, lane: int, order: int,
+                 chunks: Sequence[tuple[int, ChunkStart]], finish: Callable[[], None],
+                 exclusive: bool = False, rank: int = 0, timeout: float = 300.0) -> None:
+        super().__init__(rank=rank, group=f"lane {lane}", operation=f"gradient communication of {name}",
+                         timeout=timeout)
+        self.name = name
+        self.lane = lane
+        self.order = order
+        self.chunks = list(chunks)
+        self.finish = finish
+        self.exclusive = exclusive
+        self.finished = threading.Event()
+        self.failure: BaseException | None = None
+        self.ready_at = self.issued_at = self.completed_at = 0.0
+        self.remaining = 0
+        self._callbacks: list[Callable[[Request], None]] = []
 
-    def wait(self, timeout: float, rank: int) -> None:
-        """Block until the job completed; raise its error, or a timeout naming it."""
-        if not self.done.wait(timeout):
-            raise CommunicationTimeout(
-                f"rank {rank}: gradient communication of {self.name} (lane {self.lane}) did "
-                f"not complete within {timeout:g} s (a peer rank may have died or diverged)",
-                rank=rank, group=f"lane {self.lane}", operation=f"gradient comm of {self.name}",
-            )
-        if self.error is not None:
-            raise self.error
+    @property
+    def chunk_bytes(self) -> list[int]:
+        return [nbytes for nbytes, _ in self.chunks]
+
+    def reset(self) -> None:
+        """Ready for this iteration's run (the engine calls it on submit)."""
+        self.finished.clear()
+        self.failure = None
+        self._done = False
+        self.ready_at = time.perf_counter()
+        self.remaining = len(self.chunks)
+
+    def complete(self, error: BaseException | None = None) -> None:
+        """Mark it finished (engine thread); waiters wake up."""
+        self.failure = self.failure or error
+        self.completed_at = time.perf_counter()
+        self.finished.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def _wait(self, deadline: Deadline) -> None:
+        if not self.finished.wait(deadline.remaining()):
+            raise self.timed_out(deadline)
+        if self.failure is not None:
+            raise self.failure
+
+    def test(self) -> bool:
+        return self.finished.is_set()
+
+    def when_done(self, callback: Callable[[Request], None]) -> None:
+        if self.finished.is_set():
+            callback(self)
+        else:
+            self._callbacks.append(callback)
 
 
 class _Lane:
@@ -75,7 +104,7 @@ class _Lane:
         self.next_order = 0
         self.ready: dict[int, Job] = {}
         self.queue: deque[tuple[Job, int, ChunkStart]] = deque()
-        self.inflight: dict[int, tuple[Job, int, float]] = {}  # id -> (job, bytes, sent at)
+        self.inflight: dict[int, tuple[Job, int, Deadline]] = {}  # id -> (job, bytes, deadline)
 
     def state(self) -> LaneState:
         return LaneState(queued=len(self.queue),
@@ -116,10 +145,7 @@ class ProgressEngine:
         if not self._thread.is_alive():
             raise CommunicationError(f"rank {self._rank}: the progress engine is closed",
                                      rank=self._rank, group="engine", operation="submit")
-        job.done.clear()
-        job.error = None
-        job.ready_at = time.perf_counter()
-        job.remaining = len(job.chunks)
+        job.reset()
         self._inbox.put(("ready", job))
 
     def close(self) -> None:
@@ -176,20 +202,20 @@ class ProgressEngine:
                     return
                 request.wait(timeout=self._timeout)
             except BaseException as err:  # noqa: BLE001
-                job.error = err
+                job.failure = job.failure or err
             del lane.inflight[id(request)]
             job.remaining -= 1
             if job.remaining == 0:
                 self._complete(job)
 
     def _complete(self, job: Job) -> None:
-        if job.error is None:
+        error = None
+        if job.failure is None:
             try:
                 job.finish()
             except BaseException as err:  # noqa: BLE001
-                job.error = err
-        job.completed_at = time.perf_counter()
-        job.done.set()
+                error = err
+        job.complete(error)
 
     def _issue(self) -> None:
         while True:
@@ -201,7 +227,7 @@ class ProgressEngine:
             if job.issued_at < job.ready_at:
                 job.issued_at = time.perf_counter()
             request = start(lane.comm)
-            lane.inflight[id(request)] = (job, nbytes, time.monotonic())
+            lane.inflight[id(request)] = (job, nbytes, Deadline(self._timeout))
             self._watch(choice, request)
 
     def _watch(self, lane: int, request: Any) -> None:
@@ -213,15 +239,10 @@ class ProgressEngine:
         request.when_done(lambda r: self._inbox.put(("done", (lane, r))))
 
     def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        for index, lane in enumerate(self._lanes):
-            for job, _, sent in lane.inflight.values():
-                if now - sent > self._timeout and job.error is None:
-                    job.error = CommunicationTimeout(
-                        f"rank {self._rank}: a chunk of {job.name} on lane {index} "
-                        f"(group {lane.comm.label}) did not complete within {self._timeout:g} s",
-                        rank=self._rank, group=lane.comm.label, operation=f"allreduce of {job.name}")
-                    job.done.set()
+        for lane in self._lanes:
+            for request, (job, _, deadline) in list(lane.inflight.items()):
+                if deadline.expired() and not job.finished.is_set():
+                    job.complete(job.timed_out(deadline))
 
     def _fail_all(self, err: BaseException) -> None:
         for lane in self._lanes:
@@ -229,5 +250,4 @@ class ProgressEngine:
             jobs.update({id(j): j for j, _, _ in lane.inflight.values()})
             jobs.update({id(j): j for j in lane.ready.values()})
             for job in jobs.values():
-                job.error = job.error or err
-                job.done.set()
+                job.complete(err)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +17,6 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.request import Request, completed_request
 
-if TYPE_CHECKING:
-    from scaleout.session.operation import Operation
 
 __all__ = ["Exchange", "ActivationSpec", "Activation"]
 
@@ -80,9 +77,9 @@ def _start(exchange: Exchange, comm: Communicator, tensor: torch.Tensor) -> Requ
 class Activation:
     """One activation of an operation, exchanged across the model group when needed."""
 
-    def __init__(self, spec: ActivationSpec, operation: Operation, name: str) -> None:
+    def __init__(self, spec: ActivationSpec, comm: Communicator, name: str) -> None:
         self.spec = spec
-        self.operation = operation
+        self.comm = comm  # the model group of its operation's distribution
         self.name = spec.name or name
         self._forward: Request | None = None
         self._backward: Request | None = None
@@ -91,14 +88,11 @@ class Activation:
     def exchange(self) -> Exchange:
         return self.spec.exchange
 
-    def _comm(self) -> Communicator:
-        return self.operation.session.activation_comm(self.operation.distribution)
-
     def start_comm(self, tensor: torch.Tensor) -> None:
         """Start the forward exchange of ``tensor`` (row blocks along dim 0)."""
         if self._forward is not None:
             raise RuntimeError(f"start_comm on activation {self.name}: already started")
-        self._forward = _start(self.spec.exchange, self._comm(), tensor)
+        self._forward = _start(self.spec.exchange, self.comm, tensor)
 
     def wait_comm(self, timeout: float | None = None) -> torch.Tensor:
         """The exchanged tensor."""
@@ -111,7 +105,7 @@ class Activation:
         """Start the backward exchange (the inverse of the forward one) of ``gradient``."""
         if self._backward is not None:
             raise RuntimeError(f"start_grad_comm on activation {self.name}: already started")
-        self._backward = _start(_BACKWARD[self.spec.exchange], self._comm(), gradient)
+        self._backward = _start(_BACKWARD[self.spec.exchange], self.comm, gradient)
 
     def wait_grad_comm(self, timeout: float | None = None) -> torch.Tensor:
         """The exchanged gradient."""

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
 from scaleout.session.activation import Activation, ActivationSpec
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
-
-if TYPE_CHECKING:
-    from scaleout.session.session import Session
+from scaleout.session.statistics import Statistics
 
 __all__ = ["Operation"]
 
@@ -23,9 +21,10 @@ class Operation:
     parameters sooner (it gets priority).
     """
 
-    def __init__(self, session: Session, index: int, name: str, distribution: Distribution,
+    def __init__(self, index: int, name: str, distribution: Distribution,
                  parameter_sets: Sequence[ParameterSetSpec], inputs: Sequence[ActivationSpec],
-                 outputs: Sequence[ActivationSpec]) -> None:
+                 outputs: Sequence[ActivationSpec], *, statistics: Statistics,
+                 local_minibatch: Callable[[Distribution], int]) -> None:
         if not isinstance(distribution, Distribution):
             raise TypeError(f"operation {name}: distribution must be a scaleout.Distribution, "
                             f"got {type(distribution).__name__}")
@@ -37,20 +36,23 @@ class Operation:
             if not isinstance(spec, ActivationSpec):
                 raise TypeError(f"operation {name}: inputs/outputs must hold ActivationSpec, "
                                 f"got {type(spec).__name__}")
-        self.session = session
         self.index = index
         self.name = name
         self.distribution = distribution
-        self.parameter_sets = [ParameterSet(s, self, i) for i, s in enumerate(parameter_sets)]
-        self.inputs = [Activation(s, self, f"{name}.in{i}") for i, s in enumerate(inputs)]
-        self.outputs = [Activation(s, self, f"{name}.out{i}") for i, s in enumerate(outputs)]
+        self._local_minibatch = local_minibatch
+        self.parameter_sets = [ParameterSet(s, op_name=name, op_index=index, index=i,
+                                            distribution=distribution, statistics=statistics)
+                               for i, s in enumerate(parameter_sets)]
+        model = distribution.communicator(GroupType.MODEL)
+        self.inputs = [Activation(s, model, f"{name}.in{i}") for i, s in enumerate(inputs)]
+        self.outputs = [Activation(s, model, f"{name}.out{i}") for i, s in enumerate(outputs)]
         self.prev: Operation | None = None
         self.next: Operation | None = None
 
     @property
     def local_minibatch_size(self) -> int:
         """The global minibatch size divided by this operation's data-group size."""
-        return self.session.local_minibatch_size(self.distribution)
+        return self._local_minibatch(self.distribution)
 
     def __repr__(self) -> str:
         return (f"<Operation {self.index}:{self.name} sets={len(self.parameter_sets)} "

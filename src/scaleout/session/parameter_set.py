@@ -5,20 +5,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from scaleout.compression import as_config
 from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.core.request import Request
+from scaleout.session.statistics import Statistics
 
-if TYPE_CHECKING:
-    from scaleout.session.operation import Operation
-    from scaleout.session.session import _Bucket
+__all__ = ["ParameterSetSpec", "ParameterSet", "owned_range"]
 
-__all__ = ["ParameterSetSpec", "ParameterSet"]
+
+def owned_range(numel: int, size: int, rank: int) -> tuple[int, int]:
+    """MLSL's owned slice of a sharded update: ``(offset, count)`` with count =
+    ceil(numel / size) per rank (the last ranks' slices may be short or empty)."""
+    count = math.ceil(numel / size)
+    return min(rank * count, numel), count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +36,13 @@ class ParameterSetSpec:
         dtype: element type of the gradients.
         distributed_update: shard the update over the data group (reduce-scatter the
             gradients, update the owned slice, all-gather the increments).
-        compression: a codec or codec spec string for the gradients (``None``: exact).
+        compression: a codec, codec spec string or CompressionConfig for the gradients
+            (``None``: exact); parsed on construction (a bad spec raises here).
         name: for statistics and errors.
         shape: the tensor's shape, if it has one (low-rank codecs need matrices); its
             product must equal ``count``.
+        device: where its gradients live (the bucket's buffer is allocated there);
+            ``None``: the CPU. DataParallel passes each parameter's device.
     """
 
     count: int
@@ -42,8 +51,16 @@ class ParameterSetSpec:
     compression: Any = None
     name: str = ""
     shape: tuple[int, ...] | None = None
+    device: torch.device | str | None = None
 
     def __post_init__(self) -> None:
+        if self.compression is not None:
+            object.__setattr__(self, "compression", as_config(self.compression, min_numel=0))
+        try:
+            object.__setattr__(self, "device", torch.device(self.device or "cpu"))
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"ParameterSetSpec.device must name a torch device, got "
+                             f"{self.device!r}") from err
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"ParameterSetSpec.count must be an int >= 1, got {self.count!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
@@ -66,43 +83,50 @@ class ParameterSet:
     ``wait_increment_comm()`` returns the full local tensor.
     """
 
-    def __init__(self, spec: ParameterSetSpec, operation: Operation, index: int) -> None:
-        dist = operation.distribution
-        model_parts = dist.size(GroupType.MODEL)
+    def __init__(self, spec: ParameterSetSpec, *, op_name: str, op_index: int, index: int,
+                 distribution: Distribution, statistics: Statistics) -> None:
+        model_parts = distribution.size(GroupType.MODEL)
         if spec.count % model_parts != 0:
             raise ValueError(
-                f"parameter set {spec.name or index} of {operation.name}: count {spec.count} "
+                f"parameter set {spec.name or index} of {op_name}: count {spec.count} "
                 f"must be divisible by the model group size {model_parts}"
             )
         self.spec = spec
-        self.operation = operation
+        self.op_name = op_name
+        self.op_index = op_index
         self.index = index
-        self.name = spec.name or f"{operation.name}.{index}"
+        self.distribution = distribution
+        self.statistics = statistics
+        self.name = spec.name or f"{op_name}.{index}"
         self.global_count = spec.count
         self.local_count = spec.count // model_parts
-        data_size = dist.size(GroupType.DATA)
         if spec.distributed_update:
-            self.owned_count = math.ceil(self.local_count / data_size)
-            self.owned_offset = min(dist.rank(GroupType.DATA) * self.owned_count, self.local_count)
+            self.owned_offset, self.owned_count = owned_range(
+                self.local_count, distribution.size(GroupType.DATA),
+                distribution.rank(GroupType.DATA))
         else:
             self.owned_count, self.owned_offset = self.local_count, 0
-        self._bucket: _Bucket | None = None
+        self.bucket: Any = None  # its GradBucket, bound by Session.commit()
+        self.increment_comm: Communicator | None = None
         self._started = False
         self._increment: Request | None = None
 
     @property
-    def distribution(self) -> Distribution:
-        return self.operation.distribution
+    def shape(self) -> tuple[int, ...]:
+        """The gradient's shape on this rank (flat when the model group splits it)."""
+        if self.spec.shape and self.local_count == self.global_count:
+            return tuple(self.spec.shape)
+        return (self.local_count,)
 
     @property
     def owned_valid(self) -> int:
         """Elements of the owned slice that exist (the last rank's slice may be short)."""
         return max(min(self.owned_count, self.local_count - self.owned_offset), 0)
 
-    def _require_committed(self, what: str) -> _Bucket:
-        if self._bucket is None:
+    def _require_committed(self, what: str) -> Any:
+        if self.bucket is None:
             raise RuntimeError(f"{what} on {self.name}: call session.commit() first")
-        return self._bucket
+        return self.bucket
 
     def _check(self, tensor: object, count: int, what: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
@@ -145,15 +169,14 @@ class ParameterSet:
                                "not called this iteration")
         began = time.perf_counter()
         bucket.wait(timeout)
-        self.operation.session.statistics.add(self.operation.name,
-                                              exposed_s=time.perf_counter() - began)
+        self.statistics.add(self.op_name, exposed_s=time.perf_counter() - began)
         self._started = False
         return bucket.result(self)
 
     def test_gradient_comm(self) -> bool:
         """True once the gradient communication completed (``wait`` then returns at once)."""
         bucket = self._require_committed("test_gradient_comm")
-        return self._started and bucket.job.done.is_set()
+        return self._started and bucket.job.test()
 
     @property
     def gradient_pending(self) -> bool:
@@ -166,9 +189,9 @@ class ParameterSet:
                                "registered with distributed_update=True")
         bucket = self._require_committed("start_increment_comm")
         owned = self._check(owned, self.owned_valid, "start_increment_comm")
-        padded = torch.zeros(self.owned_count, dtype=owned.dtype)
+        padded = owned.new_zeros(self.owned_count)
         padded[: owned.numel()] = owned.reshape(-1)
-        self._increment = collectives.allgather(bucket.increment_comm, padded)
+        self._increment = collectives.allgather(self.increment_comm, padded)
 
     def wait_increment_comm(self, timeout: float | None = None) -> torch.Tensor:
         """The full local tensor (``local_count`` elements) after every rank's update."""
@@ -176,8 +199,7 @@ class ParameterSet:
             raise RuntimeError(f"wait_increment_comm on {self.name}: no increment started")
         began = time.perf_counter()
         gathered = self._increment.wait(timeout)
-        self.operation.session.statistics.add(self.operation.name,
-                                              exposed_s=time.perf_counter() - began)
+        self.statistics.add(self.op_name, exposed_s=time.perf_counter() - began)
         self._increment = None
         return gathered[: self.local_count]
 

@@ -1,4 +1,4 @@
-"""Per-operation timing and traffic: compute, communication, exposed and isolation time."""
+"""Per-operation timing and traffic: compute, communication and exposed time, bytes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ class OperationStats:
         compute_s: time in the operation's own forward and backward computation.
         comm_s: time its gradient communication was in flight (issue to completion).
         exposed_s: time the training loop was blocked waiting for that communication.
-        isolation_s: the same communication measured alone (``Session.measure_isolation``).
         bytes: payload bytes handed to collectives for it (after compression).
         raw_bytes: bytes it would have sent uncompressed.
         iterations: iterations recorded.
@@ -28,7 +27,6 @@ class OperationStats:
     compute_s: float = 0.0
     comm_s: float = 0.0
     exposed_s: float = 0.0
-    isolation_s: float = 0.0
     bytes: int = 0
     raw_bytes: int = 0
     iterations: int = 0
@@ -62,7 +60,7 @@ class Statistics:
     def total(self) -> OperationStats:
         total = OperationStats(iterations=self.iterations)
         for stats in self._ops.values():
-            for key in ("compute_s", "comm_s", "exposed_s", "isolation_s", "bytes", "raw_bytes"):
+            for key in ("compute_s", "comm_s", "exposed_s", "bytes", "raw_bytes"):
                 setattr(total, key, getattr(total, key) + getattr(stats, key))
         return total
 
@@ -80,9 +78,8 @@ class Statistics:
             ratio = stats.raw_bytes / stats.bytes if stats.bytes else 0.0
             rows.append([name, f"{stats.compute_s * scale * 1e3:.1f}",
                          f"{stats.comm_s * scale * 1e3:.1f}", f"{stats.exposed_s * scale * 1e3:.1f}",
-                         f"{stats.isolation_s * scale * 1e3:.1f}",
                          f"{stats.bytes * scale / 1e6:.2f}", f"{ratio:.1f}x" if ratio else "-"])
         unit = "per iteration" if per_iteration else "total"
-        headers = ["operation", "compute ms", "comm ms", "exposed ms", "isolation ms", "MB",
+        headers = ["operation", "compute ms", "comm ms", "exposed ms", "MB",
                    "compression"]
         return f"Statistics ({unit}, {self.iterations} iterations)\n" + format_table(headers, rows)

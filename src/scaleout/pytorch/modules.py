@@ -1,4 +1,4 @@
-"""Which modules become Operations, and the flat-tensor helpers the front end shares."""
+"""Module discovery (which modules become Operations) and the broadcast of their tensors."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from scaleout.compression.none import NoneCodec
 from scaleout.compression.registry import make_codec
 from scaleout.compression.state import CodecState
 
-__all__ = ["CompressionConfig", "Compressor"]
+__all__ = ["CompressionConfig", "Compressor", "as_config"]
 
 _UNCOMPRESSED = NoneCodec()
 
@@ -69,6 +69,16 @@ class CompressionConfig:
         object.__setattr__(self, "codec", make_codec(self.codec))
         object.__setattr__(self, "layers", MappingProxyType(layers))
 
+    def codec_for(self, name: str, numel: int, dtype: torch.dtype) -> Codec | None:
+        """The codec tensor ``name`` is compressed with after warm-up; ``None``: it goes exact
+        (below ``min_numel``, not floating point, or matched to the ``none`` codec)."""
+        if numel < self.min_numel or not dtype.is_floating_point:
+            return None
+        codec = next((c for pattern, c in self.layers.items()
+                      if fnmatch.fnmatchcase(name, pattern)), self.codec)
+        assert isinstance(codec, Codec)
+        return None if codec.name == _UNCOMPRESSED.name else codec
+
     def select(self, name: str, tensor: torch.Tensor, step: int) -> Codec:
         """The codec for tensor ``name`` at its exchange number ``step``.
 
@@ -83,13 +93,24 @@ class CompressionConfig:
             The codec; the uncompressed one below ``min_numel``, during warm-up,
             and for non-floating-point tensors.
         """
-        if tensor.numel() < self.min_numel or step < self.warmup_steps or not tensor.is_floating_point():
+        if step < self.warmup_steps:
             return _UNCOMPRESSED
-        for pattern, codec in self.layers.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                return codec
-        assert isinstance(self.codec, Codec)
-        return self.codec
+        return self.codec_for(name, tensor.numel(), tensor.dtype) or _UNCOMPRESSED
+
+
+def as_config(spec: Any, **defaults: Any) -> CompressionConfig:
+    """``spec`` as a :class:`CompressionConfig`: a config as it is; a dict of name glob ->
+    codec spec as per-layer codecs (others exact); a codec or spec string as the default
+    codec, with ``defaults`` for the other options. Parsed now: a bad spec raises here.
+
+    Raises:
+        ValueError/TypeError: a bad spec, as :class:`CompressionConfig` raises.
+    """
+    if isinstance(spec, CompressionConfig):
+        return spec
+    if isinstance(spec, Mapping):
+        return CompressionConfig(codec="none", layers=spec, **defaults)
+    return CompressionConfig(codec=spec, **defaults)
 
 
 class Compressor:
@@ -107,9 +128,7 @@ class Compressor:
     """
 
     def __init__(self, config: CompressionConfig | str | Codec = "none") -> None:
-        if not isinstance(config, CompressionConfig):
-            config = CompressionConfig(codec=config)
-        self.config = config
+        self.config = as_config(config)
         self._states: dict[str, CodecState] = {}
 
     def state(self, name: str) -> CodecState:

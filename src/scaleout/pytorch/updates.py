@@ -1,0 +1,154 @@
+"""Lazy per-layer updates: when each layer's averaged gradients become its new weights.
+
+:class:`~scaleout.pytorch.DataParallel` owns one :class:`LazyUpdates`; it hands the
+gradients out, and :class:`~scaleout.pytorch.DistributedOptimizer` attaches itself as the
+:class:`Updater` that applies them. In overlap mode ``step()`` only *requests* the update of
+the layers whose gradients are in flight; each is applied at the latest in that layer's next
+forward pre-hook (together with the following requested layers whose gradients already
+arrived: one optimizer step instead of one per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from scaleout.pytorch.modules import Layer
+from scaleout.session import ParameterSet
+
+__all__ = ["LazyUpdates", "Updater"]
+
+
+class Updater(Protocol):
+    """What applies updates (a DistributedOptimizer)."""
+
+    mode: str
+
+    def apply_update(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
+                     used: Sequence[bool]) -> None:
+        """Update ``params`` alone with their averaged ``grads`` (unused ones are skipped)."""
+
+    def refresh_shards(self) -> None:
+        """The model's weights were replaced (a checkpoint loaded): re-read any copies."""
+
+
+class LazyUpdates:
+    """Pending gradients and updates of a DataParallel model's layers.
+
+    Args:
+        distributed_update: the update is sharded (the optimizer owns slices).
+    """
+
+    def __init__(self, *, distributed_update: bool) -> None:
+        self.distributed_update = distributed_update
+        self.updater: Updater | None = None
+        self.forward_order: list[Layer] = []
+        self._position: dict[int, int] = {}
+        self._params: list[nn.Parameter] = []
+        self._usage: ParameterSet | None = None
+        self._globally_used: dict[int, bool] = {}
+
+    def attach(self, updater: Updater) -> None:
+        """Make ``updater`` the one that applies this model's updates.
+
+        Raises:
+            ValueError: another updater is attached already.
+        """
+        if self.updater is not None and self.updater is not updater:
+            raise ValueError("this DataParallel already has a DistributedOptimizer")
+        self.updater = updater
+
+    @property
+    def mode(self) -> str:
+        """``"sync"`` without an updater (DDP semantics), else the updater's mode."""
+        return "sync" if self.updater is None else self.updater.mode
+
+    def commit(self, forward_order: list[Layer], usage: ParameterSet | None) -> None:
+        """The layers in forward order and the parameter set carrying who used what."""
+        self.forward_order = forward_order
+        self._position = {id(layer): i for i, layer in enumerate(forward_order)}
+        self._params = [p for layer in forward_order for p in layer.params]
+        self._usage = usage
+
+    def pending(self) -> list[Layer]:
+        """Layers whose gradients are in flight."""
+        return [layer for layer in self.forward_order
+                if any(ps.gradient_pending for ps in layer.sets)]
+
+    def used_globally(self) -> dict[int, bool]:
+        """Whether any rank used each parameter in the last backward (unused: no update)."""
+        if self._usage is not None and self._usage.gradient_pending:
+            shares = self._usage.wait_gradient_comm().tolist()
+            self._globally_used = {id(p): share > 0 for p, share in zip(self._params, shares)}
+        return self._globally_used
+
+    def request(self, layers: Sequence[Layer]) -> None:
+        """Apply these layers' updates once their gradients arrive (overlap mode)."""
+        for layer in layers:
+            for param in layer.params:
+                param.grad = None  # the averaged gradient arrives with the update
+            layer.update_requested = True
+
+    def gradients_to_grad(self) -> None:
+        """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
+        pending = [(param, ps) for layer in self.forward_order
+                   for param, ps in zip(layer.params, layer.sets) if ps.gradient_pending]
+        arrived = [ps.wait_gradient_comm() for _, ps in pending]
+        used = self.used_globally()  # after the gradients: waits count against their layers
+        for (param, _), averaged in zip(pending, arrived):
+            if not used.get(id(param), True):
+                param.grad = None
+            elif self.distributed_update:
+                raise RuntimeError("distributed_update needs a DistributedOptimizer to "
+                                   "apply the sharded update")
+            elif param.grad is None:
+                param.grad = averaged.view_as(param).clone()
+            else:
+                param.grad.copy_(averaged.view_as(param))
+
+    def complete(self, layer: Layer) -> None:
+        """Apply ``layer``'s requested update and install its gathered shards, if pending."""
+        if layer.update_requested:
+            self._apply(self._ready_with(layer))
+        if layer.increments_pending:
+            layer.increments_pending = False
+            with torch.no_grad():
+                for param, ps in zip(layer.params, layer.sets):
+                    param.copy_(ps.wait_increment_comm().view_as(param))
+
+    def synchronize(self) -> None:
+        """Finish every pending update; gradients nobody asked to apply go to ``.grad``."""
+        for layer in self.forward_order:
+            self.complete(layer)
+        if self.pending():
+            self.gradients_to_grad()
+
+    def _ready_with(self, layer: Layer) -> list[Layer]:
+        """``layer`` and the requested layers right after it whose gradients already arrived.
+
+        Updating them together costs one optimizer step (which walks every parameter) instead
+        of one per layer; the values are the same, only applied earlier.
+        """
+        batch = [layer]
+        for later in self.forward_order[self._position[id(layer)] + 1:]:
+            if not later.update_requested:
+                continue
+            if not all(ps.test_gradient_comm() for ps in later.sets):
+                break
+            batch.append(later)
+        return batch
+
+    def _apply(self, layers: list[Layer]) -> None:
+        """Wait for ``layers``' averaged gradients and apply their update in one step."""
+        assert self.updater is not None, "updates are requested by an attached optimizer"
+        params, grads = [], []
+        for layer in layers:
+            layer.update_requested = False
+            for param, ps in zip(layer.params, layer.sets):
+                params.append(param)
+                grads.append(ps.wait_gradient_comm())
+        used = self.used_globally()  # after the gradients: waits count against their layers
+        self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])

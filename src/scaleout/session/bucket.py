@@ -1,0 +1,182 @@
+"""GradBucket: parameter sets' gradients fused into one flat buffer, and how it is sent.
+
+A bucket owns its buffer, its chunking (from the plan), the one place where its result is
+averaged (:meth:`GradBucket.averaged`) and its statistics. What its communication *is* —
+exact allreduce, the sharded update's reduce-scatter, a codec's exchange, a user's DDP comm
+hook — is a hook ``hook(state, bucket) -> Request | torch.futures.Future`` whose result is
+the bucket's gradient averaged over the data group (DDP's comm-hook contract; the methods
+DDP's ``GradBucket`` offers are here too, so torch's own hooks run unchanged).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.request import FutureRequest, Request
+from scaleout.scheduler import Job, ProgressEngine
+from scaleout.session.statistics import Statistics
+
+if TYPE_CHECKING:
+    from scaleout.session.parameter_set import ParameterSet
+
+__all__ = ["GradBucket", "CommHook"]
+
+#: ``hook(state, bucket)`` starts the bucket's communication; its result is the averaged
+#: flat gradient (or, with the sharded update, this rank's averaged owned slice).
+CommHook = Callable[[Any, "GradBucket"], Any]
+
+
+class GradBucket:
+    """One bucket of a committed session.
+
+    Args:
+        index: its place in the issue order (0 = first ready in backward).
+        name: its members' names joined by ``+`` (statistics, errors, checkpoints).
+        members: the parameter sets, in buffer order, with their element offsets.
+        numel: buffer elements (padded to a multiple of the group for the sharded update).
+        dtype, device: of the buffer (the gradients').
+        comm: the lane communicator it is sent on.
+        hook, state: its communication.
+        chunks: element ranges sent one by one when the hook works elementwise
+            (``hook.elementwise``); otherwise the bucket goes whole.
+        exclusive: its exchange may take several rounds (it then owns its lane).
+        last: it is the last bucket of the iteration.
+    """
+
+    def __init__(self, *, index: int, lane: int, order: int, members: Sequence[ParameterSet],
+                 offsets: Sequence[int], numel: int, dtype: torch.dtype, device: torch.device,
+                 comm: Communicator, hook: CommHook, state: Any,
+                 chunks: Sequence[tuple[int, int]], exclusive: bool, last: bool,
+                 statistics: Statistics) -> None:
+        self._index = index
+        self.members = list(members)
+        self.offsets = {id(ps): off for ps, off in zip(members, offsets)}
+        self.name = "+".join(ps.name for ps in members)
+        self.comm = comm
+        self.hook = hook
+        self.state = state
+        self.statistics = statistics
+        self._buffer = torch.zeros(numel, dtype=dtype, device=device)
+        self._last = last
+        self._params: list[torch.Tensor] = []
+        self._filled = 0
+        self._pending: list[Request] = []
+        elementwise = getattr(hook, "elementwise", False) and comm.size > 1
+        spans = list(chunks) if elementwise else [(0, numel)]
+        self.job = Job(name=self.name, lane=lane, order=order,
+                       chunks=[] if comm.size == 1 else
+                       [((end - begin) * self._buffer.element_size(),
+                         lambda _comm, b=begin, e=end: self._start(b, e))
+                        for begin, end in spans],
+                       finish=self._finish, exclusive=exclusive, rank=comm.global_rank,
+                       timeout=comm.timeout)
+        self.engine: ProgressEngine | None = None
+
+    # -- what DDP's GradBucket offers (torch comm hooks use these) ------------------------
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradients (a view of the part being sent, for a chunk)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each member's gradient, a view of the buffer in its shape."""
+        return [self._buffer[off: off + ps.local_count].view(ps.shape)
+                for ps, off in ((ps, self.offsets[id(ps)]) for ps in self.members)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients it holds (when a front end registered them)."""
+        return list(self._params)
+
+    def set_parameters(self, params: Sequence[torch.Tensor]) -> None:
+        self._params = list(params)
+
+    def is_last(self) -> bool:
+        return self._last
+
+    @property
+    def process_group(self) -> Any:
+        """The torch process group it is sent on."""
+        return self.comm.group
+
+    # -- the one averaging site -----------------------------------------------------------
+
+    def averaged(self, summed: Request) -> Request:
+        """``summed`` (a request whose result is the sum over the data group) divided by the
+        group size, in place in the buffer. Every built-in hook averages through here."""
+        size = self.comm.size
+        return summed.then(lambda result: collectives.average_into(
+            self._buffer[: result.numel()], result, size))
+
+    # -- the scaleout side ----------------------------------------------------------------
+
+    def fill(self, ps: ParameterSet, flat: torch.Tensor) -> None:
+        """Copy ``ps``'s gradient in; the last member to arrive hands the bucket to the engine."""
+        offset = self.offsets[id(ps)]
+        self._buffer[offset: offset + flat.numel()].copy_(flat)
+        self._filled += 1
+        if self._filled == len(self.members):
+            self._filled = 0
+            assert self.engine is not None, "the session binds every bucket to an engine"
+            self.engine.submit(self.job)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.job.wait(timeout)
+
+    def result(self, ps: ParameterSet) -> torch.Tensor:
+        """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
+        if ps.spec.distributed_update:
+            return self._buffer[: ps.owned_valid]
+        offset = self.offsets[id(ps)]
+        return self._buffer[offset: offset + ps.local_count]
+
+    def _start(self, begin: int, end: int) -> Request:
+        view = self
+        if (begin, end) != (0, self._buffer.numel()):
+            view = copy.copy(self)
+            view._buffer = self._buffer[begin:end]
+        started = self.hook(self.state, view)
+        if not isinstance(started, Request):  # a torch.futures.Future from a DDP hook
+            started = FutureRequest(started, rank=self.comm.global_rank, group=self.comm.label,
+                                    operation=f"comm hook of {self.name}",
+                                    timeout=self.comm.timeout)
+        target = view._buffer
+        request = started.then(lambda result: _into(target, result))
+        self._pending.append(request)
+        return request
+
+    def _finish(self) -> None:
+        if self.comm.size == 1:
+            return
+        elapsed = time.perf_counter() - self.job.issued_at if self.job.issued_at else 0.0
+        raw = sum(self.job.chunk_bytes)
+        sent = sum(request.nbytes for request in self._pending) or raw
+        self._pending.clear()
+        share = 1.0 / len(self.members)
+        for ps in self.members:
+            self.statistics.add(ps.op_name, comm_s=elapsed * share, bytes=sent * share,
+                                raw_bytes=raw * share)
+
+    def __repr__(self) -> str:
+        return f"<GradBucket {self._index} {self.name} numel={self._buffer.numel()}>"
+
+
+def _into(target: torch.Tensor, result: Any) -> torch.Tensor:
+    """A hook's result copied into the bucket's buffer unless it already is (a prefix of) it."""
+    if isinstance(result, (list, tuple)):  # some DDP hooks' futures hold a one-tensor list
+        result = result[0]
+    if result.data_ptr() != target.data_ptr() or result.dtype != target.dtype:
+        target[: result.numel()].copy_(result.reshape(-1))
+    return target

@@ -123,16 +123,20 @@ class ProgressEngine:
         lane_lengths: how many jobs each lane carries per iteration (its fixed sequence).
         policy: decides when each lane may send its next chunk.
         timeout: seconds a chunk may be in flight before its job fails.
+        stream: a CUDA stream (for buffers on a GPU): the engine thread's current stream,
+            so every collective, codec kernel and averaging it launches runs there, apart
+            from the compute stream; ``None`` on the CPU.
     """
 
     def __init__(self, comms: Sequence[Communicator], lane_lengths: Sequence[int],
-                 policy: Policy, timeout: float) -> None:
+                 policy: Policy, timeout: float, stream: Any = None) -> None:
         self._lanes = [_Lane(c, n) for c, n in zip(comms, lane_lengths)]
         self._policy = policy
         self._timeout = timeout
         self._rank = comms[0].global_rank
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        self._stream = stream
         self._thread = threading.Thread(target=self._run, name="scaleout-progress", daemon=True)
         self._thread.start()
 
@@ -156,6 +160,10 @@ class ProgressEngine:
     # -- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._stream is not None:
+            import torch
+
+            torch.cuda.set_stream(self._stream)  # this thread's current stream
         try:
             while True:
                 try:

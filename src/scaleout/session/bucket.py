@@ -68,6 +68,13 @@ class GradBucket:
         self._params: list[torch.Tensor] = []
         self._filled = 0
         self._pending: list[Request] = []
+        # On a GPU: one event per member, recorded on the compute stream after its gradient
+        # is copied in (the communication stream waits on them before the bucket is sent),
+        # and one recorded on the communication stream once the averaged result is there
+        # (the compute stream waits on it before the result is read).
+        cuda = self._buffer.is_cuda
+        self._ready = {id(ps): torch.cuda.Event() for ps in members} if cuda else {}
+        self._done_event = torch.cuda.Event() if cuda else None
         elementwise = getattr(hook, "elementwise", False) and comm.size > 1
         spans = list(chunks) if elementwise else [(0, numel)]
         self.job = Job(name=self.name, lane=lane, order=order,
@@ -126,6 +133,8 @@ class GradBucket:
         """Copy ``ps``'s gradient in; the last member to arrive hands the bucket to the engine."""
         offset = self.offsets[id(ps)]
         self._buffer[offset: offset + flat.numel()].copy_(flat)
+        if self._ready:
+            self._ready[id(ps)].record()  # on the stream that produced the gradient
         self._filled += 1
         if self._filled == len(self.members):
             self._filled = 0
@@ -133,7 +142,11 @@ class GradBucket:
             self.engine.submit(self.job)
 
     def wait(self, timeout: float | None = None) -> None:
+        """Block the host until the engine finished the bucket; on a GPU the current stream
+        then waits for the result's kernels (the host does not)."""
         self.job.wait(timeout)
+        if self._done_event is not None and self.comm.size > 1:
+            torch.cuda.current_stream(self._buffer.device).wait_event(self._done_event)
 
     def result(self, ps: ParameterSet) -> torch.Tensor:
         """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
@@ -143,6 +156,10 @@ class GradBucket:
         return self._buffer[offset: offset + ps.local_count]
 
     def _start(self, begin: int, end: int) -> Request:
+        # (engine thread: its current stream is the communication stream)
+        if begin == 0:
+            for event in self._ready.values():
+                torch.cuda.current_stream(self._buffer.device).wait_event(event)
         view = self
         if (begin, end) != (0, self._buffer.numel()):
             view = copy.copy(self)
@@ -160,6 +177,8 @@ class GradBucket:
     def _finish(self) -> None:
         if self.comm.size == 1:
             return
+        if self._done_event is not None:
+            self._done_event.record(torch.cuda.current_stream(self._buffer.device))
         elapsed = time.perf_counter() - self.job.issued_at if self.job.issued_at else 0.0
         raw = sum(self.job.chunk_bytes)
         sent = sum(request.nbytes for request in self._pending) or raw

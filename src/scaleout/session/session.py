@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import Environment
 from scaleout.core.grid import GroupType
@@ -197,8 +199,13 @@ class Session:
             for ps in members:
                 ps.bucket, ps.increment_comm = bucket, increments
             buckets.append(bucket)
+        devices = {ps.spec.device for ps in sets if ps.spec.device.type == "cuda"}
+        if len(devices) > 1:
+            raise ValueError(f"the parameter sets of one distribution must live on one GPU, "
+                             f"got {sorted(map(str, devices))}")
+        stream = torch.cuda.Stream(device=devices.pop()) if devices else None
         engine = ProgressEngine(lanes, [max(n, 1) for n in lengths], make_policy(config),
-                                self.env.timeout)
+                                self.env.timeout, stream=stream)
         for bucket in buckets:
             bucket.engine = engine
         self._engines.append(engine)

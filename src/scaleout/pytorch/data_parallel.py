@@ -103,6 +103,8 @@ class DataParallel(nn.Module):
         self._compression = None if compression is None else as_config(compression)
         self.comm = distribution.communicator(GroupType.DATA)
         self._layers = find_layers(module)
+        params = [p for layer in self._layers for p in layer.params]
+        self._device = params[0].device if params else torch.device("cpu")
         self.updates = LazyUpdates(distributed_update=self.distributed_update)
         self._session: Session | None = None
         self._forward_order: list[Layer] = []
@@ -239,6 +241,14 @@ class DataParallel(nn.Module):
         """Register the layers in the order the first forward ran them, then commit."""
         ran = {id(layer) for layer in self._forward_order}
         self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
+        # Every rank must register the same order (it decides the buckets), but a layer may
+        # run in one rank's first forward and not in another's: data-group rank 0's order
+        # counts (one broadcast of layer indices, once).
+        index = {id(layer): i for i, layer in enumerate(self._layers)}
+        order = torch.tensor([index[id(layer)] for layer in self._forward_order],
+                             dtype=torch.int64, device=self._device)
+        collectives.bcast(self.comm, order, 0).wait()
+        self._forward_order = [self._layers[i] for i in order.tolist()]
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler)
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)

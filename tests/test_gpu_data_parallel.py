@@ -54,6 +54,8 @@ def body_exact(mode: str, sharded: bool, opt_name: str) -> None:
     assert not on_cpu, f"optimizer state on the CPU: {on_cpu}"
     for bucket in model.session.buckets:
         assert bucket.buffer().is_cuda
+    total = model.statistics.total()  # from CUDA events, read once they completed
+    assert total.compute_s > 0 and (world == 1 or total.comm_s > 0), total
     model.close()
     env.finalize()
 

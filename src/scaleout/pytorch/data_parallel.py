@@ -11,7 +11,6 @@ forward starts while later layers' gradients are still on the wire.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,33 +29,12 @@ from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
 from scaleout.session.bucket import CommHook
+from scaleout.session.timing import stopwatch_for
 
 __all__ = ["DataParallel"]
 
 #: The operation whose one parameter set carries, per parameter, whether this rank used it.
 _USAGE = "<parameters used>"
-
-
-class _Stopwatch:
-    """Seconds between laps: each layer's compute runs from one hook to the next.
-
-    A plain object rather than DataParallel attributes, because hooks lap it hundreds of
-    times per iteration and every ``nn.Module.__setattr__`` costs microseconds.
-    """
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
-
-    def restart(self) -> None:
-        self._last = time.perf_counter()
-
-    def lap(self) -> float:
-        """Seconds since the previous lap or restart; starts the next lap."""
-        now = time.perf_counter()
-        elapsed, self._last = now - self._last, now
-        return elapsed
 
 
 class DataParallel(nn.Module):
@@ -119,7 +97,7 @@ class DataParallel(nn.Module):
                              if broadcast_buffers and self._float_buffers else None)
         self._buffer_request: Request | None = None
         self._handles = []
-        self._stopwatch = _Stopwatch()  # times each layer's compute (statistics)
+        self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(layer)))
@@ -192,6 +170,7 @@ class DataParallel(nn.Module):
             flat = torch.cat([b.detach().reshape(-1) for b in self._float_buffers])
             self._buffer_request = collectives.allreduce(self._buffer_comm, flat, ReduceOp.AVG)
         if self._session is not None:
+            self._stopwatch.flush(self._session.statistics)
             self._session.statistics.end_iteration()
         return output
 
@@ -297,9 +276,10 @@ class DataParallel(nn.Module):
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            elapsed = self._stopwatch.lap()  # backward compute is timed from here
-            if self._session is not None:
-                self._session.statistics.add(layer.name, compute_s=elapsed)
+            if self._session is not None:  # (backward compute is timed from here on)
+                self._stopwatch.lap(self._session.statistics, layer.name)
+            else:
+                self._stopwatch.restart()
         return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -312,7 +292,7 @@ class DataParallel(nn.Module):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         layer, ps = self._set_of[id(param)]
-        self._session.statistics.add(layer.name, compute_s=self._stopwatch.lap())
+        self._stopwatch.lap(self._session.statistics, layer.name)
         if ps.gradient_pending:
             raise RuntimeError(
                 f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "

@@ -11,7 +11,6 @@ DDP's ``GradBucket`` offers are here too, so torch's own hooks run unchanged).
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.request import FutureRequest, Request
 from scaleout.scheduler import Job, ProgressEngine
 from scaleout.session.statistics import Statistics
+from scaleout.session.timing import stopwatch_for
 
 if TYPE_CHECKING:
     from scaleout.session.parameter_set import ParameterSet
@@ -75,6 +75,9 @@ class GradBucket:
         cuda = self._buffer.is_cuda
         self._ready = {id(ps): torch.cuda.Event() for ps in members} if cuda else {}
         self._done_event = torch.cuda.Event() if cuda else None
+        self._clock = stopwatch_for(self._buffer.device)  # issue to result (comm time)
+        total = sum(ps.local_count for ps in members)
+        self._shares = [(ps.op_name, ps.local_count / total) for ps in members]
         elementwise = getattr(hook, "elementwise", False) and comm.size > 1
         spans = list(chunks) if elementwise else [(0, numel)]
         self.job = Job(name=self.name, lane=lane, order=order,
@@ -160,6 +163,8 @@ class GradBucket:
         if begin == 0:
             for event in self._ready.values():
                 torch.cuda.current_stream(self._buffer.device).wait_event(event)
+            self._clock.flush(self.statistics)  # earlier iterations' GPU times, if done
+            self._clock.restart()
         view = self
         if (begin, end) != (0, self._buffer.numel()):
             view = copy.copy(self)
@@ -179,14 +184,12 @@ class GradBucket:
             return
         if self._done_event is not None:
             self._done_event.record(torch.cuda.current_stream(self._buffer.device))
-        elapsed = time.perf_counter() - self.job.issued_at if self.job.issued_at else 0.0
+        self._clock.lap(self.statistics, self._shares, "comm_s")
         raw = sum(self.job.chunk_bytes)
         sent = sum(request.nbytes for request in self._pending) or raw
         self._pending.clear()
-        share = 1.0 / len(self.members)
-        for ps in self.members:
-            self.statistics.add(ps.op_name, comm_s=elapsed * share, bytes=sent * share,
-                                raw_bytes=raw * share)
+        for name, share in self._shares:  # by size
+            self.statistics.add(name, bytes=sent * share, raw_bytes=raw * share)
 
     def __repr__(self) -> str:
         return f"<GradBucket {self._index} {self.name} numel={self._buffer.numel()}>"

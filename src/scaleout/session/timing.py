@@ -1,0 +1,93 @@
+"""Stopwatches for Statistics: host time on the CPU, CUDA events on a GPU.
+
+On a GPU the host runs ahead of the kernels, so the host clock measures how long it took to
+*launch* work. :class:`CudaStopwatch` records events on the current stream instead and reads
+their elapsed times only once the events have completed (a later ``flush``), so timing never
+synchronises the host with the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from scaleout.session.statistics import Statistics
+
+__all__ = ["Stopwatch", "CudaStopwatch", "stopwatch_for"]
+
+#: One operation, or several with their shares of the time (a bucket's members, by size).
+Operations = str | Sequence[tuple[str, float]]
+
+
+def _add(statistics: Statistics, operations: Operations, field: str, seconds: float) -> None:
+    shares = [(operations, 1.0)] if isinstance(operations, str) else operations
+    for name, share in shares:
+        statistics.add(name, **{field: seconds * share})
+
+
+class Stopwatch:
+    """Seconds between laps on the host clock; each lap is added to an operation at once.
+
+    A plain object (``__slots__``), because hooks lap it hundreds of times per iteration.
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s") -> None:
+        """Add the seconds since the previous lap or restart to ``operation``'s ``field``."""
+        now = time.perf_counter()
+        _add(statistics, operation, field, now - self._last)
+        self._last = now
+
+    def flush(self, statistics: Statistics) -> None:
+        """Nothing is deferred on the host."""
+
+
+class CudaStopwatch:
+    """Laps timed by CUDA events on the current stream, added once the events completed.
+
+    Args:
+        device: the GPU whose current stream is timed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._free: list[Any] = []
+        self._pending: deque[tuple[Operations, str, Any, Any]] = deque()
+        self._last = self._event()
+
+    def _event(self) -> Any:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def restart(self) -> None:
+        self._free.append(self._last)
+        self._last = self._event()
+
+    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s") -> None:
+        now = self._event()
+        self._pending.append((operation, field, self._last, now))
+        self._last = self._event()
+
+    def flush(self, statistics: Statistics) -> None:
+        """Add every lap whose end event has completed, in order (never blocks)."""
+        while self._pending and self._pending[0][3].query():
+            operation, field, start, end = self._pending.popleft()
+            _add(statistics, operation, field, start.elapsed_time(end) / 1e3)
+            self._free += [start, end]
+
+
+def stopwatch_for(device: torch.device) -> Stopwatch | CudaStopwatch:
+    """A CUDA-event stopwatch for a GPU, the host clock otherwise."""
+    return CudaStopwatch(device) if device.type == "cuda" else Stopwatch()

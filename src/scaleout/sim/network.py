@@ -127,7 +127,7 @@ class Topology:
             dims.append(_resized(dim, size))
             left //= size
         dims.append(_resized(self.dims[-1], left))
-        return Topology(dims=tuple(d for d in dims if d.npus > 1) or (dims[-1],))
+        return Topology(dims=tuple(dims))  # size-1 dimensions stay, so per-dimension settings line up
 
     def describe(self) -> str:
         return " x ".join(f"{d.npus} {d.kind}@{d.bandwidth * 8 / 1e9:g}Gbps/{d.latency * 1e6:g}us"

@@ -270,8 +270,11 @@ class _Run:
 
     def forward(self, it: int, i: int) -> None:
         layers = self.w.layers
-        if it == self.cfg.iterations:  # the boundary after the last iteration
-            self.starts.append(self.q.now)
+        if it == self.cfg.iterations:  # the boundary: when a next iteration could start
+            if self.cfg.mode == "overlap":
+                self.wait(it - 1, 0, lambda: self.starts.append(self.q.now))
+            else:
+                self.starts.append(self.q.now)
             return
         if i == len(layers):
             self.backward(it, len(layers) - 1)

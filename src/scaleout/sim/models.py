@@ -139,9 +139,9 @@ def _dlrm() -> tuple[ModelLayer, ...]:
     return tuple(layers)
 
 
-def _gpt(n_layers: int = 96, hidden: int = 1024, seq: int = 1024) -> ModelSpec:
+def _gpt(n_layers: int = 96, hidden: int = 1024, seq: int = 1024, vocab: int = 50257) -> ModelSpec:
     return ModelSpec(name=f"gpt-{n_layers}", source=f"GPT-2 layout, {n_layers} layers, d={hidden}, "
-                     f"seq {seq}, vocab 50257", layers=_transformer(n_layers, hidden, seq, 50257, "gpt"))
+                     f"seq {seq}, vocab {vocab}", layers=_transformer(n_layers, hidden, seq, vocab, "gpt"))
 
 
 _TABLE: Mapping[str, Callable[[], ModelSpec]] = MappingProxyType({
@@ -179,7 +179,7 @@ DEVICES: Mapping[str, Device] = MappingProxyType({d.name: d for d in (
 
 
 def model(name: str) -> ModelSpec:
-    """The table's model ``name``; ``gpt`` takes ``gpt:LAYERS[:HIDDEN[:SEQ]]`` (default 96:1024:1024).
+    """The table's model ``name``; ``gpt`` takes ``gpt:LAYERS[:HIDDEN[:SEQ[:VOCAB]]]`` (default 96:1024:1024:50257).
 
     Raises:
         ValueError: an unknown model or malformed ``gpt`` spec.
@@ -189,12 +189,12 @@ def model(name: str) -> ModelSpec:
         try:
             args = [int(x) for x in rest.split(":")]
         except ValueError:
-            raise ValueError(f"gpt spec must be gpt:LAYERS[:HIDDEN[:SEQ]], got {name!r}") from None
-        if len(args) > 3 or min(args) < 1:
-            raise ValueError(f"gpt spec must be gpt:LAYERS[:HIDDEN[:SEQ]] (>= 1 each), got {name!r}")
+            raise ValueError(f"gpt spec must be gpt:LAYERS[:HIDDEN[:SEQ[:VOCAB]]], got {name!r}") from None
+        if len(args) > 4 or min(args) < 1:
+            raise ValueError(f"gpt spec must be gpt:LAYERS[:HIDDEN[:SEQ[:VOCAB]]] (>= 1 each), got {name!r}")
         return _gpt(*args)
     if head not in _TABLE or rest:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (gpt:LAYERS[:HIDDEN[:SEQ]])")
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)} (gpt:LAYERS[:HIDDEN[:SEQ[:VOCAB]]])")
     return _TABLE[head]()
 
 

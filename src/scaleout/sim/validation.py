@@ -89,7 +89,7 @@ class Report:
             elif s.unit == "%":
                 fmt = [f"{s.measured:.1f}%", f"{o.predicted:.1f}%", f"{o.error:+.1f}pt", f"{s.bound:g}pt"]
             else:
-                fmt = [f"{s.measured:.2f}x", f"{o.predicted:.2f}x", f"{o.error:+.2f}", f"{s.bound:g}"]
+                fmt = [f"{s.measured:.2f}x", f"{o.predicted:.2f}x", f"{o.error:+.2f}", f"{s.bound:.2f}"]
             out.append([s.name, *fmt, "ok" if o.ok else "FAIL", s.source])
         return out
 

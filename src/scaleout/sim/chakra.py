@@ -115,7 +115,7 @@ def load_schema() -> ChakraSchema:
         raise ImportError("Chakra traces need the 'protobuf' package: "
                           "pip install 'scaleout[chakra]'") from err
     pool = descriptor_pool.DescriptorPool()
-    file = pool.Add(_file_descriptor())  # noqa: F841 (kept alive by the pool)
+    pool.Add(_file_descriptor())
 
     def cls(name: str) -> Any:
         return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"ChakraProtoMsg.{name}"))

@@ -27,6 +27,7 @@ against one rank that never communicates), per-dimension link utilisation.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scaleout.scheduler.config import SchedulerConfig
@@ -175,14 +176,14 @@ class _Run:
             for key in plan.keys:
                 self.buckets_of.setdefault(key, []).append(plan.index)
         self.q = EventQueue()
-        self.lanes = [deque() for _ in range(sched.lanes)]
+        self.lanes: list[deque[_Chunk]] = [deque() for _ in range(sched.lanes)]
         self.inflight = [0] * sched.lanes
         self.inflight_bytes = [0] * sched.lanes
         self.net: deque[_Chunk] = deque()
         self.net_busy = False
         self.left: dict[tuple[int, int], int] = {}  # (iteration, bucket) -> chunks not done
         self.done_at: dict[tuple[int, int], float] = {}
-        self.waiter: tuple[tuple[int, int], object] | None = None
+        self.waiter: tuple[tuple[int, int], Callable[[], None]] | None = None
         self.costs: dict[float, CollectiveCost] = {}
         self.spans: list[Span] = []
         self.starts: list[float] = []
@@ -257,11 +258,11 @@ class _Run:
         indices = range(len(self.plans)) if layer < 0 else self.buckets_of.get(layer, ())
         return all((iteration, b) in self.done_at for b in indices)
 
-    def compute(self, name: str, seconds: float, iteration: int, then) -> None:
+    def compute(self, name: str, seconds: float, iteration: int, then: Callable[[], None]) -> None:
         start = self.q.now
         self.q.after(seconds, lambda: (self.record("compute", name, start, iteration), then()))
 
-    def wait(self, iteration: int, layer: int, then) -> None:
+    def wait(self, iteration: int, layer: int, then: Callable[[], None]) -> None:
         if self.ready(iteration, layer):
             then()
             return

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -113,17 +114,18 @@ class Topology:
     def with_npus(self, npus: int) -> Topology:
         """The same kinds of dimension grown (or shrunk) along the outermost one to ``npus``.
 
-        Inner dimensions keep their size while they fit (a node stays a node); the outer
-        dimension takes the rest.
+        Inner dimensions are filled first (``8x128`` resized to 4 is 4 NPUs of one node, to 24
+        three full nodes): each takes ``gcd(its size, what is left)``; the outermost dimension
+        takes the rest.
 
         Raises:
-            ValueError: ``npus`` not divisible by the inner dimensions that must stay whole.
+            ValueError: ``npus`` < 1.
         """
-        if npus < 1:
-            raise ValueError(f"npus must be >= 1, got {npus}")
+        if isinstance(npus, bool) or not isinstance(npus, int) or npus < 1:
+            raise ValueError(f"npus must be an int >= 1, got {npus!r}")
         dims, left = [], npus
         for dim in self.dims[:-1]:
-            size = dim.npus if left % dim.npus == 0 else 1
+            size = math.gcd(dim.npus, left)
             dims.append(_resized(dim, size))
             left //= size
         dims.append(_resized(self.dims[-1], left))

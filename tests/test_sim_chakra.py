@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("google.protobuf")
 
 from scaleout.scheduler.config import SchedulerConfig  # noqa: E402
 from scaleout.sim.chakra import attributes, et_path, load_schema, read_et, write_et  # noqa: E402
+from scaleout.sim.config import IterationConfig  # noqa: E402
 from scaleout.sim.graph import chakra_nodes, run_graph  # noqa: E402
-from scaleout.sim.iteration import IterationConfig, simulate  # noqa: E402
+from scaleout.sim.iteration import simulate  # noqa: E402
 from scaleout.sim.models import DEVICES, model_workload  # noqa: E402
 from scaleout.sim.network import parse_topology  # noqa: E402
 
@@ -27,13 +27,16 @@ def test_round_trip_reads_back_what_we_wrote_and_prices_it_like_the_simulator(tm
     metadata, back = read_et(tmp_path / "rn50.1.et")
     assert metadata.version == "0.0.4" and back == nodes
     coll = [n for n in back if schema.NodeType.Name(n.type) == "COMM_COLL_NODE"]
-    assert {schema.CollectiveCommType.Name(attributes(n)["comm_type"]) for n in coll} == {"ALL_REDUCE"}
+    assert {schema.CollectiveCommType.Name(attributes(n)["comm_type"]) for n in coll} == {
+        "ALL_REDUCE"
+    }
     assert sum(attributes(n)["comm_size"] for n in coll) == work.grad_bytes
     assert {attributes(n)["comm_priority"] for n in coll} == {0, 1}  # urgent lane = 1
     # executing the graph of a synchronous FIFO step gives the simulator's own iteration time
     fifo = IterationConfig(scheduler=SchedulerConfig(policy="fifo"), mode="sync")
-    topo = parse_topology("8x16", bandwidths=["20GB/s", "50Gbps"], latencies=["2us", "5us"],
-                          kinds=["ring", "switch"])
+    topo = parse_topology(
+        "8x16", bandwidths=["20GB/s", "50Gbps"], latencies=["2us", "5us"], kinds=["ring", "switch"]
+    )
     graph = run_graph(chakra_nodes(work, fifo), topo)
     assert graph.time == pytest.approx(simulate(work, topo, fifo).iteration_s, rel=1e-9)
 
@@ -65,7 +68,9 @@ def _attr_int64(name: str, value: int) -> bytes:  # AttributeProto{name=1, int64
     return _bytes(1, name.encode()) + _uint(9, value)
 
 
-def _node(node_id: int, name: str, node_type: int, duration_us: int = 0, data_deps=(), attrs=()) -> bytes:
+def _node(
+    node_id: int, name: str, node_type: int, duration_us: int = 0, data_deps=(), attrs=()
+) -> bytes:
     body = _uint(1, node_id) + _bytes(2, name.encode()) + _uint(3, node_type)
     if data_deps:  # packed repeated uint64 (proto3 default)
         body += _bytes(5, b"".join(_varint(d) for d in data_deps))
@@ -81,12 +86,25 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
     messages = [
         _bytes(1, b"0.0.4") + _bytes(2, _bytes(1, b"schema") + _bytes(29, b"hand-made")),
         _node(10, "fwd", COMP, 1000),
-        _node(11, "grad_allreduce", COLL, data_deps=[10],
-              attrs=[_attr_int64("comm_type", ALL_REDUCE), _attr_int64("comm_size", MB)]),
+        _node(
+            11,
+            "grad_allreduce",
+            COLL,
+            data_deps=[10],
+            attrs=[_attr_int64("comm_type", ALL_REDUCE), _attr_int64("comm_size", MB)],
+        ),
         _node(12, "other_compute", COMP, 500, data_deps=[10]),
-        _node(13, "gather", COLL, data_deps=[12],
-              attrs=[_attr_int64("comm_type", ALL_GATHER), _attr_int64("comm_size", 2 * MB),
-                     _attr_int64("comm_priority", 5)]),
+        _node(
+            13,
+            "gather",
+            COLL,
+            data_deps=[12],
+            attrs=[
+                _attr_int64("comm_type", ALL_GATHER),
+                _attr_int64("comm_size", 2 * MB),
+                _attr_int64("comm_priority", 5),
+            ],
+        ),
         _node(14, "step", COMP, 250, data_deps=[11, 13]),
     ]
     path = tmp_path / "foreign.0.et"
@@ -97,7 +115,8 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
     topo = parse_topology("2", bandwidths=[float(MB)], latencies=[0.0], kinds=["ring"])
     result = run_graph(nodes, topo)
     # fwd 0..1 ms; the 1 MB all-reduce (1 s at 1 MB/s on 2 ranks) from 1 ms while other_compute
-    # runs 1..1.5 ms; the all-gather to 2 MB (1 MB received: 1 s) waits for the network: 1.001..2.001;
+    # runs 1..1.5 ms; the all-gather to 2 MB (1 MB received: 1 s) waits for the network:
+    # 1.001..2.001;
     # step after both: 2.001 + 0.00025
     assert result.time == pytest.approx(0.001 + 1.0 + 1.0 + 0.00025)
     assert result.compute_s == pytest.approx(0.00175)

@@ -18,9 +18,32 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def test_python_dash_m_collective_json() -> None:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
-        [sys.executable, "-m", "scaleout", "sim", "collective", "--op", "allreduce", "--algorithm", "ring",
-         "--topology", "8", "--bandwidth", "100Gbps", "--latency", "5us", "--size", "64MB", "--json"],
-        capture_output=True, text=True, env=env, timeout=120, check=True).stdout
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "sim",
+            "collective",
+            "--op",
+            "allreduce",
+            "--algorithm",
+            "ring",
+            "--topology",
+            "8",
+            "--bandwidth",
+            "100Gbps",
+            "--latency",
+            "5us",
+            "--size",
+            "64MB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout
     data = json.loads(out)
     # 2 x 7 x (5 us + 8 MB / 12.5 GB/s)
     assert data["time_s"] == pytest.approx(14 * (5e-6 + (64 << 20) / 8 / 12.5e9))
@@ -28,8 +51,23 @@ def test_python_dash_m_collective_json() -> None:
 
 
 def test_collective_themis_and_errors(capsys) -> None:
-    assert main(["sim", "collective", "--topology", "16x16", "--bandwidth", "100GB/s", "--themis",
-                 "--chunks", "16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "collective",
+                "--topology",
+                "16x16",
+                "--bandwidth",
+                "100GB/s",
+                "--themis",
+                "--chunks",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["themis"]["gain"] > 1.0
     assert main(["sim", "collective", "--topology", "8x", "--bandwidth", "1Gbps"]) == 2
@@ -38,11 +76,33 @@ def test_collective_themis_and_errors(capsys) -> None:
 
 def test_run_writes_chrome_and_chakra_and_runs_chakra(tmp_path, capsys) -> None:
     chrome, prefix = tmp_path / "it.json", tmp_path / "rn"
-    assert main(["sim", "run", "--model", "resnet50", "--preset", "goyal-bigbasin", "--nodes", "64",
-                 "--chrome", str(chrome), "--write-chakra", str(prefix), "--ranks", "2"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "run",
+                "--model",
+                "resnet50",
+                "--preset",
+                "goyal-bigbasin",
+                "--nodes",
+                "64",
+                "--chrome",
+                str(chrome),
+                "--write-chakra",
+                str(prefix),
+                "--ranks",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "efficiency" in capsys.readouterr().out
     assert json.loads(chrome.read_text())["traceEvents"]
-    assert main(["sim", "run", "--chakra", f"{prefix}.1.et", "--preset", "goyal-bigbasin", "--json"]) == 0
+    assert (
+        main(["sim", "run", "--chakra", f"{prefix}.1.et", "--preset", "goyal-bigbasin", "--json"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["nodes"] > 100
 
 
@@ -51,11 +111,36 @@ def test_sweep_and_trace_workload(tmp_path, capsys) -> None:
     from scaleout.sim.workload import Layer, Workload
 
     trace = tmp_path / "t.json"
-    write_trace(trace, Workload(name="rec", batch_size=4, layers=(
-        Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20),)))
+    write_trace(
+        trace,
+        Workload(
+            name="rec",
+            batch_size=4,
+            layers=(Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20),),
+        ),
+    )
     out = tmp_path / "sweep.json"
-    assert main(["sim", "sweep", "--trace", str(trace), "--batch", "8", "--topology", "4x8",
-                 "--bandwidth", "10GB/s,10Gbps", "--nodes", "1..32", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "sweep",
+                "--trace",
+                str(trace),
+                "--batch",
+                "8",
+                "--topology",
+                "4x8",
+                "--bandwidth",
+                "10GB/s,10Gbps",
+                "--nodes",
+                "1..32",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     points = json.loads(out.read_text())["points"]
     assert [p["npus"] for p in points] == [1, 2, 4, 8, 16, 32]
     assert points[0]["efficiency"] == pytest.approx(1.0)

@@ -9,7 +9,8 @@ import pytest
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.chrome import chrome_trace
-from scaleout.sim.iteration import CodecModel, IterationConfig, simulate
+from scaleout.sim.config import CodecModel, IterationConfig
+from scaleout.sim.iteration import simulate
 from scaleout.sim.models import DEVICES, MODELS, model, model_workload
 from scaleout.sim.network import parse_topology, preset
 from scaleout.sim.scaling import sweep
@@ -21,9 +22,13 @@ MB = 1 << 20
 
 
 def _two_layers() -> Workload:
-    return Workload(name="toy", layers=(
-        Layer(name="small", forward_s=0.5, backward_s=1.0, grad_bytes=1 * MB),
-        Layer(name="big", forward_s=0.5, backward_s=1.0, grad_bytes=8 * MB)))
+    return Workload(
+        name="toy",
+        layers=(
+            Layer(name="small", forward_s=0.5, backward_s=1.0, grad_bytes=1 * MB),
+            Layer(name="big", forward_s=0.5, backward_s=1.0, grad_bytes=8 * MB),
+        ),
+    )
 
 
 def _link() -> object:
@@ -32,17 +37,34 @@ def _link() -> object:
 
 
 def _comm(result, iteration: int = 0) -> list[tuple[str, float, float]]:
-    return [(s.name, s.start, s.end) for s in result.spans if s.lane == "comm" and s.iteration == iteration]
+    return [
+        (s.name, s.start, s.end)
+        for s in result.spans
+        if s.lane == "comm" and s.iteration == iteration
+    ]
 
 
 def test_priority_preempts_a_big_bucket_at_chunk_boundaries() -> None:
-    sched = SchedulerConfig(policy="priority", bucket_bytes=8 * MB, first_bucket_bytes=8 * MB,
-                            partition_bytes=2 * MB, credit_bytes=2 * MB, urgent_bytes=1 * MB)
-    r = simulate(_two_layers(), _link(), IterationConfig(scheduler=sched, mode="overlap", trace=True))
+    sched = SchedulerConfig(
+        policy="priority",
+        bucket_bytes=8 * MB,
+        first_bucket_bytes=8 * MB,
+        partition_bytes=2 * MB,
+        credit_bytes=2 * MB,
+        urgent_bytes=1 * MB,
+    )
+    r = simulate(
+        _two_layers(), _link(), IterationConfig(scheduler=sched, mode="overlap", trace=True)
+    )
     # forward 0..1, backward big 1..2 -> 4 bulk chunks of 2 MB (2 s each), one in flight (credit);
     # backward small 2..3 -> the urgent 1 MB bucket goes right after the chunk in flight
-    assert _comm(r) == [("bucket0", 2.0, 4.0), ("bucket1", 4.0, 5.0), ("bucket0", 5.0, 7.0),
-                        ("bucket0", 7.0, 9.0), ("bucket0", 9.0, 11.0)]
+    assert _comm(r) == [
+        ("bucket0", 2.0, 4.0),
+        ("bucket1", 4.0, 5.0),
+        ("bucket0", 5.0, 7.0),
+        ("bucket0", 7.0, 9.0),
+        ("bucket0", 9.0, 11.0),
+    ]
     # cross-iteration overlap: the next forward of 'small' waits only for its own bucket (t=5)
     nxt = [s for s in r.spans if s.iteration == 1 and s.name == "forward small"]
     assert nxt[0].start == pytest.approx(5.0)
@@ -70,13 +92,17 @@ def test_codec_shrinks_bytes_and_costs_compute() -> None:
         CodecModel(name="x", ratio=2.0)
 
 
-@pytest.mark.parametrize("policy,mode", [("fifo", "sync"), ("priority", "overlap"), ("fifo", "overlap")])
+@pytest.mark.parametrize(
+    "policy,mode", [("fifo", "sync"), ("priority", "overlap"), ("fifo", "overlap")]
+)
 def test_more_bandwidth_never_slower_more_latency_never_faster(policy: str, mode: str) -> None:
     work = model_workload("resnet50", device=DEVICES["p100"], batch_size=32)
     cfg = IterationConfig(scheduler=SchedulerConfig(policy=policy), mode=mode)
 
     def t(bw: float, lat: str) -> float:
-        topo = parse_topology("8x16", bandwidths=[bw * 8, bw], latencies=[lat, lat], kinds=["ring", "switch"])
+        topo = parse_topology(
+            "8x16", bandwidths=[bw * 8, bw], latencies=[lat, lat], kinds=["ring", "switch"]
+        )
         return simulate(work, topo, cfg).iteration_s
 
     times = [t(bw, "5us") for bw in (1e8, 1e9, 1e10, 1e11)]
@@ -86,8 +112,16 @@ def test_more_bandwidth_never_slower_more_latency_never_faster(policy: str, mode
 
 
 def test_model_table_matches_published_sizes() -> None:
-    assert set(MODELS) >= {"resnet50", "resnet152", "bert_large", "gpt", "dlrm", "vgg16",
-                           "resnet101", "inception_v3"}
+    assert set(MODELS) >= {
+        "resnet50",
+        "resnet152",
+        "bert_large",
+        "gpt",
+        "dlrm",
+        "vgg16",
+        "resnet101",
+        "inception_v3",
+    }
     assert model("resnet50").params == pytest.approx(25.6e6, rel=0.01)
     assert model("vgg16").params == pytest.approx(138.4e6, rel=0.01)
     assert model("bert_large").params == pytest.approx(335e6, rel=0.02)
@@ -104,7 +138,10 @@ def test_trace_workload_round_trip_and_rescaling(tmp_path) -> None:
     back = read_trace(path)
     assert back == work
     faster = back.scaled(batch_size=2, speed=4.0)
-    assert faster.compute_s == pytest.approx(work.compute_s * 2 / 4) and faster.grad_bytes == work.grad_bytes
+    assert (
+        faster.compute_s == pytest.approx(work.compute_s * 2 / 4)
+        and faster.grad_bytes == work.grad_bytes
+    )
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a scaleout trace"):
         read_trace(path)
@@ -113,16 +150,34 @@ def test_trace_workload_round_trip_and_rescaling(tmp_path) -> None:
 def test_chrome_trace_has_a_track_per_rank_and_three_lanes() -> None:
     r = simulate(_two_layers(), _link(), IterationConfig(trace=True))
     doc = chrome_trace(r.spans, ranks=3)
-    names = {(e["pid"], e["args"]["name"]) for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    names = {
+        (e["pid"], e["args"]["name"]) for e in doc["traceEvents"] if e["name"] == "thread_name"
+    }
     assert names == {(p, lane) for p in range(3) for lane in ("compute", "comm", "wait")}
     assert {e["cat"] for e in doc["traceEvents"] if e["ph"] == "X"} == {"compute", "comm", "wait"}
 
 
 def test_validation_fails_above_its_bound() -> None:
-    good = Scenario(name="a", group="published", measured=90.0, unit="%", bound=3.0, source="s",
-                    assumptions="none", predict=lambda: 92.0)
-    bad = Scenario(name="b", group="testbed", measured=100.0, unit="ms", bound=0.15, source="s",
-                   assumptions="none", predict=lambda: 120.0)
+    good = Scenario(
+        name="a",
+        group="published",
+        measured=90.0,
+        unit="%",
+        bound=3.0,
+        source="s",
+        assumptions="none",
+        predict=lambda: 92.0,
+    )
+    bad = Scenario(
+        name="b",
+        group="testbed",
+        measured=100.0,
+        unit="ms",
+        bound=0.15,
+        source="s",
+        assumptions="none",
+        predict=lambda: 120.0,
+    )
     assert validate([good]).ok
     report = validate([good, bad])
     assert not report.ok and [o.ok for o in report.outcomes] == [True, False]

@@ -1,4 +1,4 @@
-"""Simulator building blocks: event core, units, topologies, collectives (golden, by hand), Themis."""
+"""Simulator building blocks: event core, units, topologies, collectives (golden), Themis."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def test_units() -> None:
 
 
 def test_topology_parsing_coordinates_and_hops() -> None:
-    topo = parse_topology("4x3", bandwidths=["1GB/s", "100Mbps"], latencies="1us",
-                          kinds=["ring", "switch"])
+    topo = parse_topology(
+        "4x3", bandwidths=["1GB/s", "100Mbps"], latencies="1us", kinds=["ring", "switch"]
+    )
     assert topo.npus == 12 and topo.coords(5) == (1, 1)
     # 0 -> 2 differ on dim 0 (a ring of 4, 2 hops either way); 0 -> 4 on dim 1 (switch, 2 hops)
     assert topo.message_time(0, 2, 0) == pytest.approx(2e-6)
@@ -66,30 +67,49 @@ def test_ring_allreduce_golden() -> None:
 def test_halving_doubling_golden() -> None:
     # p=8 on a switch (2 hops): per half 3 x 2 x 1 + (4 + 2 + 1) = 13; all-reduce 26
     # = 2 lg p (2a) + 2 (p-1)/p n / B of Thakur, Rabenseifner & Gropp
-    cost = collective_cost(_one(8, "switch", 1.0), op="allreduce", algorithm="halving_doubling", nbytes=8)
+    cost = collective_cost(
+        _one(8, "switch", 1.0), op="allreduce", algorithm="halving_doubling", nbytes=8
+    )
     assert cost.time == pytest.approx(26.0)
     # p=3: fold one rank in (a full 6-byte exchange), halve over 2, per half: 6 + 3 = 9
-    assert phase_time(Dimension(kind="fully_connected", npus=3, bandwidth=1.0, latency=0.0),
-                      "reduce_scatter", "halving_doubling", 6)[0] == pytest.approx(9.0)
+    assert phase_time(
+        Dimension(kind="fully_connected", npus=3, bandwidth=1.0, latency=0.0),
+        "reduce_scatter",
+        "halving_doubling",
+        6,
+    )[0] == pytest.approx(9.0)
 
 
 def test_double_binary_tree_and_direct_golden() -> None:
-    tree = collective_cost(_one(8, "ring", 1.0), op="allreduce", algorithm="double_binary_tree", nbytes=8)
+    tree = collective_cost(
+        _one(8, "ring", 1.0), op="allreduce", algorithm="double_binary_tree", nbytes=8
+    )
     assert tree.time == pytest.approx(2 * 3 * 1.0 + 2 * 8)
     # direct on a fully connected group: one round of n/p per peer, in parallel, twice
-    direct = collective_cost(_one(4, "fully_connected", 1.0), op="allreduce", algorithm="direct", nbytes=8)
+    direct = collective_cost(
+        _one(4, "fully_connected", 1.0), op="allreduce", algorithm="direct", nbytes=8
+    )
     assert direct.time == pytest.approx(2 * (1.0 + 2.0))
     with pytest.raises(ValueError, match="double_binary_tree"):
-        phase_time(Dimension(kind="ring", npus=4, bandwidth=1.0, latency=0.0), "alltoall",
-                   "double_binary_tree", 8)
+        phase_time(
+            Dimension(kind="ring", npus=4, bandwidth=1.0, latency=0.0),
+            "alltoall",
+            "double_binary_tree",
+            8,
+        )
 
 
 def test_hierarchical_allreduce_timeline_golden() -> None:
-    topo = parse_topology("2x4", bandwidths=[2.0, 1.0], latencies=[0.0, 0.0], kinds=["ring", "ring"])
+    topo = parse_topology(
+        "2x4", bandwidths=[2.0, 1.0], latencies=[0.0, 0.0], kinds=["ring", "ring"]
+    )
     cost = collective_cost(topo, op="allreduce", algorithm="ring", nbytes=16)
     # RS on dim 0: 1 step of 8 bytes at 2 B/s = 4; all-reduce of 8 on dim 1: 6 x 2 = 12; AG 4
     assert [(p.dim, p.op, p.start, p.end) for p in cost.phases] == [
-        (0, "reduce_scatter", 0.0, 4.0), (1, "allreduce", 4.0, 16.0), (0, "allgather", 16.0, 20.0)]
+        (0, "reduce_scatter", 0.0, 4.0),
+        (1, "allreduce", 4.0, 16.0),
+        (0, "allgather", 16.0, 20.0),
+    ]
     flat = collective_cost(topo, op="allreduce", algorithm="ring", nbytes=16, flat=True)
     assert flat.time == pytest.approx(2 * 7 * 16 / 8 / 1.0)  # one ring of 8 at the slow speed
 
@@ -109,10 +129,34 @@ def test_themis_balances_dimensions() -> None:
 @pytest.mark.parametrize("algorithm", ["ring", "direct", "halving_doubling", "double_binary_tree"])
 def test_collectives_monotone_in_bandwidth_latency_and_size(algorithm: str) -> None:
     def t(bw: float, lat: float, n: float) -> float:
-        topo = parse_topology("8x16", bandwidths=[bw * 4, bw], latencies=[lat, lat], kinds=["ring", "switch"])
+        topo = parse_topology(
+            "8x16", bandwidths=[bw * 4, bw], latencies=[lat, lat], kinds=["ring", "switch"]
+        )
         return collective_cost(topo, op="allreduce", algorithm=algorithm, nbytes=n).time
 
     for n in (1e3, 1e6, 1e9):
         assert t(2e9, 1e-6, n) <= t(1e9, 1e-6, n)
         assert t(1e9, 2e-6, n) >= t(1e9, 1e-6, n)
         assert t(1e9, 1e-6, 2 * n) >= t(1e9, 1e-6, n)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+    import importlib
+
+    for name in (
+        "units",
+        "events",
+        "network",
+        "collectives",
+        "themis",
+        "workload",
+        "models",
+        "iteration",
+        "trace",
+        "chrome",
+        "scaling",
+    ):
+        module = importlib.import_module(f"scaleout.sim.{name}")
+        failed, _ = doctest.testmod(module)
+        assert failed == 0, name

@@ -6,16 +6,36 @@ own plans and policies (:mod:`scaleout.scheduler`). See docs/simulator.md.
 """
 
 from scaleout.sim.collectives import ALGORITHMS, OPS, CollectiveCost, collective_cost
+from scaleout.sim.config import CodecModel, IterationConfig
 from scaleout.sim.events import EventQueue
-from scaleout.sim.iteration import CodecModel, IterationConfig, IterationResult, simulate
+from scaleout.sim.iteration import IterationResult, simulate
 from scaleout.sim.models import DEVICES, MODELS, Device, model, model_workload
 from scaleout.sim.network import PRESETS, Dimension, Topology, parse_topology, preset
 from scaleout.sim.themis import pipelined_allreduce, themis_gain
 from scaleout.sim.workload import Layer, Workload
 
 __all__ = [
-    "ALGORITHMS", "OPS", "CollectiveCost", "collective_cost", "EventQueue", "CodecModel",
-    "IterationConfig", "IterationResult", "simulate", "DEVICES", "MODELS", "Device", "model",
-    "model_workload", "PRESETS", "Dimension", "Topology", "parse_topology", "preset",
-    "pipelined_allreduce", "themis_gain", "Layer", "Workload",
+    "ALGORITHMS",
+    "OPS",
+    "CollectiveCost",
+    "collective_cost",
+    "EventQueue",
+    "CodecModel",
+    "IterationConfig",
+    "IterationResult",
+    "simulate",
+    "DEVICES",
+    "MODELS",
+    "Device",
+    "model",
+    "model_workload",
+    "PRESETS",
+    "Dimension",
+    "Topology",
+    "parse_topology",
+    "preset",
+    "pipelined_allreduce",
+    "themis_gain",
+    "Layer",
+    "Workload",
 ]

@@ -24,19 +24,57 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NODE_TYPES", "COMM_TYPES", "ChakraSchema", "load_schema", "read_et", "write_et",
-           "attributes", "make_attr", "et_path"]
+__all__ = [
+    "NODE_TYPES",
+    "COMM_TYPES",
+    "ChakraSchema",
+    "load_schema",
+    "read_et",
+    "write_et",
+    "attributes",
+    "make_attr",
+    "et_path",
+]
 
-NODE_TYPES = ("INVALID_NODE", "METADATA_NODE", "MEM_LOAD_NODE", "MEM_STORE_NODE", "COMP_NODE",
-              "COMM_SEND_NODE", "COMM_RECV_NODE", "COMM_COLL_NODE")
-COMM_TYPES = ("ALL_REDUCE", "REDUCE", "ALL_GATHER", "GATHER", "SCATTER", "BROADCAST", "ALL_TO_ALL",
-              "REDUCE_SCATTER", "REDUCE_SCATTER_BLOCK", "BARRIER")
-_SCALARS = (("double", "TYPE_DOUBLE"), ("float", "TYPE_FLOAT"), ("int32", "TYPE_INT32"),
-            ("int64", "TYPE_INT64"), ("uint32", "TYPE_UINT32"), ("uint64", "TYPE_UINT64"),
-            ("sint32", "TYPE_SINT32"), ("sint64", "TYPE_SINT64"), ("fixed32", "TYPE_FIXED32"),
-            ("fixed64", "TYPE_FIXED64"), ("sfixed32", "TYPE_SFIXED32"),
-            ("sfixed64", "TYPE_SFIXED64"), ("bool", "TYPE_BOOL"), ("string", "TYPE_STRING"),
-            ("bytes", "TYPE_BYTES"))
+NODE_TYPES = (
+    "INVALID_NODE",
+    "METADATA_NODE",
+    "MEM_LOAD_NODE",
+    "MEM_STORE_NODE",
+    "COMP_NODE",
+    "COMM_SEND_NODE",
+    "COMM_RECV_NODE",
+    "COMM_COLL_NODE",
+)
+COMM_TYPES = (
+    "ALL_REDUCE",
+    "REDUCE",
+    "ALL_GATHER",
+    "GATHER",
+    "SCATTER",
+    "BROADCAST",
+    "ALL_TO_ALL",
+    "REDUCE_SCATTER",
+    "REDUCE_SCATTER_BLOCK",
+    "BARRIER",
+)
+_SCALARS = (
+    ("double", "TYPE_DOUBLE"),
+    ("float", "TYPE_FLOAT"),
+    ("int32", "TYPE_INT32"),
+    ("int64", "TYPE_INT64"),
+    ("uint32", "TYPE_UINT32"),
+    ("uint64", "TYPE_UINT64"),
+    ("sint32", "TYPE_SINT32"),
+    ("sint64", "TYPE_SINT64"),
+    ("fixed32", "TYPE_FIXED32"),
+    ("fixed64", "TYPE_FIXED64"),
+    ("sfixed32", "TYPE_SFIXED32"),
+    ("sfixed64", "TYPE_SFIXED64"),
+    ("bool", "TYPE_BOOL"),
+    ("string", "TYPE_STRING"),
+    ("bytes", "TYPE_BYTES"),
+)
 
 
 @dataclass(frozen=True)
@@ -63,41 +101,61 @@ def _file_descriptor() -> Any:
         if oneof:
             msg.oneof_decl.add(name=oneof)
         for fname, number, ftype, label, type_name, in_oneof in fields:
-            f = msg.field.add(name=fname, number=number, type=getattr(F, ftype),
-                              label=getattr(F, label))
+            f = msg.field.add(
+                name=fname, number=number, type=getattr(F, ftype), label=getattr(F, label)
+            )
             if type_name:
                 f.type_name = f".ChakraProtoMsg.{type_name}"
             if in_oneof:
                 f.oneof_index = 0
 
-    attr_fields = [("name", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
-                   ("doc_string", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False)]
+    attr_fields = [
+        ("name", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+        ("doc_string", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+    ]
     for n, (scalar, ftype) in enumerate(_SCALARS):
         list_name = scalar.capitalize() + "List"
         attr_fields.append((f"{scalar}_val", 3 + 2 * n, ftype, "LABEL_OPTIONAL", None, True))
-        attr_fields.append((f"{scalar}_list", 4 + 2 * n, "TYPE_MESSAGE", "LABEL_OPTIONAL", list_name, True))
+        attr_fields.append(
+            (f"{scalar}_list", 4 + 2 * n, "TYPE_MESSAGE", "LABEL_OPTIONAL", list_name, True)
+        )
     message("AttributeProto", attr_fields, oneof="value")
     for scalar, ftype in _SCALARS:
         message(scalar.capitalize() + "List", [("values", 1, ftype, "LABEL_REPEATED", None, False)])
-    message("GlobalMetadata", [("version", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
-                               ("attr", 2, "TYPE_MESSAGE", "LABEL_REPEATED", "AttributeProto", False)])
+    message(
+        "GlobalMetadata",
+        [
+            ("version", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+            ("attr", 2, "TYPE_MESSAGE", "LABEL_REPEATED", "AttributeProto", False),
+        ],
+    )
     for enum_name, values in (("NodeType", NODE_TYPES), ("CollectiveCommType", COMM_TYPES)):
         enum = fdp.enum_type.add(name=enum_name)
         for number, value in enumerate(values):
             enum.value.add(name=value, number=number)
-    message("Node", [("id", 1, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
-                     ("name", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
-                     ("type", 3, "TYPE_ENUM", "LABEL_OPTIONAL", "NodeType", False),
-                     ("ctrl_deps", 4, "TYPE_UINT64", "LABEL_REPEATED", None, False),
-                     ("data_deps", 5, "TYPE_UINT64", "LABEL_REPEATED", None, False),
-                     ("start_time_micros", 6, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
-                     ("duration_micros", 7, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
-                     ("inputs", 8, "TYPE_MESSAGE", "LABEL_OPTIONAL", "IOInfo", False),
-                     ("outputs", 9, "TYPE_MESSAGE", "LABEL_OPTIONAL", "IOInfo", False),
-                     ("attr", 10, "TYPE_MESSAGE", "LABEL_REPEATED", "AttributeProto", False)])
-    message("IOInfo", [("values", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
-                       ("shapes", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
-                       ("types", 3, "TYPE_STRING", "LABEL_OPTIONAL", None, False)])
+    message(
+        "Node",
+        [
+            ("id", 1, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
+            ("name", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+            ("type", 3, "TYPE_ENUM", "LABEL_OPTIONAL", "NodeType", False),
+            ("ctrl_deps", 4, "TYPE_UINT64", "LABEL_REPEATED", None, False),
+            ("data_deps", 5, "TYPE_UINT64", "LABEL_REPEATED", None, False),
+            ("start_time_micros", 6, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
+            ("duration_micros", 7, "TYPE_UINT64", "LABEL_OPTIONAL", None, False),
+            ("inputs", 8, "TYPE_MESSAGE", "LABEL_OPTIONAL", "IOInfo", False),
+            ("outputs", 9, "TYPE_MESSAGE", "LABEL_OPTIONAL", "IOInfo", False),
+            ("attr", 10, "TYPE_MESSAGE", "LABEL_REPEATED", "AttributeProto", False),
+        ],
+    )
+    message(
+        "IOInfo",
+        [
+            ("values", 1, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+            ("shapes", 2, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+            ("types", 3, "TYPE_STRING", "LABEL_OPTIONAL", None, False),
+        ],
+    )
     # Node refers to IOInfo declared after it: fine in a descriptor (names resolve per file).
     return fdp
 
@@ -112,8 +170,9 @@ def load_schema() -> ChakraSchema:
     try:
         from google.protobuf import descriptor_pool, message_factory
     except ImportError as err:
-        raise ImportError("Chakra traces need the 'protobuf' package: "
-                          "pip install 'scaleout[chakra]'") from err
+        raise ImportError(
+            "Chakra traces need the 'protobuf' package: pip install 'scaleout[chakra]'"
+        ) from err
     pool = descriptor_pool.DescriptorPool()
     pool.Add(_file_descriptor())
 
@@ -123,15 +182,20 @@ def load_schema() -> ChakraSchema:
     from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
     return ChakraSchema(
-        GlobalMetadata=cls("GlobalMetadata"), Node=cls("Node"), AttributeProto=cls("AttributeProto"),
+        GlobalMetadata=cls("GlobalMetadata"),
+        Node=cls("Node"),
+        AttributeProto=cls("AttributeProto"),
         IOInfo=cls("IOInfo"),
         NodeType=EnumTypeWrapper(pool.FindEnumTypeByName("ChakraProtoMsg.NodeType")),
-        CollectiveCommType=EnumTypeWrapper(pool.FindEnumTypeByName("ChakraProtoMsg.CollectiveCommType")),
-        lists={s: cls(s.capitalize() + "List") for s, _ in _SCALARS})
+        CollectiveCommType=EnumTypeWrapper(
+            pool.FindEnumTypeByName("ChakraProtoMsg.CollectiveCommType")
+        ),
+        lists={s: cls(s.capitalize() + "List") for s, _ in _SCALARS},
+    )
 
 
 def make_attr(name: str, value: object) -> Any:
-    """An ``AttributeProto``: bool -> bool_val, int -> int64_val, float -> double_val, str -> string_val.
+    """An ``AttributeProto``: bool, int, float, str -> bool_val, int64_val, double_val, string_val.
 
     Raises:
         TypeError: another type of value.
@@ -145,7 +209,9 @@ def make_attr(name: str, value: object) -> Any:
         return schema.AttributeProto(name=name, double_val=value)
     if isinstance(value, str):
         return schema.AttributeProto(name=name, string_val=value)
-    raise TypeError(f"attribute {name!r}: expected bool, int, float or str, got {type(value).__name__}")
+    raise TypeError(
+        f"attribute {name!r}: expected bool, int, float or str, got {type(value).__name__}"
+    )
 
 
 def attributes(node: Any) -> dict[str, Any]:
@@ -185,7 +251,7 @@ def _messages(data: bytes, path: str) -> Iterator[bytes]:
                 break
         if pos + size > len(data):
             raise ValueError(f"{path}: message of {size} bytes at byte {pos} runs past the end")
-        yield data[pos:pos + size]
+        yield data[pos : pos + size]
         pos += size
 
 

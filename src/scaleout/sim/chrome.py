@@ -35,25 +35,43 @@ def chrome_trace(spans: Iterable[Span], *, ranks: int = 1, metadata: dict | None
     spans = list(spans)
     events: list[dict] = []
     for rank in range(ranks):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
-                       "args": {"name": f"rank {rank}"}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "tid": 0,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
         for tid, lane in enumerate(LANES):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                           "args": {"name": lane}})
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}}
+            )
         for span in spans:
             if span.lane not in LANES:
                 raise ValueError(f"span lane must be one of {LANES}, got {span.lane!r}")
-            events.append({"ph": "X", "name": span.name, "cat": span.lane, "pid": rank,
-                           "tid": LANES.index(span.lane), "ts": span.start * 1e6,
-                           "dur": (span.end - span.start) * 1e6, "args": {"iteration": span.iteration}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": span.name,
+                    "cat": span.lane,
+                    "pid": rank,
+                    "tid": LANES.index(span.lane),
+                    "ts": span.start * 1e6,
+                    "dur": (span.end - span.start) * 1e6,
+                    "args": {"iteration": span.iteration},
+                }
+            )
     doc = {"traceEvents": events, "displayTimeUnit": "ms"}
     if metadata:
         doc["otherData"] = metadata
     return doc
 
 
-def write_chrome_trace(path: str | os.PathLike, spans: Iterable[Span], *, ranks: int = 1,
-                       metadata: dict | None = None) -> None:
+def write_chrome_trace(
+    path: str | os.PathLike, spans: Iterable[Span], *, ranks: int = 1, metadata: dict | None = None
+) -> None:
     """Write :func:`chrome_trace` to ``path``."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(chrome_trace(spans, ranks=ranks, metadata=metadata), f)

@@ -20,8 +20,9 @@ double_binary_tree     all-reduce ``2 ceil(lg p) h a + 2 n/B`` (NCCL's pipelined
 On several dimensions the collective is hierarchical (ASTRA-sim's localBWAware): an
 all-reduce reduce-scatters up dimensions 0..N-2, all-reduces the 1/prod-sized piece on
 dimension N-1, then all-gathers back down (a tree's inner reduce-scatter / all-gather
-phases run as rings, as NCCL's tree algorithm chains the GPUs of a node); ``flat=True`` instead runs one ring over every NPU
-at the slowest dimension's speed (what a framework that ignores the hierarchy does).
+phases run as rings, as NCCL's tree algorithm chains the GPUs of a node); ``flat=True``
+instead runs one ring over every NPU at the slowest dimension's speed (what a framework that
+ignores the hierarchy does).
 
 Example:
     >>> from scaleout.sim.network import parse_topology
@@ -42,9 +43,13 @@ __all__ = ["OPS", "ALGORITHMS", "Phase", "CollectiveCost", "phase_time", "collec
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 ALGORITHMS = ("ring", "direct", "halving_doubling", "double_binary_tree")
-_BUS_FACTOR = {"allreduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-               "allgather": lambda p: (p - 1) / p, "alltoall": lambda p: (p - 1) / p,
-               "broadcast": lambda p: 1.0}
+_BUS_FACTOR = {
+    "allreduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "allgather": lambda p: (p - 1) / p,
+    "alltoall": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -196,8 +201,14 @@ def _algorithms(algorithm: str | Sequence[str], count: int) -> list[str]:
     return names
 
 
-def collective_cost(topology: Topology, *, op: str, algorithm: str | Sequence[str],
-                    nbytes: float, flat: bool = False) -> CollectiveCost:
+def collective_cost(
+    topology: Topology,
+    *,
+    op: str,
+    algorithm: str | Sequence[str],
+    nbytes: float,
+    flat: bool = False,
+) -> CollectiveCost:
     """Price one collective over every NPU of ``topology``.
 
     Args:
@@ -231,7 +242,11 @@ def collective_cost(topology: Topology, *, op: str, algorithm: str | Sequence[st
         for i in active[:-1]:
             up.append((i, "reduce_scatter", size))
             size /= dims[i].npus
-        plan = up + [(active[-1], "allreduce", size)] + [(i, "allgather", s) for i, _, s in reversed(up)]
+        plan = (
+            up
+            + [(active[-1], "allreduce", size)]
+            + [(i, "allgather", s) for i, _, s in reversed(up)]
+        )
     elif op == "reduce_scatter":
         for i in active:
             plan.append((i, op, size))
@@ -255,24 +270,46 @@ def collective_cost(topology: Topology, *, op: str, algorithm: str | Sequence[st
         phases.append(Phase(dim=i, op=phase_op, start=clock, end=clock + t, nbytes=size, sent=sent))
         busy[i] += sent / dims[i].bandwidth
         clock += t
-    return CollectiveCost(op=op, algorithm="+".join(dict.fromkeys(algos)), nbytes=float(nbytes),
-                          npus=topology.npus, time=clock, phases=tuple(phases),
-                          link_busy=tuple(busy))
+    return CollectiveCost(
+        op=op,
+        algorithm="+".join(dict.fromkeys(algos)),
+        nbytes=float(nbytes),
+        npus=topology.npus,
+        time=clock,
+        phases=tuple(phases),
+        link_busy=tuple(busy),
+    )
 
 
-def _flat(topology: Topology, op: str, algos: list[str], nbytes: float,
-          busy: list[float]) -> CollectiveCost:
+def _flat(
+    topology: Topology, op: str, algos: list[str], nbytes: float, busy: list[float]
+) -> CollectiveCost:
     if set(algos) != {"ring"}:
-        raise ValueError(f"flat=True prices one ring over all NPUs; algorithm must be 'ring', got {algos}")
+        raise ValueError(
+            f"flat=True prices one ring over all NPUs; algorithm must be 'ring', got {algos}"
+        )
     active = [d for d in topology.dims if d.npus > 1] or list(topology.dims)
     slowest = min(active, key=lambda d: d.bandwidth)
-    ring = Dimension(kind="ring", npus=topology.npus, bandwidth=slowest.bandwidth,
-                     latency=max(d.latency for d in active) * max(d.hops(1) for d in active))
+    ring = Dimension(
+        kind="ring",
+        npus=topology.npus,
+        bandwidth=slowest.bandwidth,
+        latency=max(d.latency for d in active) * max(d.hops(1) for d in active),
+    )
     t, sent = phase_time(ring, op, "ring", nbytes)
     for i, dim in enumerate(topology.dims):
         if dim.npus > 1:
             busy[i] = sent / dim.bandwidth
-    return CollectiveCost(op=op, algorithm="flat-ring", nbytes=nbytes, npus=topology.npus, time=t,
-                          phases=(Phase(dim=topology.dims.index(slowest), op=op, start=0.0, end=t,
-                                        nbytes=nbytes, sent=sent),),
-                          link_busy=tuple(busy))
+    return CollectiveCost(
+        op=op,
+        algorithm="flat-ring",
+        nbytes=nbytes,
+        npus=topology.npus,
+        time=t,
+        phases=(
+            Phase(
+                dim=topology.dims.index(slowest), op=op, start=0.0, end=t, nbytes=nbytes, sent=sent
+            ),
+        ),
+        link_busy=tuple(busy),
+    )

@@ -24,19 +24,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scaleout.scheduler.plan import PlanItem, build_plan
 from scaleout.sim.chakra import attributes, load_schema, make_attr
 from scaleout.sim.collectives import collective_cost
+from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
-from scaleout.sim.iteration import IterationConfig, Span
+from scaleout.sim.iteration import Span
 from scaleout.sim.network import Topology
 from scaleout.sim.workload import Workload
-from scaleout.scheduler.plan import PlanItem, build_plan
 
 __all__ = ["GraphResult", "chakra_nodes", "run_graph"]
 
-_COLL_OPS = {"ALL_REDUCE": "allreduce", "ALL_GATHER": "allgather", "REDUCE_SCATTER": "reduce_scatter",
-             "BROADCAST": "broadcast", "ALL_TO_ALL": "alltoall", "REDUCE": "reduce_scatter",
-             "GATHER": "allgather", "SCATTER": "reduce_scatter", "REDUCE_SCATTER_BLOCK": "reduce_scatter"}
+_COLL_OPS = {
+    "ALL_REDUCE": "allreduce",
+    "ALL_GATHER": "allgather",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "BROADCAST": "broadcast",
+    "ALL_TO_ALL": "alltoall",
+    "REDUCE": "reduce_scatter",
+    "GATHER": "allgather",
+    "SCATTER": "reduce_scatter",
+    "REDUCE_SCATTER_BLOCK": "reduce_scatter",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,10 +66,22 @@ def chakra_nodes(workload: Workload, config: IterationConfig | None = None) -> l
     comp, coll = schema.NodeType.Value("COMP_NODE"), schema.NodeType.Value("COMM_COLL_NODE")
     nodes: list[Any] = []
 
-    def add(name: str, kind: int, seconds: float, data: Sequence[int], ctrl: Sequence[int] = (),
-            **attrs: object) -> int:
-        node = schema.Node(id=len(nodes), name=name, type=kind, data_deps=list(data),
-                           ctrl_deps=list(ctrl), duration_micros=int(round(seconds * 1e6)))
+    def add(
+        name: str,
+        kind: int,
+        seconds: float,
+        data: Sequence[int],
+        ctrl: Sequence[int] = (),
+        **attrs: object,
+    ) -> int:
+        node = schema.Node(
+            id=len(nodes),
+            name=name,
+            type=kind,
+            data_deps=list(data),
+            ctrl_deps=list(ctrl),
+            duration_micros=int(round(seconds * 1e6)),
+        )
         node.attr.append(make_attr("duration_s", float(seconds)))
         for key, value in attrs.items():
             node.attr.append(make_attr(key, value))
@@ -69,24 +90,46 @@ def chakra_nodes(workload: Workload, config: IterationConfig | None = None) -> l
 
     layers = workload.layers
     fwd = []
-    for i, layer in enumerate(layers):
+    for layer in layers:
         fwd.append(add(f"forward {layer.name}", comp, layer.forward_s, fwd[-1:]))
     bwd: dict[int, int] = {}
     previous = fwd[-1]
     for i in reversed(range(len(layers))):
-        previous = bwd[i] = add(f"backward {layers[i].name}", comp, layers[i].backward_s, [previous])
-    items = [PlanItem(key=i, numel=l.grad_bytes, dtype="bytes", elem_bytes=1, position=i,
-                      codec=config.codec.name) for i, l in enumerate(layers) if l.grad_bytes]
+        previous = bwd[i] = add(
+            f"backward {layers[i].name}", comp, layers[i].backward_s, [previous]
+        )
+    items = [
+        PlanItem(
+            key=i,
+            numel=lay.grad_bytes,
+            dtype="bytes",
+            elem_bytes=1,
+            position=i,
+            codec=config.codec.name,
+        )
+        for i, lay in enumerate(layers)
+        if lay.grad_bytes
+    ]
     comms: list[int] = []
     codec = config.codec
     comm_type = schema.CollectiveCommType.Value("ALL_REDUCE" if codec.summable else "ALL_GATHER")
     lanes = config.scheduler.lanes
     for plan in build_plan(items, config.scheduler) if items else []:
         wire = int(round(plan.nbytes * codec.ratio))
-        comms.append(add(f"bucket{plan.index}", coll, 0.0, [bwd[min(plan.keys)]], comms[-1:],
-                         comm_type=comm_type, comm_size=wire, comm_priority=lanes - 1 - plan.lane,
-                         codec_s=plan.nbytes * codec.seconds_per_byte))
-    updates = sum(l.update_s for l in layers if l.grad_bytes)
+        comms.append(
+            add(
+                f"bucket{plan.index}",
+                coll,
+                0.0,
+                [bwd[min(plan.keys)]],
+                comms[-1:],
+                comm_type=comm_type,
+                comm_size=wire,
+                comm_priority=lanes - 1 - plan.lane,
+                codec_s=plan.nbytes * codec.seconds_per_byte,
+            )
+        )
+    updates = sum(lay.update_s for lay in layers if lay.grad_bytes)
     add("update", comp, updates, [bwd[0], *comms])
     return nodes
 
@@ -95,8 +138,13 @@ def _seconds(node: Any, attrs: dict) -> float:
     return float(attrs.get("duration_s", node.duration_micros * 1e-6))
 
 
-def run_graph(nodes: Sequence[Any], topology: Topology, *, algorithm: str | tuple[str, ...] = "ring",
-              flat: bool = False) -> GraphResult:
+def run_graph(
+    nodes: Sequence[Any],
+    topology: Topology,
+    *,
+    algorithm: str | tuple[str, ...] = "ring",
+    flat: bool = False,
+) -> GraphResult:
     """Execute one rank's Chakra nodes on ``topology``.
 
     Raises:
@@ -112,7 +160,9 @@ def run_graph(nodes: Sequence[Any], topology: Topology, *, algorithm: str | tupl
         deps = set(node.data_deps) | set(node.ctrl_deps)
         missing = deps - by_id.keys()
         if missing:
-            raise ValueError(f"node {node.id} ({node.name!r}) depends on missing nodes {sorted(missing)}")
+            raise ValueError(
+                f"node {node.id} ({node.name!r}) depends on missing nodes {sorted(missing)}"
+            )
         waiting_on[node.id] = len(deps)
         for dep in deps:
             children[dep].append(node.id)
@@ -128,11 +178,15 @@ def run_graph(nodes: Sequence[Any], topology: Topology, *, algorithm: str | tupl
         if kind == "COMM_COLL_NODE":
             ctype = schema.CollectiveCommType.Name(int(attrs.get("comm_type", 0)))
             if ctype == "BARRIER":
-                return "comm", collective_cost(topology, op="allreduce", algorithm=algorithm, nbytes=0).time
+                return "comm", collective_cost(
+                    topology, op="allreduce", algorithm=algorithm, nbytes=0
+                ).time
             if ctype not in _COLL_OPS:
                 raise ValueError(f"node {node.id}: collective type {ctype} is not priced")
             size = float(attrs.get("comm_size", 0))
-            price = collective_cost(topology, op=_COLL_OPS[ctype], algorithm=algorithm, nbytes=size, flat=flat)
+            price = collective_cost(
+                topology, op=_COLL_OPS[ctype], algorithm=algorithm, nbytes=size, flat=flat
+            )
             return "comm", price.time + float(attrs.get("codec_s", 0.0))
         if kind in ("COMM_SEND_NODE", "COMM_RECV_NODE"):
             return "comm", topology.dims[-1].message_time(float(attrs.get("comm_size", 0)))
@@ -178,6 +232,13 @@ def run_graph(nodes: Sequence[Any], topology: Topology, *, algorithm: str | tupl
             release(node_id)
     end = q.run()
     if finished[0] != len(nodes):
-        raise ValueError(f"{len(nodes) - finished[0]} Chakra nodes never ran: the dependencies form a cycle")
-    return GraphResult(time=end, compute_s=totals["compute"], comm_s=totals["comm"], nodes=len(nodes),
-                       spans=tuple(spans))
+        raise ValueError(
+            f"{len(nodes) - finished[0]} Chakra nodes never ran: the dependencies form a cycle"
+        )
+    return GraphResult(
+        time=end,
+        compute_s=totals["compute"],
+        comm_s=totals["comm"],
+        nodes=len(nodes),
+        spans=tuple(spans),
+    )

@@ -28,79 +28,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from scaleout.scheduler.config import SchedulerConfig
 from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan
 from scaleout.scheduler.policy import LaneState, make_policy
-from scaleout.sim.collectives import ALGORITHMS, CollectiveCost, collective_cost
+from scaleout.sim.collectives import CollectiveCost, collective_cost
+from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
 from scaleout.sim.network import Topology
 from scaleout.sim.workload import Workload
 
-__all__ = ["MODES", "CodecModel", "IterationConfig", "Span", "IterationResult", "simulate"]
-
-MODES = ("sync", "overlap")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CodecModel:
-    """A codec as the simulator sees it: how much it shrinks and what it costs.
-
-    Attributes:
-        name: ``""`` for exact gradients (then ``ratio`` must be 1).
-        ratio: wire bytes / gradient bytes.
-        seconds_per_byte: encode + decode compute per gradient byte (measured, e.g.
-            docs/compression.md).
-        summable: payloads add on the wire (all-reduce); else they are all-gathered.
-    """
-
-    name: str = ""
-    ratio: float = 1.0
-    seconds_per_byte: float = 0.0
-    summable: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
-            raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
-        if not isinstance(self.seconds_per_byte, (int, float)) or self.seconds_per_byte < 0:
-            raise ValueError(f"codec seconds_per_byte must be >= 0, got {self.seconds_per_byte!r}")
-        if not self.name and (self.ratio != 1 or self.seconds_per_byte or not self.summable):
-            raise ValueError("an exact codec (name '') has ratio 1, no cost and is summable")
-
-
-@dataclass(frozen=True, kw_only=True)
-class IterationConfig:
-    """How the iteration is run.
-
-    Attributes:
-        scheduler: the runtime's scheduling options (policy, buckets, chunks, credit).
-        mode: ``"overlap"`` (scaleout's cross-iteration overlap) or ``"sync"`` (DDP).
-        algorithm: collective algorithm, or one per dimension.
-        flat: one ring over all NPUs instead of the hierarchical decomposition.
-        codec: the codec's byte ratio and cost.
-        iterations: simulated back to back (>= 3); the steady state is reported.
-        trace: keep every span for a Chrome trace.
-    """
-
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    mode: str = "overlap"
-    algorithm: str | tuple[str, ...] = "ring"
-    flat: bool = False
-    codec: CodecModel = field(default_factory=CodecModel)
-    iterations: int = 3
-    trace: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.scheduler, SchedulerConfig):
-            raise TypeError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        names = (self.algorithm,) if isinstance(self.algorithm, str) else tuple(self.algorithm)
-        if not names or any(a not in ALGORITHMS for a in names):
-            raise ValueError(f"algorithm must be from {ALGORITHMS}, got {self.algorithm!r}")
-        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 3:
-            raise ValueError(f"iterations must be an int >= 3, got {self.iterations!r}")
+__all__ = ["Span", "IterationResult", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -144,9 +82,20 @@ class IterationResult:
     spans: tuple[Span, ...] = ()
 
     def as_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("workload", "npus", "iteration_s", "compute_s",
-                                                  "exposed_s", "comm_s", "efficiency", "buckets",
-                                                  "chunks")}
+        out = {
+            k: getattr(self, k)
+            for k in (
+                "workload",
+                "npus",
+                "iteration_s",
+                "compute_s",
+                "exposed_s",
+                "comm_s",
+                "efficiency",
+                "buckets",
+                "chunks",
+            )
+        }
         out["utilisation"] = list(self.utilisation)
         return out
 
@@ -164,9 +113,18 @@ class _Run:
     def __init__(self, workload: Workload, topology: Topology, config: IterationConfig) -> None:
         self.w, self.topo, self.cfg = workload, topology, config
         sched = config.scheduler
-        items = [PlanItem(key=i, numel=layer.grad_bytes, dtype="bytes", elem_bytes=1, position=i,
-                          codec=config.codec.name)
-                 for i, layer in enumerate(workload.layers) if layer.grad_bytes > 0]
+        items = [
+            PlanItem(
+                key=i,
+                numel=layer.grad_bytes,
+                dtype="bytes",
+                elem_bytes=1,
+                position=i,
+                codec=config.codec.name,
+            )
+            for i, layer in enumerate(workload.layers)
+            if layer.grad_bytes > 0
+        ]
         self.plans = build_plan(items, sched) if items else []
         self.policy = make_policy(sched)
         self.ready_at_layer: dict[int, list[BucketPlan]] = {}
@@ -195,17 +153,26 @@ class _Run:
         if nbytes not in self.costs:
             codec = self.cfg.codec
             wire = nbytes * codec.ratio
-            op, size = ("allreduce", wire) if codec.summable else ("allgather", wire * self.topo.npus)
-            self.costs[nbytes] = collective_cost(self.topo, op=op, algorithm=self.cfg.algorithm,
-                                                 nbytes=size, flat=self.cfg.flat)
+            op, size = (
+                ("allreduce", wire) if codec.summable else ("allgather", wire * self.topo.npus)
+            )
+            self.costs[nbytes] = collective_cost(
+                self.topo, op=op, algorithm=self.cfg.algorithm, nbytes=size, flat=self.cfg.flat
+            )
         return self.costs[nbytes]
 
     def dispatch(self) -> None:
         while True:
-            states = [LaneState(queued=len(q), next_bytes=q[0].nbytes if q else 0,
-                                inflight=self.inflight[i], inflight_bytes=self.inflight_bytes[i],
-                                blocked=bool(self.cfg.codec.name) and self.inflight[i] > 0)
-                      for i, q in enumerate(self.lanes)]
+            states = [
+                LaneState(
+                    queued=len(q),
+                    next_bytes=q[0].nbytes if q else 0,
+                    inflight=self.inflight[i],
+                    inflight_bytes=self.inflight_bytes[i],
+                    blocked=bool(self.cfg.codec.name) and self.inflight[i] > 0,
+                )
+                for i, q in enumerate(self.lanes)
+            ]
             lane = self.policy.choose(states)
             if lane is None:
                 return
@@ -267,7 +234,10 @@ class _Run:
             then()
             return
         start = self.q.now
-        self.waiter = ((iteration, layer), lambda: (self.record("wait", "wait", start, iteration + 1), then()))
+        self.waiter = (
+            (iteration, layer),
+            lambda: (self.record("wait", "wait", start, iteration + 1), then()),
+        )
 
     def forward(self, it: int, i: int) -> None:
         layers = self.w.layers
@@ -281,18 +251,28 @@ class _Run:
             self.backward(it, len(layers) - 1)
             return
         if self.cfg.mode == "overlap":
+
             def go() -> None:
                 if i == 0:
                     self.starts.append(self.q.now)
                 update = layers[i].update_s if it > 0 and layers[i].grad_bytes else 0.0
-                self.compute(f"forward {layers[i].name}", update + layers[i].forward_s, it,
-                             lambda: self.forward(it, i + 1))
+                self.compute(
+                    f"forward {layers[i].name}",
+                    update + layers[i].forward_s,
+                    it,
+                    lambda: self.forward(it, i + 1),
+                )
+
             self.wait(it - 1, i, go)
         else:
             if i == 0:
                 self.starts.append(self.q.now)
-            self.compute(f"forward {layers[i].name}", layers[i].forward_s, it,
-                         lambda: self.forward(it, i + 1))
+            self.compute(
+                f"forward {layers[i].name}",
+                layers[i].forward_s,
+                it,
+                lambda: self.forward(it, i + 1),
+            )
 
     def backward(self, it: int, i: int) -> None:
         if i < 0:
@@ -300,8 +280,11 @@ class _Run:
                 self.forward(it + 1, 0)
             else:
                 updates = sum(layer.update_s for layer in self.w.layers if layer.grad_bytes)
-                self.wait(it, -1, lambda: self.compute("update", updates, it,
-                                                       lambda: self.forward(it + 1, 0)))
+                self.wait(
+                    it,
+                    -1,
+                    lambda: self.compute("update", updates, it, lambda: self.forward(it + 1, 0)),
+                )
             return
         layer = self.w.layers[i]
 
@@ -322,16 +305,23 @@ class _Run:
         iteration_s = (starts[-1] - starts[1]) / (len(starts) - 2)
         compute_s = self.w.compute_s
         return IterationResult(
-            workload=self.w.name, npus=self.topo.npus, iteration_s=iteration_s, compute_s=compute_s,
-            exposed_s=max(iteration_s - compute_s, 0.0), comm_s=self.comm_s,
+            workload=self.w.name,
+            npus=self.topo.npus,
+            iteration_s=iteration_s,
+            compute_s=compute_s,
+            exposed_s=max(iteration_s - compute_s, 0.0),
+            comm_s=self.comm_s,
             efficiency=compute_s / iteration_s if iteration_s > 0 else 1.0,
             utilisation=tuple(b / iteration_s if iteration_s > 0 else 0.0 for b in self.busy),
-            buckets=len(self.plans), chunks=sum(len(p.chunks) for p in self.plans),
-            spans=tuple(self.spans))
+            buckets=len(self.plans),
+            chunks=sum(len(p.chunks) for p in self.plans),
+            spans=tuple(self.spans),
+        )
 
 
-def simulate(workload: Workload, topology: Topology,
-             config: IterationConfig | None = None) -> IterationResult:
+def simulate(
+    workload: Workload, topology: Topology, config: IterationConfig | None = None
+) -> IterationResult:
     """Simulate ``config.iterations`` iterations of data-parallel training; report the steady one.
 
     Args:
@@ -351,6 +341,7 @@ def simulate(workload: Workload, topology: Topology,
         >>> w = Workload(name="toy", layers=(Layer(name="a", forward_s=1.0, backward_s=1.0,
         ...                                        grad_bytes=8),))
         >>> topo = parse_topology("2", bandwidths=[1.0])
+        >>> from scaleout.scheduler.config import SchedulerConfig
         >>> cfg = IterationConfig(scheduler=SchedulerConfig(policy="fifo"), mode="sync")
         >>> simulate(w, topo, cfg).iteration_s   # 1 + 1 + ring all-reduce 2 x 1 x 8/2
         10.0

@@ -129,16 +129,21 @@ class Topology:
             dims.append(_resized(dim, size))
             left //= size
         dims.append(_resized(self.dims[-1], left))
-        return Topology(dims=tuple(dims))  # size-1 dimensions stay, so per-dimension settings line up
+        return Topology(
+            dims=tuple(dims)
+        )  # size-1 dimensions stay, so per-dimension settings line up
 
     def describe(self) -> str:
-        return " x ".join(f"{d.npus} {d.kind}@{d.bandwidth * 8 / 1e9:g}Gbps/{d.latency * 1e6:g}us"
-                          for d in self.dims)
+        return " x ".join(
+            f"{d.npus} {d.kind}@{d.bandwidth * 8 / 1e9:g}Gbps/{d.latency * 1e6:g}us"
+            for d in self.dims
+        )
 
 
 def _resized(dim: Dimension, npus: int) -> Dimension:
-    return Dimension(kind=dim.kind, npus=npus, bandwidth=dim.bandwidth, latency=dim.latency,
-                     name=dim.name)
+    return Dimension(
+        kind=dim.kind, npus=npus, bandwidth=dim.bandwidth, latency=dim.latency, name=dim.name
+    )
 
 
 def _per_dim(values: Sequence | str | float, count: int, what: str) -> list:
@@ -152,9 +157,13 @@ def _per_dim(values: Sequence | str | float, count: int, what: str) -> list:
     return values
 
 
-def parse_topology(spec: str, *, bandwidths: Sequence | str | float,
-                   latencies: Sequence | str | float = "0us",
-                   kinds: Sequence[str] | str = "ring") -> Topology:
+def parse_topology(
+    spec: str,
+    *,
+    bandwidths: Sequence | str | float,
+    latencies: Sequence | str | float = "0us",
+    kinds: Sequence[str] | str = "ring",
+) -> Topology:
     """A topology from ``"8x128"`` and per-dimension bandwidths, latencies and kinds.
 
     Args:
@@ -168,15 +177,24 @@ def parse_topology(spec: str, *, bandwidths: Sequence | str | float,
     """
     parts = spec.lower().split("x") if isinstance(spec, str) else []
     if not parts or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise ValueError(f"topology must look like '8' or '8x128' (NPUs per dimension), got {spec!r}")
+        raise ValueError(
+            f"topology must look like '8' or '8x128' (NPUs per dimension), got {spec!r}"
+        )
     sizes = [int(p) for p in parts]
     bws = _per_dim(bandwidths, len(sizes), "bandwidths")
     lats = _per_dim(latencies, len(sizes), "latencies")
     kinds_ = _per_dim(kinds, len(sizes), "kinds")
-    return Topology(dims=tuple(
-        Dimension(kind=k.replace("-", "_"), npus=n, bandwidth=parse_bandwidth(b),
-                  latency=parse_time(lat))
-        for n, b, lat, k in zip(sizes, bws, lats, kinds_)))
+    return Topology(
+        dims=tuple(
+            Dimension(
+                kind=k.replace("-", "_"),
+                npus=n,
+                bandwidth=parse_bandwidth(b),
+                latency=parse_time(lat),
+            )
+            for n, b, lat, k in zip(sizes, bws, lats, kinds_)
+        )
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,27 +213,71 @@ class Preset:
 
 
 def _preset(name: str, spec: str, bws: list, lats: list, kinds: list, source: str) -> Preset:
-    return Preset(name=name, source=source,
-                  topology=parse_topology(spec, bandwidths=bws, latencies=lats, kinds=kinds))
+    return Preset(
+        name=name,
+        source=source,
+        topology=parse_topology(spec, bandwidths=bws, latencies=lats, kinds=kinds),
+    )
 
 
-PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (
-    _preset("hgx-h100", "8", ["400GB/s"], ["936.25ns"], ["switch"],
-            "ASTRA-sim's validated HGX-H100 network config (REFERENCES.md §5)"),
-    _preset("horovod-pascal", "4x128", ["10GB/s", "25Gbps"], ["5us", "5us"], ["ring", "switch"],
-            "Horovod paper: 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE (REFERENCES.md §2); "
-            "intra-server PCIe 3 x16 ~10 GB/s and 5 us per hop are our assumptions"),
-    _preset("goyal-bigbasin", "8x32", ["20GB/s", "50Gbps"], ["2us", "5us"], ["ring", "switch"],
-            "Goyal et al. 2017: 32 Big Basin servers x 8 P100 (NVLink), 50 Gbit/s Ethernet "
-            "(REFERENCES.md §2); NVLink ring ~20 GB/s per direction assumed"),
-    _preset("knl-omnipath", "256", ["100Gbps"], ["1us"], ["switch"],
-            "Intel Caffe + MLSL on 256 Xeon Phi 7250 nodes over Omni-Path 100 Gbit/s "
-            "(seeds/003, REFERENCES.md §2); 1 us switch hop assumed"),
-    _preset("marenostrum4", "256", ["100Gbps"], ["1us"], ["switch"],
-            "MareNostrum 4: Xeon Platinum 8160 nodes, Omni-Path 100 Gbit/s (REFERENCES.md §2)"),
-    _preset("dgx-ethernet", "8x128", ["300GB/s", "100Gbps"], ["1us", "5us"], ["switch", "switch"],
-            "issue 13's example: 8 GPUs on NVLink x 128 nodes on 100 Gbit Ethernet"),
-)})
+PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            _preset(
+                "hgx-h100",
+                "8",
+                ["400GB/s"],
+                ["936.25ns"],
+                ["switch"],
+                "ASTRA-sim's validated HGX-H100 network config (REFERENCES.md §5)",
+            ),
+            _preset(
+                "horovod-pascal",
+                "4x128",
+                ["10GB/s", "25Gbps"],
+                ["5us", "5us"],
+                ["ring", "switch"],
+                "Horovod paper: 128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE (REFERENCES.md §2); "
+                "intra-server PCIe 3 x16 ~10 GB/s and 5 us per hop are our assumptions",
+            ),
+            _preset(
+                "goyal-bigbasin",
+                "8x32",
+                ["20GB/s", "50Gbps"],
+                ["2us", "5us"],
+                ["ring", "switch"],
+                "Goyal et al. 2017: 32 Big Basin servers x 8 P100 (NVLink), 50 Gbit/s Ethernet "
+                "(REFERENCES.md §2); NVLink ring ~20 GB/s per direction assumed",
+            ),
+            _preset(
+                "knl-omnipath",
+                "256",
+                ["100Gbps"],
+                ["1us"],
+                ["switch"],
+                "Intel Caffe + MLSL on 256 Xeon Phi 7250 nodes over Omni-Path 100 Gbit/s "
+                "(seeds/003, REFERENCES.md §2); 1 us switch hop assumed",
+            ),
+            _preset(
+                "marenostrum4",
+                "256",
+                ["100Gbps"],
+                ["1us"],
+                ["switch"],
+                "MareNostrum 4: Xeon Platinum 8160 nodes, Omni-Path 100 Gbit/s (REFERENCES.md §2)",
+            ),
+            _preset(
+                "dgx-ethernet",
+                "8x128",
+                ["300GB/s", "100Gbps"],
+                ["1us", "5us"],
+                ["switch", "switch"],
+                "issue 13's example: 8 GPUs on NVLink x 128 nodes on 100 Gbit Ethernet",
+            ),
+        )
+    }
+)
 
 
 def preset(name: str) -> Preset:

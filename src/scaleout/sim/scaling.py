@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scaleout.sim.iteration import IterationConfig, IterationResult, simulate
+from scaleout.sim.config import IterationConfig
+from scaleout.sim.iteration import IterationResult, simulate
 from scaleout.sim.network import Topology
 from scaleout.sim.workload import Workload
 
@@ -37,8 +38,12 @@ class Point:
         return self.npus / self.result.iteration_s if self.result.iteration_s > 0 else 0.0
 
 
-def sweep(workload: Workload, topology: Topology, npus: Sequence[int],
-          config: IterationConfig | None = None) -> list[Point]:
+def sweep(
+    workload: Workload,
+    topology: Topology,
+    npus: Sequence[int],
+    config: IterationConfig | None = None,
+) -> list[Point]:
     """Simulate ``workload`` on ``topology`` resized (:meth:`Topology.with_npus`) to each count.
 
     Raises:
@@ -49,8 +54,13 @@ def sweep(workload: Workload, topology: Topology, npus: Sequence[int],
     return [Point(npus=n, result=simulate(workload, topology.with_npus(n), config)) for n in npus]
 
 
-def relative_efficiency(workload: Workload, topology: Topology, base: int, target: int,
-                        config: IterationConfig | None = None) -> float:
+def relative_efficiency(
+    workload: Workload,
+    topology: Topology,
+    base: int,
+    target: int,
+    config: IterationConfig | None = None,
+) -> float:
     """Weak-scaling efficiency from ``base`` to ``target`` NPUs: ``T(base) / T(target)``."""
     low, high = sweep(workload, topology, [base, target], config)
     return low.result.iteration_s / high.result.iteration_s

@@ -21,7 +21,8 @@ What goes in, and nothing else:
 from __future__ import annotations
 
 from scaleout.scheduler.config import SchedulerConfig
-from scaleout.sim.iteration import IterationConfig, simulate
+from scaleout.sim.config import IterationConfig
+from scaleout.sim.iteration import simulate
 from scaleout.sim.models import ModelLayer, ModelSpec, model
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
@@ -54,8 +55,11 @@ def _spec(workload: str) -> ModelSpec:
     if workload == "transformer":  # scaleout.workloads.transformer's defaults
         return model("gpt:4:256:128:4096")
     # scaleout.workloads.dlrm: dense embedding gradients dominate; compute split evenly (assumed)
-    return ModelSpec(name="dlrm-testbed", source="scaleout.workloads.dlrm, two stylised layers",
-                     layers=(ModelLayer("embeddings", 1.0, 1_300_000), ModelLayer("mlp", 1.0, 20_000)))
+    return ModelSpec(
+        name="dlrm-testbed",
+        source="scaleout.workloads.dlrm, two stylised layers",
+        layers=(ModelLayer("embeddings", 1.0, 1_300_000), ModelLayer("mlp", 1.0, 20_000)),
+    )
 
 
 def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
@@ -63,10 +67,18 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
     spec = _spec(workload)
     flops, params = spec.flops, spec.params
     compute_s = (single_ms * SLOWDOWN + MS_PER_MB * grad_mb) / 1e3
-    return Workload(name=workload, layers=tuple(
-        Layer(name=l.name, forward_s=compute_s * l.flops / flops / 3,
-              backward_s=compute_s * l.flops / flops * 2 / 3,
-              grad_bytes=int(grad_mb * MB * l.params / params)) for l in spec.layers))
+    return Workload(
+        name=workload,
+        layers=tuple(
+            Layer(
+                name=lay.name,
+                forward_s=compute_s * lay.flops / flops / 3,
+                backward_s=compute_s * lay.flops / flops * 2 / 3,
+                grad_bytes=int(grad_mb * MB * lay.params / params),
+            )
+            for lay in spec.layers
+        ),
+    )
 
 
 def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
@@ -75,9 +87,15 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
     if peer == "scaleout":
         config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap")
     else:
-        config = IterationConfig(mode="sync", scheduler=SchedulerConfig(
-            policy="fifo", bucket_bytes=25 * MB, first_bucket_bytes=1 * MB))
-    return simulate(testbed_workload(workload, single_ms, grad_mb), topology, config).iteration_s * 1e3
+        config = IterationConfig(
+            mode="sync",
+            scheduler=SchedulerConfig(
+                policy="fifo", bucket_bytes=25 * MB, first_bucket_bytes=1 * MB
+            ),
+        )
+    return (
+        simulate(testbed_workload(workload, single_ms, grad_mb), topology, config).iteration_s * 1e3
+    )
 
 
 def testbed_scenarios() -> tuple[Scenario, ...]:
@@ -85,12 +103,27 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
     out = []
     for workload, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
         for peer, measured in (("scaleout", ours), ("ddp", ddp)):
-            out.append(Scenario(
-                name=f"{workload} {rate} {peer}", group="testbed", measured=measured, unit="ms",
-                bound=RELATIVE_BOUND, source=f"benchmarks/RESULTS.md {table}, row {peer}",
-                assumptions=(f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
-                             "50 us/hop; slowdown and CPU per MB from resnet18-1gbit-ceilings' "
-                             "lockstep rows; " + ("priority, overlap" if peer == "scaleout"
-                                                  else "FIFO 25 MB buckets, sync")),
-                predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(w, r, s, m, p)))
+            out.append(
+                Scenario(
+                    name=f"{workload} {rate} {peer}",
+                    group="testbed",
+                    measured=measured,
+                    unit="ms",
+                    bound=RELATIVE_BOUND,
+                    source=f"benchmarks/RESULTS.md {table}, row {peer}",
+                    assumptions=(
+                        f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
+                        "50 us/hop; slowdown and CPU per MB from resnet18-1gbit-ceilings' "
+                        "lockstep rows; "
+                        + (
+                            "priority, overlap"
+                            if peer == "scaleout"
+                            else "FIFO 25 MB buckets, sync"
+                        )
+                    ),
+                    predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(
+                        w, r, s, m, p
+                    ),
+                )
+            )
     return tuple(out)

@@ -78,8 +78,14 @@ def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> l
     return orders
 
 
-def pipelined_allreduce(topology: Topology, *, nbytes: float, chunks: int = 64,
-                        algorithm: str = "ring", scheduler: str = "baseline") -> PipelineResult:
+def pipelined_allreduce(
+    topology: Topology,
+    *,
+    nbytes: float,
+    chunks: int = 64,
+    algorithm: str = "ring",
+    scheduler: str = "baseline",
+) -> PipelineResult:
     """Simulate a chunked all-reduce, every dimension serving one chunk phase at a time.
 
     Args:
@@ -140,15 +146,22 @@ def pipelined_allreduce(topology: Topology, *, nbytes: float, chunks: int = 64,
     for chunk in range(chunks):
         enqueue(chunk, 0)
     queue.run()
-    return PipelineResult(scheduler=scheduler, time=finished[0], busy=tuple(busy),
-                          orders=tuple(tuple(o) for o in orders))
+    return PipelineResult(
+        scheduler=scheduler,
+        time=finished[0],
+        busy=tuple(busy),
+        orders=tuple(tuple(o) for o in orders),
+    )
 
 
-def themis_gain(topology: Topology, *, nbytes: float, chunks: int = 64,
-                algorithm: str = "ring") -> tuple[float, PipelineResult, PipelineResult]:
+def themis_gain(
+    topology: Topology, *, nbytes: float, chunks: int = 64, algorithm: str = "ring"
+) -> tuple[float, PipelineResult, PipelineResult]:
     """``(baseline time / themis time, baseline result, themis result)``."""
-    base = pipelined_allreduce(topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm,
-                               scheduler="baseline")
-    them = pipelined_allreduce(topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm,
-                               scheduler="themis")
+    base = pipelined_allreduce(
+        topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm, scheduler="baseline"
+    )
+    them = pipelined_allreduce(
+        topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm, scheduler="themis"
+    )
     return (base.time / them.time if them.time > 0 else 1.0), base, them

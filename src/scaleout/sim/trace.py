@@ -40,7 +40,14 @@ from collections.abc import Mapping
 
 from scaleout.sim.workload import Layer, Workload
 
-__all__ = ["FORMAT", "VERSION", "workload_from_dict", "workload_to_dict", "read_trace", "write_trace"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "workload_from_dict",
+    "workload_to_dict",
+    "read_trace",
+    "write_trace",
+]
 
 FORMAT = "scaleout-trace"
 VERSION = 1
@@ -53,8 +60,10 @@ def _seconds(layer: Mapping, key: str, default: float | None = None) -> float:
             raise ValueError(f"layer {layer.get('name')!r}: {key} is an empty list")
         value = statistics.median(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"layer {layer.get('name')!r}: {key} must be seconds (a number or a "
-                         f"list of numbers), got {value!r}")
+        raise ValueError(
+            f"layer {layer.get('name')!r}: {key} must be seconds (a number or a "
+            f"list of numbers), got {value!r}"
+        )
     return float(value)
 
 
@@ -65,28 +74,52 @@ def workload_from_dict(data: Mapping) -> Workload:
         ValueError: not a scaleout trace of a known version, or a malformed layer.
     """
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-        raise ValueError(f"not a scaleout trace: expected format {FORMAT!r}, got "
-                         f"{data.get('format') if isinstance(data, Mapping) else type(data).__name__!r}")
+        raise ValueError(
+            f"not a scaleout trace: expected format {FORMAT!r}, got "
+            f"{data.get('format') if isinstance(data, Mapping) else type(data).__name__!r}"
+        )
     if data.get("version") != VERSION:
-        raise ValueError(f"trace version {data.get('version')!r} not supported (expected {VERSION})")
+        raise ValueError(
+            f"trace version {data.get('version')!r} not supported (expected {VERSION})"
+        )
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ValueError("trace needs a non-empty 'layers' list")
-    return Workload(name=str(data.get("workload", "trace")), batch_size=int(data.get("batch_size", 1)),
-                    layers=tuple(Layer(name=str(layer.get("name", f"layer{i}")),
-                                       forward_s=_seconds(layer, "forward_s"),
-                                       backward_s=_seconds(layer, "backward_s"),
-                                       grad_bytes=int(layer.get("grad_bytes", 0)),
-                                       update_s=_seconds(layer, "update_s", 0.0))
-                                 for i, layer in enumerate(layers)))
+    return Workload(
+        name=str(data.get("workload", "trace")),
+        batch_size=int(data.get("batch_size", 1)),
+        layers=tuple(
+            Layer(
+                name=str(layer.get("name", f"layer{i}")),
+                forward_s=_seconds(layer, "forward_s"),
+                backward_s=_seconds(layer, "backward_s"),
+                grad_bytes=int(layer.get("grad_bytes", 0)),
+                update_s=_seconds(layer, "update_s", 0.0),
+            )
+            for i, layer in enumerate(layers)
+        ),
+    )
 
 
 def workload_to_dict(workload: Workload, **extra: object) -> dict:
     """The trace of ``workload`` (``extra`` keys such as ``device`` or ``command`` are kept)."""
-    return {"format": FORMAT, "version": VERSION, "workload": workload.name,
-            "batch_size": workload.batch_size, **extra,
-            "layers": [{"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s,
-                        "grad_bytes": l.grad_bytes, "update_s": l.update_s} for l in workload.layers]}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "workload": workload.name,
+        "batch_size": workload.batch_size,
+        **extra,
+        "layers": [
+            {
+                "name": lay.name,
+                "forward_s": lay.forward_s,
+                "backward_s": lay.backward_s,
+                "grad_bytes": lay.grad_bytes,
+                "update_s": lay.update_s,
+            }
+            for lay in workload.layers
+        ],
+    }
 
 
 def read_trace(path: str | os.PathLike) -> Workload:

@@ -17,12 +17,36 @@ import re
 __all__ = ["parse_bytes", "parse_bandwidth", "parse_time", "format_bytes", "format_time"]
 
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-               "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-_RATE_UNITS = {"bps": 1 / 8, "kbps": 1e3 / 8, "kbit": 1e3 / 8, "mbps": 1e6 / 8, "mbit": 1e6 / 8,
-               "gbps": 1e9 / 8, "gbit": 1e9 / 8, "tbps": 1e12 / 8, "b/s": 1.0,
-               "kb/s": float(1 << 10), "mb/s": float(1 << 20), "gb/s": float(1 << 30)}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_RATE_UNITS = {
+    "bps": 1 / 8,
+    "kbps": 1e3 / 8,
+    "kbit": 1e3 / 8,
+    "mbps": 1e6 / 8,
+    "mbit": 1e6 / 8,
+    "gbps": 1e9 / 8,
+    "gbit": 1e9 / 8,
+    "tbps": 1e12 / 8,
+    "b/s": 1.0,
+    "kb/s": float(1 << 10),
+    "mb/s": float(1 << 20),
+    "gb/s": float(1 << 30),
+}
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -34,8 +58,10 @@ def _parse(text: object, units: dict, what: str, example: str) -> float:
     else:
         match = re.fullmatch(_NUMBER + r"([A-Za-z/]*)\s*", text)
         if match is None or match.group(2).lower() not in units:
-            raise ValueError(f"{what} must look like {example!r} (units: "
-                             f"{', '.join(u for u in units if u)}), got {text!r}")
+            raise ValueError(
+                f"{what} must look like {example!r} (units: "
+                f"{', '.join(u for u in units if u)}), got {text!r}"
+            )
         value, scale = float(match.group(1)), units[match.group(2).lower()]
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {text!r}")

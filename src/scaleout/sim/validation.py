@@ -62,9 +62,18 @@ class Outcome:
 
     def as_dict(self) -> dict:
         s = self.scenario
-        return {"scenario": s.name, "group": s.group, "measured": s.measured, "predicted": self.predicted,
-                "unit": s.unit, "error": self.error, "bound": s.bound, "ok": self.ok,
-                "source": s.source, "assumptions": s.assumptions}
+        return {
+            "scenario": s.name,
+            "group": s.group,
+            "measured": s.measured,
+            "predicted": self.predicted,
+            "unit": s.unit,
+            "error": self.error,
+            "bound": s.bound,
+            "ok": self.ok,
+            "source": s.source,
+            "assumptions": s.assumptions,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,20 +85,37 @@ class Report:
     ok: bool
 
     def as_dict(self) -> dict:
-        return {"ok": self.ok, "summaries": list(self.summaries),
-                "outcomes": [o.as_dict() for o in self.outcomes]}
+        return {
+            "ok": self.ok,
+            "summaries": list(self.summaries),
+            "outcomes": [o.as_dict() for o in self.outcomes],
+        }
 
     def rows(self) -> list[list[str]]:
         out = []
         for o in self.outcomes:
             s = o.scenario
             if s.unit == "ms":
-                fmt = [f"{s.measured:.1f}ms", f"{o.predicted:.1f}ms", f"{o.error * 100:+.1f}%",
-                       f"{s.bound * 100:.0f}%"]
+                fmt = [
+                    f"{s.measured:.1f}ms",
+                    f"{o.predicted:.1f}ms",
+                    f"{o.error * 100:+.1f}%",
+                    f"{s.bound * 100:.0f}%",
+                ]
             elif s.unit == "%":
-                fmt = [f"{s.measured:.1f}%", f"{o.predicted:.1f}%", f"{o.error:+.1f}pt", f"{s.bound:g}pt"]
+                fmt = [
+                    f"{s.measured:.1f}%",
+                    f"{o.predicted:.1f}%",
+                    f"{o.error:+.1f}pt",
+                    f"{s.bound:g}pt",
+                ]
             else:
-                fmt = [f"{s.measured:.2f}x", f"{o.predicted:.2f}x", f"{o.error:+.2f}", f"{s.bound:.2f}"]
+                fmt = [
+                    f"{s.measured:.2f}x",
+                    f"{o.predicted:.2f}x",
+                    f"{o.error:+.2f}",
+                    f"{s.bound:.2f}",
+                ]
             out.append([s.name, *fmt, "ok" if o.ok else "FAIL", s.source])
         return out
 

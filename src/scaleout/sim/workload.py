@@ -47,7 +47,11 @@ class Layer:
             raise TypeError(f"Layer.name must be a str, got {type(self.name).__name__}")
         for field in ("forward_s", "backward_s", "update_s"):
             _nonneg("Layer", field, getattr(self, field))
-        if isinstance(self.grad_bytes, bool) or not isinstance(self.grad_bytes, int) or self.grad_bytes < 0:
+        if (
+            isinstance(self.grad_bytes, bool)
+            or not isinstance(self.grad_bytes, int)
+            or self.grad_bytes < 0
+        ):
             raise ValueError(f"Layer.grad_bytes must be an int >= 0, got {self.grad_bytes!r}")
 
 
@@ -66,7 +70,11 @@ class Workload:
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(layer, Layer) for layer in self.layers):
             raise ValueError(f"Workload {self.name!r} needs at least one Layer")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+        if (
+            isinstance(self.batch_size, bool)
+            or not isinstance(self.batch_size, int)
+            or self.batch_size < 1
+        ):
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
 
     @property
@@ -102,7 +110,16 @@ class Workload:
         if not isinstance(speed, (int, float)) or not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed!r}")
         factor = batch / self.batch_size / speed
-        return Workload(name=self.name, batch_size=batch, layers=tuple(
-            replace(layer, forward_s=layer.forward_s * factor,
-                    backward_s=layer.backward_s * factor, update_s=layer.update_s / speed)
-            for layer in self.layers))
+        return Workload(
+            name=self.name,
+            batch_size=batch,
+            layers=tuple(
+                replace(
+                    layer,
+                    forward_s=layer.forward_s * factor,
+                    backward_s=layer.backward_s * factor,
+                    update_s=layer.update_s / speed,
+                )
+                for layer in self.layers
+            ),
+        )

@@ -6,14 +6,17 @@ import argparse
 import time
 
 from scaleout.cli.sim_args import algorithm_from, emit, fail, topology_from
+from scaleout.sim.config import IterationConfig
+from scaleout.sim.workload import Workload
 from scaleout.table import format_table
 
 __all__ = ["handle_run", "handle_sweep"]
 
 
-def _workload_and_config(args: argparse.Namespace):
+def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, IterationConfig]:
+    """The workload (``None`` for a Chakra trace, which is run as a graph) and its config."""
     from scaleout.scheduler.config import SchedulerConfig
-    from scaleout.sim.config import CodecModel, IterationConfig
+    from scaleout.sim.config import CodecModel
     from scaleout.sim.models import DEVICES, model_workload
     from scaleout.sim.trace import read_trace
     from scaleout.sim.units import parse_bytes
@@ -44,7 +47,16 @@ def _workload_and_config(args: argparse.Namespace):
         return workload.scaled(
             batch_size=args.batch or workload.batch_size, speed=args.speed
         ), config
-    device = DEVICES[args.device] if args.device in DEVICES else float(args.device)
+    if args.device in DEVICES:
+        device = DEVICES[args.device]
+    else:
+        try:
+            device = float(args.device)
+        except ValueError:
+            raise ValueError(
+                f"--device must be one of {', '.join(DEVICES)} or a FLOP/s rate like 5e12, "
+                f"got {args.device!r}"
+            ) from None
     return model_workload(args.model, device=device, batch_size=args.batch or 32), config
 
 
@@ -56,6 +68,8 @@ def handle_run(args: argparse.Namespace) -> int:
     from scaleout.sim.units import format_bytes, format_time
 
     try:
+        if args.ranks < 1:
+            raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
         workload, config = _workload_and_config(args)
         topo = topology_from(args)
         if args.nodes:
@@ -141,14 +155,22 @@ def handle_run(args: argparse.Namespace) -> int:
 
 
 def _counts(text: str) -> list[int]:
-    if ".." in text:
-        low, high = (int(x) for x in text.split(".."))
-        out, n = [], low
-        while n <= high:
-            out.append(n)
-            n *= 2
-        return out
-    return [int(x) for x in text.split(",")]
+    """``"8..64"`` -> [8, 16, 32, 64]; ``"2,3,5"`` -> [2, 3, 5]."""
+    try:
+        if ".." in text:
+            low, high = (int(x) for x in text.split(".."))
+            counts = [low << k for k in range(max(high // max(low, 1), 1).bit_length())]
+            counts = [n for n in counts if n <= high]
+        else:
+            counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(
+            f"--nodes must be LOW..HIGH (powers of 2 from LOW) or a comma list of "
+            f"ints >= 1, got {text!r}"
+        )
+    return counts
 
 
 def handle_sweep(args: argparse.Namespace) -> int:

@@ -32,11 +32,6 @@ class Point:
     def efficiency(self) -> float:
         return self.result.efficiency
 
-    @property
-    def throughput(self) -> float:
-        """Samples per second over the whole machine (needs the workload's batch size)."""
-        return self.npus / self.result.iteration_s if self.result.iteration_s > 0 else 0.0
-
 
 def sweep(
     workload: Workload,

@@ -77,6 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--policy", default="priority", choices=("fifo", "priority"))
         p.add_argument("--mode", default="overlap", choices=("overlap", "sync"))
         p.add_argument("--bucket", default="8MB", help="bucket bytes (default 8MB)")
+        p.add_argument(
+            "--codec",
+            default="none",
+            help="a measured scaleout codec: cast:fp16, blockquant, sign, topk:ratio=0.01, "
+            "powersgd:rank=2 (docs/simulator.md)",
+        )
         p.add_argument("--codec-ratio", type=float, default=1.0, help="wire bytes / gradient bytes")
         p.add_argument(
             "--codec-cost", type=float, default=0.0, help="codec seconds per gradient MB"

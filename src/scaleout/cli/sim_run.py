@@ -16,12 +16,12 @@ __all__ = ["handle_run", "handle_sweep"]
 def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, IterationConfig]:
     """The workload (``None`` for a Chakra trace, which is run as a graph) and its config."""
     from scaleout.scheduler.config import SchedulerConfig
-    from scaleout.sim.config import CodecModel
+    from scaleout.sim.config import CodecModel, codec_model
     from scaleout.sim.models import DEVICES, model_workload
     from scaleout.sim.trace import read_trace
     from scaleout.sim.units import parse_bytes
 
-    codec = CodecModel()
+    codec = codec_model(args.codec)
     if args.codec_ratio != 1.0 or args.codec_cost or args.codec_gather:
         codec = CodecModel(
             name="codec",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.collectives import ALGORITHMS
 
-__all__ = ["MODES", "CodecModel", "IterationConfig"]
+__all__ = ["MODES", "CodecModel", "CODECS", "codec_model", "IterationConfig"]
 
 MODES = ("sync", "overlap")
 
@@ -36,6 +38,57 @@ class CodecModel:
             raise ValueError(f"codec seconds_per_byte must be >= 0, got {self.seconds_per_byte!r}")
         if not self.name and (self.ratio != 1 or self.seconds_per_byte or not self.summable):
             raise ValueError("an exact codec (name '') has ratio 1, no cost and is summable")
+
+
+_MS_PER_MB = 1e-3 / (1 << 20)
+# scaleout's codecs as measured here: ratio = MB/it on the wire / 44.70 MB of ResNet-18's
+# gradients (benchmarks/RESULTS.md, resnet18-1gbit-ceilings); cost = the codec's exchange time
+# minus the exact one's (33 ms) for those 44.70 MB, 2 ranks on loopback (docs/compression.md,
+# "What a codec costs in CPU"). PowerSGD's ratio depends on the layer shapes (ResNet-18's here).
+CODECS: Mapping[str, CodecModel] = MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            CodecModel(
+                name="cast:fp16", ratio=22.37 / 44.70, seconds_per_byte=4 / 44.70 * _MS_PER_MB
+            ),
+            CodecModel(
+                name="blockquant", ratio=11.25 / 44.70, seconds_per_byte=15 / 44.70 * _MS_PER_MB
+            ),
+            CodecModel(
+                name="sign",
+                ratio=1.61 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                summable=False,
+            ),
+            CodecModel(
+                name="topk:ratio=0.01",
+                ratio=0.93 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                summable=False,
+            ),
+            CodecModel(
+                name="powersgd:rank=2", ratio=0.33 / 44.70, seconds_per_byte=2 / 44.70 * _MS_PER_MB
+            ),
+        )
+    }
+)
+
+
+def codec_model(name: str) -> CodecModel:
+    """The measured :class:`CodecModel` of scaleout codec ``name`` (``"none"``: exact).
+
+    Raises:
+        ValueError: a codec with no measurement here (the known ones are listed).
+    """
+    if name in ("", "none"):
+        return CodecModel()
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(
+            f"no measured model for codec {name!r}; known: none, {', '.join(CODECS)}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)

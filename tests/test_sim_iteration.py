@@ -197,3 +197,20 @@ def test_speed_resnet50_on_1024_nodes_and_a_4096_node_transformer_sweep() -> Non
     assert points[-1].npus == 4096
     effs = [p.efficiency for p in points]
     assert effs == sorted(effs, reverse=True)
+
+
+def test_measured_codec_models() -> None:
+    from scaleout.sim.config import CODECS, codec_model
+
+    assert codec_model("none") == CodecModel()
+    assert codec_model("sign").summable is False and codec_model("blockquant").summable
+    assert all(0 < c.ratio < 1 for c in CODECS.values())
+    with pytest.raises(ValueError, match="known: none"):
+        codec_model("zip")
+    # a gathered codec's bytes grow with the ranks, a summed one's do not
+    work = _two_layers()
+    wide = parse_topology("64", bandwidths=[float(MB)], latencies=[0.0], kinds=["ring"])
+    sched = SchedulerConfig(policy="fifo", bucket_bytes=16 * MB, first_bucket_bytes=16 * MB)
+    sign = simulate(work, wide, IterationConfig(scheduler=sched, codec=codec_model("sign")))
+    fp16 = simulate(work, wide, IterationConfig(scheduler=sched, codec=codec_model("cast:fp16")))
+    assert sign.comm_s > fp16.comm_s

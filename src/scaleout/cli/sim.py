@@ -11,7 +11,7 @@ from scaleout.table import format_table
 
 __all__ = ["register", "handle_collective", "handle_validate"]
 
-EXAMPLE = """examples:
+EXAMPLE = r"""examples:
   scaleout sim collective --op allreduce --algorithm ring --topology 8 --bandwidth 100Gbps \
       --latency 5us --size 64MB
   scaleout sim collective --topology 8x16 --bandwidth 300GB/s,100Gbps --latency 1us,5us \

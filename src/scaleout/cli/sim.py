@@ -83,6 +83,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help="a measured scaleout codec: cast:fp16, blockquant, sign, topk:ratio=0.01, "
             "powersgd:rank=2 (docs/simulator.md)",
         )
+        p.add_argument(
+            "--pipeline",
+            choices=("baseline", "themis"),
+            default=None,
+            help="cut each multi-dimensional all-reduce into chunks pipelined across dimensions, "
+            "in fixed order or Themis' order",
+        )
+        p.add_argument("--pipeline-chunks", type=int, default=16, help="chunks (default 16)")
         p.add_argument("--codec-ratio", type=float, default=1.0, help="wire bytes / gradient bytes")
         p.add_argument(
             "--codec-cost", type=float, default=0.0, help="codec seconds per gradient MB"

@@ -36,6 +36,8 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
         flat=args.flat,
         codec=codec,
         trace=bool(getattr(args, "chrome", None)),
+        pipeline=args.pipeline,
+        pipeline_chunks=args.pipeline_chunks,
         scheduler=SchedulerConfig(
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),

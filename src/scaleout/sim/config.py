@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.collectives import ALGORITHMS
+from scaleout.sim.themis import SCHEDULERS
 
 __all__ = ["MODES", "CodecModel", "CODECS", "codec_model", "IterationConfig"]
 
@@ -103,6 +104,11 @@ class IterationConfig:
         codec: the codec's byte ratio and cost.
         iterations: simulated back to back (>= 3); the steady state is reported.
         trace: keep every span for a Chrome trace.
+        pipeline: ``None``: a multi-dimensional all-reduce runs its phases one after the
+            other; ``"baseline"`` / ``"themis"``: it is cut into ``pipeline_chunks`` pieces
+            whose phases overlap across dimensions, in fixed order or Themis' order
+            (:mod:`scaleout.sim.themis`; one algorithm for every dimension).
+        pipeline_chunks: pieces per all-reduce when ``pipeline`` is set.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -112,6 +118,8 @@ class IterationConfig:
     codec: CodecModel = field(default_factory=CodecModel)
     iterations: int = 3
     trace: bool = False
+    pipeline: str | None = None
+    pipeline_chunks: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -129,3 +137,13 @@ class IterationConfig:
             or self.iterations < 3
         ):
             raise ValueError(f"iterations must be an int >= 3, got {self.iterations!r}")
+        if self.pipeline is not None:
+            if self.pipeline not in SCHEDULERS:
+                raise ValueError(
+                    f"pipeline must be None or one of {SCHEDULERS}, got {self.pipeline!r}"
+                )
+            if len(set(names)) != 1 or self.flat:
+                raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
+        chunks = self.pipeline_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

@@ -36,6 +36,7 @@ from scaleout.sim.collectives import CollectiveCost, collective_cost
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
 from scaleout.sim.network import Topology
+from scaleout.sim.themis import pipelined_allreduce
 from scaleout.sim.workload import Workload
 
 __all__ = ["Span", "IterationResult", "simulate"]
@@ -156,6 +157,26 @@ class _Run:
             op, size = (
                 ("allreduce", wire) if codec.summable else ("allgather", wire * self.topo.npus)
             )
+            active = sum(d.npus > 1 for d in self.topo.dims)
+            if self.cfg.pipeline and op == "allreduce" and active > 1:
+                algorithm = self.cfg.algorithm
+                piped = pipelined_allreduce(
+                    self.topo,
+                    nbytes=size,
+                    chunks=self.cfg.pipeline_chunks,
+                    algorithm=algorithm if isinstance(algorithm, str) else algorithm[0],
+                    scheduler=self.cfg.pipeline,
+                )
+                self.costs[nbytes] = CollectiveCost(
+                    op=op,
+                    algorithm=f"{self.cfg.pipeline}-pipelined",
+                    nbytes=size,
+                    npus=self.topo.npus,
+                    time=piped.time,
+                    phases=(),
+                    link_busy=piped.busy,
+                )
+                return self.costs[nbytes]
             self.costs[nbytes] = collective_cost(
                 self.topo, op=op, algorithm=self.cfg.algorithm, nbytes=size, flat=self.cfg.flat
             )

@@ -44,7 +44,7 @@ class PipelineResult:
     Attributes:
         scheduler: ``"baseline"`` or ``"themis"``.
         time: seconds until the last chunk finished.
-        busy: per dimension, seconds it was serving a chunk.
+        busy: per dimension, seconds its links carried bytes (``sent / bandwidth``).
         orders: per chunk, the dimension order it used.
     """
 
@@ -125,9 +125,9 @@ def pipelined_allreduce(
             return
         chunk, stage = waiting[dim].pop(0)
         _, op, size = stages[chunk][stage]
-        t, _ = phase_time(dims[dim], op, algorithm, size)
+        t, sent = phase_time(dims[dim], op, algorithm, size)
         free[dim] = False
-        busy[dim] += t
+        busy[dim] += sent / dims[dim].bandwidth
         queue.after(t, lambda: done(dim, chunk, stage))
 
     def enqueue(chunk: int, stage: int) -> None:

@@ -24,6 +24,7 @@ EXAMPLE = r"""examples:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``scaleout sim`` and its subcommands to ``subparsers``."""
     parser = subparsers.add_parser(
         "sim",
         help="predict scale-out performance (simulator)",
@@ -137,6 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_collective(args: argparse.Namespace) -> int:
+    """``scaleout sim collective``: price one collective (and Themis' gain); exit code."""
     from scaleout.sim.collectives import collective_cost
     from scaleout.sim.themis import themis_gain
     from scaleout.sim.units import format_time, parse_bytes
@@ -209,6 +211,7 @@ def handle_collective(args: argparse.Namespace) -> int:
 
 
 def handle_validate(args: argparse.Namespace) -> int:
+    """``scaleout sim validate``: the table, the JSON; 1 when a bound is exceeded."""
     from scaleout.sim.published import published_scenarios
     from scaleout.sim.testbed_cases import testbed_scenarios
     from scaleout.sim.validation import validate

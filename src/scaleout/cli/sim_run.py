@@ -63,6 +63,7 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
 
 
 def handle_run(args: argparse.Namespace) -> int:
+    """``scaleout sim run``: one iteration of a model, a trace or a Chakra file; exit code."""
     from scaleout.sim.chakra import et_path, load_schema, read_et, write_et
     from scaleout.sim.chrome import write_chrome_trace
     from scaleout.sim.graph import chakra_nodes, run_graph
@@ -176,6 +177,7 @@ def _counts(text: str) -> list[int]:
 
 
 def handle_sweep(args: argparse.Namespace) -> int:
+    """``scaleout sim sweep``: the scaling curve as a table, JSON and a plot; exit code."""
     from scaleout.sim.scaling import sweep
     from scaleout.sim.units import format_time
 

@@ -83,6 +83,7 @@ class IterationResult:
     spans: tuple[Span, ...] = ()
 
     def as_dict(self) -> dict:
+        """JSON-ready fields (spans left out)."""
         out = {
             k: getattr(self, k)
             for k in (

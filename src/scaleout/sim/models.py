@@ -42,10 +42,12 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
+        """Parameters in all."""
         return sum(layer.params for layer in self.layers)
 
     @property
     def flops(self) -> float:
+        """Forward FLOPs per sample in all."""
         return sum(layer.flops for layer in self.layers)
 
 

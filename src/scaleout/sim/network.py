@@ -85,6 +85,7 @@ class Topology:
 
     @property
     def npus(self) -> int:
+        """NPUs in all (the product of the dimensions)."""
         total = 1
         for dim in self.dims:
             total *= dim.npus
@@ -92,6 +93,7 @@ class Topology:
 
     @property
     def shape(self) -> str:
+        """``"8x128"``: NPUs per dimension, innermost first."""
         return "x".join(str(d.npus) for d in self.dims)
 
     def coords(self, npu: int) -> tuple[int, ...]:
@@ -134,6 +136,7 @@ class Topology:
         )  # size-1 dimensions stay, so per-dimension settings line up
 
     def describe(self) -> str:
+        """One line per dimension for reports: ``8 switch@100Gbps/5us x ...``."""
         return " x ".join(
             f"{d.npus} {d.kind}@{d.bandwidth * 8 / 1e9:g}Gbps/{d.latency * 1e6:g}us"
             for d in self.dims

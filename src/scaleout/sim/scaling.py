@@ -30,6 +30,7 @@ class Point:
 
     @property
     def efficiency(self) -> float:
+        """Compute / iteration time at this size."""
         return self.result.efficiency
 
 

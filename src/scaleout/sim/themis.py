@@ -54,6 +54,7 @@ class PipelineResult:
     orders: tuple[tuple[int, ...], ...]
 
     def utilisation(self) -> tuple[float, ...]:
+        """Per dimension, the fraction of the run its links carried bytes."""
         return tuple(b / self.time if self.time > 0 else 0.0 for b in self.busy)
 
 

@@ -58,9 +58,11 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
+        """Whether ``|error|`` is within the scenario's bound."""
         return abs(self.error) <= self.scenario.bound
 
     def as_dict(self) -> dict:
+        """JSON-ready: the scenario's fields, the prediction and the verdict."""
         s = self.scenario
         return {
             "scenario": s.name,
@@ -85,6 +87,7 @@ class Report:
     ok: bool
 
     def as_dict(self) -> dict:
+        """JSON-ready: the verdict, the group summaries and every outcome."""
         return {
             "ok": self.ok,
             "summaries": list(self.summaries),
@@ -92,6 +95,7 @@ class Report:
         }
 
     def rows(self) -> list[list[str]]:
+        """Table rows: scenario, measured, predicted, error, bound, verdict, source."""
         out = []
         for o in self.outcomes:
             s = o.scenario

@@ -79,10 +79,12 @@ class Workload:
 
     @property
     def forward_s(self) -> float:
+        """Forward seconds of all layers."""
         return sum(layer.forward_s for layer in self.layers)
 
     @property
     def backward_s(self) -> float:
+        """Backward seconds of all layers."""
         return sum(layer.backward_s for layer in self.layers)
 
     @property
@@ -92,6 +94,7 @@ class Workload:
 
     @property
     def grad_bytes(self) -> int:
+        """Gradient bytes exchanged per iteration (before compression)."""
         return sum(layer.grad_bytes for layer in self.layers)
 
     def scaled(self, *, batch_size: int | None = None, speed: float = 1.0) -> Workload:

@@ -185,15 +185,16 @@ def test_validation_fails_above_its_bound() -> None:
 
 
 def test_speed_resnet50_on_1024_nodes_and_a_4096_node_transformer_sweep() -> None:
+    # CPU time of this process: the bounds are about the simulator, not the machine's load
     topo = preset("dgx-ethernet").topology
     work = model_workload("resnet50", device=DEVICES["a100"], batch_size=32)
-    started = time.perf_counter()
+    started = time.process_time()
     simulate(work, topo.with_npus(1024))
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     gpt = model_workload("gpt:96", device=DEVICES["h100"], batch_size=8)
-    started = time.perf_counter()
+    started = time.process_time()
     points = sweep(gpt, topo, [8 << k for k in range(10)])
-    assert time.perf_counter() - started < 30.0
+    assert time.process_time() - started < 30.0
     assert points[-1].npus == 4096
     effs = [p.efficiency for p in points]
     assert effs == sorted(effs, reverse=True)

@@ -25,20 +25,26 @@ class CodecModel:
         seconds_per_byte: encode + decode compute per gradient byte (measured, e.g.
             docs/compression.md).
         summable: payloads add on the wire (all-reduce); else they are all-gathered.
+        multi_round: an exchange takes several rounds, so it owns its lane while in flight
+            (the runtime's ``Codec.multi_round``: blockquant, PowerSGD, rows).
     """
 
     name: str = ""
     ratio: float = 1.0
     seconds_per_byte: float = 0.0
     summable: bool = True
+    multi_round: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
         if not isinstance(self.seconds_per_byte, (int, float)) or self.seconds_per_byte < 0:
             raise ValueError(f"codec seconds_per_byte must be >= 0, got {self.seconds_per_byte!r}")
-        if not self.name and (self.ratio != 1 or self.seconds_per_byte or not self.summable):
-            raise ValueError("an exact codec (name '') has ratio 1, no cost and is summable")
+        exact_ok = self.ratio == 1 and not self.seconds_per_byte and self.summable
+        if not self.name and not (exact_ok and not self.multi_round):
+            raise ValueError(
+                "an exact codec (name '') has ratio 1, no cost, is summable and single-round"
+            )
 
 
 _MS_PER_MB = 1e-3 / (1 << 20)
@@ -54,7 +60,10 @@ CODECS: Mapping[str, CodecModel] = MappingProxyType(
                 name="cast:fp16", ratio=22.37 / 44.70, seconds_per_byte=4 / 44.70 * _MS_PER_MB
             ),
             CodecModel(
-                name="blockquant", ratio=11.25 / 44.70, seconds_per_byte=15 / 44.70 * _MS_PER_MB
+                name="blockquant",
+                ratio=11.25 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                multi_round=True,
             ),
             CodecModel(
                 name="sign",
@@ -69,7 +78,10 @@ CODECS: Mapping[str, CodecModel] = MappingProxyType(
                 summable=False,
             ),
             CodecModel(
-                name="powersgd:rank=2", ratio=0.33 / 44.70, seconds_per_byte=2 / 44.70 * _MS_PER_MB
+                name="powersgd:rank=2",
+                ratio=0.33 / 44.70,
+                seconds_per_byte=2 / 44.70 * _MS_PER_MB,
+                multi_round=True,
             ),
         )
     }

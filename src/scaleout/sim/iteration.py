@@ -191,7 +191,7 @@ class _Run:
                     next_bytes=q[0].nbytes if q else 0,
                     inflight=self.inflight[i],
                     inflight_bytes=self.inflight_bytes[i],
-                    blocked=bool(self.cfg.codec.name) and self.inflight[i] > 0,
+                    blocked=self.cfg.codec.multi_round and self.inflight[i] > 0,
                 )
                 for i, q in enumerate(self.lanes)
             ]

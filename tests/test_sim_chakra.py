@@ -8,7 +8,7 @@ pytest.importorskip("google.protobuf")
 
 from scaleout.scheduler.config import SchedulerConfig  # noqa: E402
 from scaleout.sim.chakra import attributes, et_path, load_schema, read_et, write_et  # noqa: E402
-from scaleout.sim.config import IterationConfig  # noqa: E402
+from scaleout.sim.config import IterationConfig, codec_model  # noqa: E402
 from scaleout.sim.graph import chakra_nodes, run_graph  # noqa: E402
 from scaleout.sim.iteration import simulate  # noqa: E402
 from scaleout.sim.models import DEVICES, model_workload  # noqa: E402
@@ -39,6 +39,10 @@ def test_round_trip_reads_back_what_we_wrote_and_prices_it_like_the_simulator(tm
     )
     graph = run_graph(chakra_nodes(work, fifo), topo)
     assert graph.time == pytest.approx(simulate(work, topo, fifo).iteration_s, rel=1e-9)
+    # the same with a gathered codec: comm_size is each rank's payload, the result npus times it
+    sign = IterationConfig(scheduler=fifo.scheduler, mode="sync", codec=codec_model("sign"))
+    graph = run_graph(chakra_nodes(work, sign), topo)
+    assert graph.time == pytest.approx(simulate(work, topo, sign).iteration_s, rel=1e-6)
 
 
 # A Chakra trace built by hand at the wire level (protobuf encoding, field numbers of et_def.proto),
@@ -101,7 +105,7 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
             data_deps=[12],
             attrs=[
                 _attr_int64("comm_type", ALL_GATHER),
-                _attr_int64("comm_size", 2 * MB),
+                _attr_int64("comm_size", MB),
                 _attr_int64("comm_priority", 5),
             ],
         ),
@@ -115,9 +119,8 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
     topo = parse_topology("2", bandwidths=[float(MB)], latencies=[0.0], kinds=["ring"])
     result = run_graph(nodes, topo)
     # fwd 0..1 ms; the 1 MB all-reduce (1 s at 1 MB/s on 2 ranks) from 1 ms while other_compute
-    # runs 1..1.5 ms; the all-gather to 2 MB (1 MB received: 1 s) waits for the network:
-    # 1.001..2.001;
-    # step after both: 2.001 + 0.00025
+    # runs 1..1.5 ms; the all-gather (each rank puts in 1 MB, receives the other's: 1 s) waits
+    # for the network: 1.001..2.001; step after both: 2.001 + 0.00025
     assert result.time == pytest.approx(0.001 + 1.0 + 1.0 + 0.00025)
     assert result.compute_s == pytest.approx(0.00175)
 

@@ -15,7 +15,10 @@ one at a time on the compute stream, lowest id first; collective nodes one at a 
 network, highest ``comm_priority`` first, priced by
 :func:`~scaleout.sim.collectives.collective_cost` on the given topology (so a trace recorded
 on 2 ranks is re-priced on 4,096); COMM_SEND / COMM_RECV cost one message on the outermost
-dimension.
+dimension. ``comm_size`` is read as the bytes each rank puts in: the vector for ALL_REDUCE
+and REDUCE_SCATTER, its own piece for ALL_GATHER and GATHER (the result is ``npus`` times
+that), what it sends in all for ALL_TO_ALL, the message for BROADCAST; a BARRIER costs an
+all-reduce of one float.
 """
 
 from __future__ import annotations
@@ -177,13 +180,15 @@ def run_graph(
         kind = schema.NodeType.Name(node.type)
         if kind == "COMM_COLL_NODE":
             ctype = schema.CollectiveCommType.Name(int(attrs.get("comm_type", 0)))
-            if ctype == "BARRIER":
+            if ctype == "BARRIER":  # priced as an all-reduce of one float: its latency
                 return "comm", collective_cost(
-                    topology, op="allreduce", algorithm=algorithm, nbytes=0
+                    topology, op="allreduce", algorithm=algorithm, nbytes=4, flat=flat
                 ).time
             if ctype not in _COLL_OPS:
                 raise ValueError(f"node {node.id}: collective type {ctype} is not priced")
             size = float(attrs.get("comm_size", 0))
+            if ctype in ("ALL_GATHER", "GATHER"):  # comm_size is what each rank contributes
+                size *= topology.npus
             price = collective_cost(
                 topology, op=_COLL_OPS[ctype], algorithm=algorithm, nbytes=size, flat=flat
             )

@@ -20,15 +20,24 @@ What goes in, and nothing else:
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from scaleout.scheduler.config import SchedulerConfig
-from scaleout.sim.config import IterationConfig
+from scaleout.sim.config import CodecModel, IterationConfig, codec_model
 from scaleout.sim.iteration import simulate
 from scaleout.sim.models import ModelLayer, ModelSpec, model
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 from scaleout.sim.workload import Layer, Workload
 
-__all__ = ["TESTBED_ROWS", "SLOWDOWN", "MS_PER_MB", "testbed_workload", "testbed_scenarios"]
+__all__ = [
+    "BLOCKQUANT_ROWS",
+    "TESTBED_ROWS",
+    "SLOWDOWN",
+    "MS_PER_MB",
+    "testbed_workload",
+    "testbed_scenarios",
+]
 
 MB = 1 << 20
 SLOWDOWN = 785.3 / 735.7
@@ -47,6 +56,19 @@ TESTBED_ROWS = (
     ("dlrm", "1gbit", 7.5, 54.5, 55.6, 5.21, "dlrm-1gbit"),
     ("dlrm", "10gbit", 7.1, 23.8, 20.4, 5.21, "dlrm-10gbit"),
 )
+# the same tables' scaleout+blockquant rows (iteration ms); blockquant is only at 100 Mbit/s and
+# 1 Gbit/s there. Its CPU cost comes from docs/compression.md (measured at stop 8, 48 ms per
+# 44.70 MB exchange against 51 ms at stop 7, when these rows were measured).
+BLOCKQUANT_ROWS = MappingProxyType(
+    {
+        ("resnet18", "100mbit"): 1294.6,
+        ("resnet18", "1gbit"): 1050.3,
+        ("transformer", "100mbit"): 1076.2,
+        ("transformer", "1gbit"): 871.0,
+        ("dlrm", "100mbit"): 127.1,
+        ("dlrm", "1gbit"): 39.0,
+    }
+)
 
 
 def _spec(workload: str) -> ModelSpec:
@@ -62,11 +84,17 @@ def _spec(workload: str) -> ModelSpec:
     )
 
 
-def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
-    """One rank's layers for a testbed row: measured time split by FLOPs, bytes by parameters."""
+def testbed_workload(
+    workload: str, single_ms: float, grad_mb: float, wire_mb: float | None = None
+) -> Workload:
+    """One rank's layers for a testbed row: measured time split by FLOPs, bytes by parameters.
+
+    ``wire_mb`` (default ``grad_mb``) is what travels, which the CPU-per-MB charge counts.
+    """
     spec = _spec(workload)
     flops, params = spec.flops, spec.params
-    compute_s = (single_ms * SLOWDOWN + MS_PER_MB * grad_mb) / 1e3
+    moved = grad_mb if wire_mb is None else wire_mb
+    compute_s = (single_ms * SLOWDOWN + MS_PER_MB * moved) / 1e3
     return Workload(
         name=workload,
         layers=tuple(
@@ -82,10 +110,11 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
 
 
 def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
+    codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
     rate_bps = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}[rate] / 8 * 0.98
     topology = parse_topology("2", bandwidths=[rate_bps], latencies=["50us"], kinds=["switch"])
-    if peer == "scaleout":
-        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap")
+    if peer.startswith("scaleout"):
+        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec)
     else:
         config = IterationConfig(
             mode="sync",
@@ -93,16 +122,18 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
                 policy="fifo", bucket_bytes=25 * MB, first_bucket_bytes=1 * MB
             ),
         )
-    return (
-        simulate(testbed_workload(workload, single_ms, grad_mb), topology, config).iteration_s * 1e3
-    )
+    work = testbed_workload(workload, single_ms, grad_mb, grad_mb * codec.ratio)
+    return simulate(work, topology, config).iteration_s * 1e3
 
 
 def testbed_scenarios() -> tuple[Scenario, ...]:
-    """18 scenarios: every stop-7 table's scaleout and ddp rows (2 ranks)."""
+    """24 scenarios: every stop-7 table's scaleout and ddp rows, and its blockquant row."""
     out = []
     for workload, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
-        for peer, measured in (("scaleout", ours), ("ddp", ddp)):
+        peers = [("scaleout", ours), ("ddp", ddp)]
+        if (workload, rate) in BLOCKQUANT_ROWS:
+            peers.append(("scaleout+blockquant", BLOCKQUANT_ROWS[(workload, rate)]))
+        for peer, measured in peers:
             out.append(
                 Scenario(
                     name=f"{workload} {rate} {peer}",
@@ -115,11 +146,12 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                         f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
                         "50 us/hop; slowdown and CPU per MB from resnet18-1gbit-ceilings' "
                         "lockstep rows; "
-                        + (
-                            "priority, overlap"
-                            if peer == "scaleout"
-                            else "FIFO 25 MB buckets, sync"
-                        )
+                        + {
+                            "scaleout": "priority, overlap",
+                            "ddp": "FIFO 25 MB buckets, sync",
+                            "scaleout+blockquant": "priority, overlap, blockquant as "
+                            "CODECS['blockquant'] (ratio 0.252, 0.34 ms/MB, two rounds)",
+                        }[peer]
                     ),
                     predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(
                         w, r, s, m, p

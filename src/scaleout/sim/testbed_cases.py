@@ -2,7 +2,9 @@
 
 What is predicted: the iteration time of the 2-rank ``scaleout`` row (priority policy,
 cross-iteration overlap) and ``ddp`` row (FIFO, 25 MB buckets, synchronous step) of each
-stop-7 table (three workloads x 100 Mbit/s, 1 Gbit/s, 10 Gbit/s: 18 scenarios).
+stop-7 table (three workloads x 100 Mbit/s, 1 Gbit/s, 10 Gbit/s: 18 scenarios), and the
+``scaleout+blockquant`` row of the 100 Mbit/s and 1 Gbit/s tables (6 more), whose codec is
+``CODECS["blockquant"]`` (its bytes on the wire also count for the CPU-per-MB charge).
 
 What goes in, and nothing else:
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, imported lazily so that ``scaleout --help`` stays fast.
-_SUBCOMMANDS = ("run", "bench", "testbed")
+_SUBCOMMANDS = ("run", "bench", "testbed", "sim")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,161 @@
+"""How a simulated iteration runs: scheduling, overlap mode, collective algorithm, codec."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from scaleout.scheduler.config import SchedulerConfig
+from scaleout.sim.collectives import ALGORITHMS
+from scaleout.sim.themis import SCHEDULERS
+
+__all__ = ["MODES", "CodecModel", "CODECS", "codec_model", "IterationConfig"]
+
+MODES = ("sync", "overlap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecModel:
+    """A codec as the simulator sees it: how much it shrinks and what it costs.
+
+    Attributes:
+        name: ``""`` for exact gradients (then ``ratio`` must be 1).
+        ratio: wire bytes / gradient bytes.
+        seconds_per_byte: encode + decode compute per gradient byte (measured, e.g.
+            docs/compression.md).
+        summable: payloads add on the wire (all-reduce); else they are all-gathered.
+        multi_round: an exchange takes several rounds, so it owns its lane while in flight
+            (the runtime's ``Codec.multi_round``: blockquant, PowerSGD, rows).
+    """
+
+    name: str = ""
+    ratio: float = 1.0
+    seconds_per_byte: float = 0.0
+    summable: bool = True
+    multi_round: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
+        if not isinstance(self.seconds_per_byte, (int, float)) or self.seconds_per_byte < 0:
+            raise ValueError(f"codec seconds_per_byte must be >= 0, got {self.seconds_per_byte!r}")
+        exact_ok = self.ratio == 1 and not self.seconds_per_byte and self.summable
+        if not self.name and not (exact_ok and not self.multi_round):
+            raise ValueError(
+                "an exact codec (name '') has ratio 1, no cost, is summable and single-round"
+            )
+
+
+_MS_PER_MB = 1e-3 / (1 << 20)
+# scaleout's codecs as measured here: ratio = MB/it on the wire / 44.70 MB of ResNet-18's
+# gradients (benchmarks/RESULTS.md, resnet18-1gbit-ceilings); cost = the codec's exchange time
+# minus the exact one's (33 ms) for those 44.70 MB, 2 ranks on loopback (docs/compression.md,
+# "What a codec costs in CPU"). PowerSGD's ratio depends on the layer shapes (ResNet-18's here).
+CODECS: Mapping[str, CodecModel] = MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            CodecModel(
+                name="cast:fp16", ratio=22.37 / 44.70, seconds_per_byte=4 / 44.70 * _MS_PER_MB
+            ),
+            CodecModel(
+                name="blockquant",
+                ratio=11.25 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                multi_round=True,
+            ),
+            CodecModel(
+                name="sign",
+                ratio=1.61 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                summable=False,
+            ),
+            CodecModel(
+                name="topk:ratio=0.01",
+                ratio=0.93 / 44.70,
+                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                summable=False,
+            ),
+            CodecModel(
+                name="powersgd:rank=2",
+                ratio=0.33 / 44.70,
+                seconds_per_byte=2 / 44.70 * _MS_PER_MB,
+                multi_round=True,
+            ),
+        )
+    }
+)
+
+
+def codec_model(name: str) -> CodecModel:
+    """The measured :class:`CodecModel` of scaleout codec ``name`` (``"none"``: exact).
+
+    Raises:
+        ValueError: a codec with no measurement here (the known ones are listed).
+    """
+    if name in ("", "none"):
+        return CodecModel()
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(
+            f"no measured model for codec {name!r}; known: none, {', '.join(CODECS)}"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationConfig:
+    """How the iteration is run.
+
+    Attributes:
+        scheduler: the runtime's scheduling options (policy, buckets, chunks, credit).
+        mode: ``"overlap"`` (scaleout's cross-iteration overlap) or ``"sync"`` (DDP).
+        algorithm: collective algorithm, or one per dimension.
+        flat: one ring over all NPUs instead of the hierarchical decomposition.
+        codec: the codec's byte ratio and cost.
+        iterations: simulated back to back (>= 3); the steady state is reported.
+        trace: keep every span for a Chrome trace.
+        pipeline: ``None``: a multi-dimensional all-reduce runs its phases one after the
+            other; ``"baseline"`` / ``"themis"``: it is cut into ``pipeline_chunks`` pieces
+            whose phases overlap across dimensions, in fixed order or Themis' order
+            (:mod:`scaleout.sim.themis`; one algorithm for every dimension).
+        pipeline_chunks: pieces per all-reduce when ``pipeline`` is set.
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    mode: str = "overlap"
+    algorithm: str | tuple[str, ...] = "ring"
+    flat: bool = False
+    codec: CodecModel = field(default_factory=CodecModel)
+    iterations: int = 3
+    trace: bool = False
+    pipeline: str | None = None
+    pipeline_chunks: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise TypeError(
+                f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        names = (self.algorithm,) if isinstance(self.algorithm, str) else tuple(self.algorithm)
+        if not names or any(a not in ALGORITHMS for a in names):
+            raise ValueError(f"algorithm must be from {ALGORITHMS}, got {self.algorithm!r}")
+        if (
+            isinstance(self.iterations, bool)
+            or not isinstance(self.iterations, int)
+            or self.iterations < 3
+        ):
+            raise ValueError(f"iterations must be an int >= 3, got {self.iterations!r}")
+        if self.pipeline is not None:
+            if self.pipeline not in SCHEDULERS:
+                raise ValueError(
+                    f"pipeline must be None or one of {SCHEDULERS}, got {self.pipeline!r}"
+                )
+            if len(set(names)) != 1 or self.flat:
+                raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
+        chunks = self.pipeline_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

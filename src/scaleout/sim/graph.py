@@ -1,0 +1,249 @@
+"""Chakra node graphs: built from a workload and the runtime's plan, and executed.
+
+:func:`chakra_nodes` writes one iteration of data-parallel training as Chakra nodes: a
+chain of forward COMP nodes, a chain of backward COMP nodes, one COMM_COLL node per bucket of
+:func:`scaleout.scheduler.build_plan` (``comm_type`` ALL_REDUCE, or ALL_GATHER for a codec
+whose payloads do not add; ``comm_size`` its bytes on the wire; ``comm_priority`` higher for
+more urgent lanes) with a data dependency on the backward node that completes the bucket and
+a control dependency on the previous bucket (the issue order), then an ``update`` COMP node
+after every bucket (the DDP-like synchronous step). Durations are ``duration_micros``, plus a
+``duration_s`` double attribute that keeps sub-microsecond precision for our own reader.
+
+:func:`run_graph` executes any rank's node list, including traces written by other tools:
+a node runs once its data and control dependencies have finished; COMP (and MEM_*) nodes run
+one at a time on the compute stream, lowest id first; collective nodes one at a time on the
+network, highest ``comm_priority`` first, priced by
+:func:`~scaleout.sim.collectives.collective_cost` on the given topology (so a trace recorded
+on 2 ranks is re-priced on 4,096); COMM_SEND / COMM_RECV cost one message on the outermost
+dimension. ``comm_size`` is read as the bytes each rank puts in: the vector for ALL_REDUCE
+and REDUCE_SCATTER, its own piece for ALL_GATHER and GATHER (the result is ``npus`` times
+that), what it sends in all for ALL_TO_ALL, the message for BROADCAST; a BARRIER costs an
+all-reduce of one float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scaleout.scheduler.plan import PlanItem, build_plan
+from scaleout.sim.chakra import attributes, load_schema, make_attr
+from scaleout.sim.collectives import collective_cost
+from scaleout.sim.config import IterationConfig
+from scaleout.sim.events import EventQueue
+from scaleout.sim.iteration import Span
+from scaleout.sim.network import Topology
+from scaleout.sim.workload import Workload
+
+__all__ = ["GraphResult", "chakra_nodes", "run_graph"]
+
+_COLL_OPS = {
+    "ALL_REDUCE": "allreduce",
+    "ALL_GATHER": "allgather",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "BROADCAST": "broadcast",
+    "ALL_TO_ALL": "alltoall",
+    "REDUCE": "reduce_scatter",
+    "GATHER": "allgather",
+    "SCATTER": "reduce_scatter",
+    "REDUCE_SCATTER_BLOCK": "reduce_scatter",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphResult:
+    """An executed graph: ``time`` until its last node ended, busy seconds per resource, spans."""
+
+    time: float
+    compute_s: float
+    comm_s: float
+    nodes: int
+    spans: tuple[Span, ...]
+
+
+def chakra_nodes(workload: Workload, config: IterationConfig | None = None) -> list[Any]:
+    """One iteration of ``workload`` as Chakra ``Node`` messages (the same for every rank)."""
+    config = config or IterationConfig()
+    schema = load_schema()
+    comp, coll = schema.NodeType.Value("COMP_NODE"), schema.NodeType.Value("COMM_COLL_NODE")
+    nodes: list[Any] = []
+
+    def add(
+        name: str,
+        kind: int,
+        seconds: float,
+        data: Sequence[int],
+        ctrl: Sequence[int] = (),
+        **attrs: object,
+    ) -> int:
+        node = schema.Node(
+            id=len(nodes),
+            name=name,
+            type=kind,
+            data_deps=list(data),
+            ctrl_deps=list(ctrl),
+            duration_micros=int(round(seconds * 1e6)),
+        )
+        node.attr.append(make_attr("duration_s", float(seconds)))
+        for key, value in attrs.items():
+            node.attr.append(make_attr(key, value))
+        nodes.append(node)
+        return node.id
+
+    layers = workload.layers
+    fwd = []
+    for layer in layers:
+        fwd.append(add(f"forward {layer.name}", comp, layer.forward_s, fwd[-1:]))
+    bwd: dict[int, int] = {}
+    previous = fwd[-1]
+    for i in reversed(range(len(layers))):
+        previous = bwd[i] = add(
+            f"backward {layers[i].name}", comp, layers[i].backward_s, [previous]
+        )
+    items = [
+        PlanItem(
+            key=i,
+            numel=lay.grad_bytes,
+            dtype="bytes",
+            elem_bytes=1,
+            position=i,
+            codec=config.codec.name,
+        )
+        for i, lay in enumerate(layers)
+        if lay.grad_bytes
+    ]
+    comms: list[int] = []
+    codec = config.codec
+    comm_type = schema.CollectiveCommType.Value("ALL_REDUCE" if codec.summable else "ALL_GATHER")
+    lanes = config.scheduler.lanes
+    for plan in build_plan(items, config.scheduler) if items else []:
+        wire = int(round(plan.nbytes * codec.ratio))
+        comms.append(
+            add(
+                f"bucket{plan.index}",
+                coll,
+                0.0,
+                [bwd[min(plan.keys)]],
+                comms[-1:],
+                comm_type=comm_type,
+                comm_size=wire,
+                comm_priority=lanes - 1 - plan.lane,
+                codec_s=plan.nbytes * codec.seconds_per_byte,
+            )
+        )
+    updates = sum(lay.update_s for lay in layers if lay.grad_bytes)
+    add("update", comp, updates, [bwd[0], *comms])
+    return nodes
+
+
+def _seconds(node: Any, attrs: dict) -> float:
+    return float(attrs.get("duration_s", node.duration_micros * 1e-6))
+
+
+def run_graph(
+    nodes: Sequence[Any],
+    topology: Topology,
+    *,
+    algorithm: str | tuple[str, ...] = "ring",
+    flat: bool = False,
+) -> GraphResult:
+    """Execute one rank's Chakra nodes on ``topology``.
+
+    Raises:
+        ValueError: a dependency on a missing node, a cycle, or an unpriced collective type.
+    """
+    schema = load_schema()
+    by_id = {node.id: node for node in nodes}
+    if len(by_id) != len(nodes):
+        raise ValueError("Chakra node ids must be unique")
+    waiting_on: dict[int, int] = {}
+    children: dict[int, list[int]] = {i: [] for i in by_id}
+    for node in nodes:
+        deps = set(node.data_deps) | set(node.ctrl_deps)
+        missing = deps - by_id.keys()
+        if missing:
+            raise ValueError(
+                f"node {node.id} ({node.name!r}) depends on missing nodes {sorted(missing)}"
+            )
+        waiting_on[node.id] = len(deps)
+        for dep in deps:
+            children[dep].append(node.id)
+    q = EventQueue()
+    ready: dict[str, list[int]] = {"compute": [], "comm": []}
+    busy = {"compute": False, "comm": False}
+    totals = {"compute": 0.0, "comm": 0.0}
+    spans: list[Span] = []
+    finished = [0]
+
+    def cost(node: Any, attrs: dict) -> tuple[str, float]:
+        kind = schema.NodeType.Name(node.type)
+        if kind == "COMM_COLL_NODE":
+            ctype = schema.CollectiveCommType.Name(int(attrs.get("comm_type", 0)))
+            if ctype == "BARRIER":  # priced as an all-reduce of one float: its latency
+                return "comm", collective_cost(
+                    topology, op="allreduce", algorithm=algorithm, nbytes=4, flat=flat
+                ).time
+            if ctype not in _COLL_OPS:
+                raise ValueError(f"node {node.id}: collective type {ctype} is not priced")
+            size = float(attrs.get("comm_size", 0))
+            if ctype in ("ALL_GATHER", "GATHER"):  # comm_size is what each rank contributes
+                size *= topology.npus
+            price = collective_cost(
+                topology, op=_COLL_OPS[ctype], algorithm=algorithm, nbytes=size, flat=flat
+            )
+            return "comm", price.time + float(attrs.get("codec_s", 0.0))
+        if kind in ("COMM_SEND_NODE", "COMM_RECV_NODE"):
+            return "comm", topology.dims[-1].message_time(float(attrs.get("comm_size", 0)))
+        return "compute", _seconds(node, attrs)
+
+    def start(resource: str) -> None:
+        if busy[resource] or not ready[resource]:
+            return
+        queue = ready[resource]
+        if resource == "comm":
+            queue.sort(key=lambda i: (-int(attributes(by_id[i]).get("comm_priority", 0)), i))
+        else:
+            queue.sort()
+        node_id = queue.pop(0)
+        node = by_id[node_id]
+        _, seconds = cost(node, attributes(node))
+        busy[resource] = True
+        totals[resource] += seconds
+        begin = q.now
+
+        def done() -> None:
+            busy[resource] = False
+            finished[0] += 1
+            if q.now > begin:
+                spans.append(Span(resource, node.name, begin, q.now, 0))
+            for child in children[node_id]:
+                waiting_on[child] -= 1
+                if waiting_on[child] == 0:
+                    release(child)
+            start("compute")
+            start("comm")
+
+        q.after(seconds, done)
+
+    def release(node_id: int) -> None:
+        node = by_id[node_id]
+        resource, _ = cost(node, attributes(node))
+        ready[resource].append(node_id)
+        start(resource)
+
+    for node_id, count in waiting_on.items():
+        if count == 0:
+            release(node_id)
+    end = q.run()
+    if finished[0] != len(nodes):
+        raise ValueError(
+            f"{len(nodes) - finished[0]} Chakra nodes never ran: the dependencies form a cycle"
+        )
+    return GraphResult(
+        time=end,
+        compute_s=totals["compute"],
+        comm_s=totals["comm"],
+        nodes=len(nodes),
+        spans=tuple(spans),
+    )

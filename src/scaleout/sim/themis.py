@@ -1,0 +1,168 @@
+"""Themis-style scheduling of a chunked all-reduce across network dimensions.
+
+An all-reduce of ``n`` bytes is cut into ``chunks`` pieces. Each chunk reduce-scatters
+through every dimension in some order and all-gathers back through the reverse order; a
+dimension serves one chunk phase at a time (ASTRA-sim's active-chunks-per-dimension = 1),
+so phases of different chunks overlap on different dimensions.
+
+* ``baseline``: every chunk uses the fixed order 0, 1, ..., N-1 (ASTRA-sim's hierarchical
+  all-reduce).
+* ``themis``: the scheduler keeps a running load per dimension; for each chunk it orders
+  the dimensions least-loaded first, then charges them: a reduce-scatter of ``m`` bytes on a
+  dimension of size ``d`` adds ``m (d-1)/d / B_d`` and shrinks the chunk to ``m/d``; the
+  matching all-gather adds ``m (d-1) / B_d`` on the way back (Themis, ISCA'22; REFERENCES.md
+  §5, with the load in seconds rather than relative to dimension 0's bandwidth).
+
+The gain reported is ``baseline time / themis time`` for the same bytes, i.e. the ratio of
+all-reduce bandwidth utilisations.
+
+Example:
+    >>> from scaleout.sim.network import parse_topology
+    >>> topo = parse_topology("4x4", bandwidths=[1.0, 1.0], kinds=["ring", "ring"])
+    >>> r = pipelined_allreduce(topo, nbytes=16.0, chunks=1, algorithm="ring")
+    >>> r.time  # RS 3 x 16/4 on dim 0, RS 3 x 4/4 on dim 1, then the same back
+    30.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaleout.sim.collectives import phase_time
+from scaleout.sim.events import EventQueue
+from scaleout.sim.network import Topology
+
+__all__ = ["SCHEDULERS", "PipelineResult", "pipelined_allreduce", "themis_gain"]
+
+SCHEDULERS = ("baseline", "themis")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineResult:
+    """A chunked multi-dimensional all-reduce.
+
+    Attributes:
+        scheduler: ``"baseline"`` or ``"themis"``.
+        time: seconds until the last chunk finished.
+        busy: per dimension, seconds its links carried bytes (``sent / bandwidth``).
+        orders: per chunk, the dimension order it used.
+    """
+
+    scheduler: str
+    time: float
+    busy: tuple[float, ...]
+    orders: tuple[tuple[int, ...], ...]
+
+    def utilisation(self) -> tuple[float, ...]:
+        """Per dimension, the fraction of the run its links carried bytes."""
+        return tuple(b / self.time if self.time > 0 else 0.0 for b in self.busy)
+
+
+def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> list[list[int]]:
+    active = [i for i, d in enumerate(topology.dims) if d.npus > 1]
+    if scheduler == "baseline":
+        return [list(active) for _ in range(chunks)]
+    load = {i: 0.0 for i in active}
+    orders = []
+    for _ in range(chunks):
+        order = sorted(active, key=lambda i: (load[i], i))
+        size = nbytes / chunks
+        for i in order:  # reduce-scatter up
+            d, bw = topology.dims[i].npus, topology.dims[i].bandwidth
+            load[i] += size * (d - 1) / d / bw
+            size /= d
+        for i in reversed(order):  # all-gather back
+            d, bw = topology.dims[i].npus, topology.dims[i].bandwidth
+            load[i] += size * (d - 1) / bw
+            size *= d
+        orders.append(order)
+    return orders
+
+
+def pipelined_allreduce(
+    topology: Topology,
+    *,
+    nbytes: float,
+    chunks: int = 64,
+    algorithm: str = "ring",
+    scheduler: str = "baseline",
+) -> PipelineResult:
+    """Simulate a chunked all-reduce, every dimension serving one chunk phase at a time.
+
+    Args:
+        topology: the network.
+        nbytes: all-reduce size per NPU.
+        chunks: pieces it is cut into (ASTRA-sim's preferred-dataset-splits).
+        algorithm: the per-dimension algorithm (``ring``, ``direct``, ``halving_doubling``).
+        scheduler: ``"baseline"`` (fixed order) or ``"themis"``.
+
+    Raises:
+        ValueError: an unknown scheduler or a chunk count < 1.
+    """
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    orders = _orders(topology, float(nbytes), chunks, scheduler)
+    dims = topology.dims
+    busy = [0.0] * len(dims)
+    free = [True] * len(dims)
+    waiting: list[list[tuple[int, int]]] = [[] for _ in dims]  # per dim: (chunk, stage)
+    stages = []  # per chunk: [(dim, op, bytes in)]
+    for order in orders:
+        size, plan = nbytes / chunks, []
+        for i in order:
+            plan.append((i, "reduce_scatter", size))
+            size /= dims[i].npus
+        for i in reversed(order):
+            size *= dims[i].npus
+            plan.append((i, "allgather", size))
+        stages.append(plan)
+    queue = EventQueue()
+    finished = [0.0]
+
+    def start(dim: int) -> None:
+        if not free[dim] or not waiting[dim]:
+            return
+        chunk, stage = waiting[dim].pop(0)
+        _, op, size = stages[chunk][stage]
+        t, sent = phase_time(dims[dim], op, algorithm, size)
+        free[dim] = False
+        busy[dim] += sent / dims[dim].bandwidth
+        queue.after(t, lambda: done(dim, chunk, stage))
+
+    def enqueue(chunk: int, stage: int) -> None:
+        if stage == len(stages[chunk]):
+            finished[0] = max(finished[0], queue.now)
+            return
+        dim = stages[chunk][stage][0]
+        waiting[dim].append((chunk, stage))
+        start(dim)
+
+    def done(dim: int, chunk: int, stage: int) -> None:
+        free[dim] = True
+        enqueue(chunk, stage + 1)
+        start(dim)
+
+    for chunk in range(chunks):
+        enqueue(chunk, 0)
+    queue.run()
+    return PipelineResult(
+        scheduler=scheduler,
+        time=finished[0],
+        busy=tuple(busy),
+        orders=tuple(tuple(o) for o in orders),
+    )
+
+
+def themis_gain(
+    topology: Topology, *, nbytes: float, chunks: int = 64, algorithm: str = "ring"
+) -> tuple[float, PipelineResult, PipelineResult]:
+    """``(baseline time / themis time, baseline result, themis result)``."""
+    base = pipelined_allreduce(
+        topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm, scheduler="baseline"
+    )
+    them = pipelined_allreduce(
+        topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm, scheduler="themis"
+    )
+    return (base.time / them.time if them.time > 0 else 1.0), base, them

@@ -1,0 +1,128 @@
+"""Workloads: what one rank computes per iteration and which gradients it must exchange.
+
+A workload is a sequence of layers in forward order, each with its forward and backward
+compute time on one rank, its gradient bytes and an optional optimizer-update time. It
+comes from the model table (:mod:`scaleout.sim.models`), from a recorded trace
+(:mod:`scaleout.sim.trace`) or from a Chakra trace (:mod:`scaleout.sim.chakra`), and can be
+re-scaled to another per-rank batch size or device speed.
+
+Example:
+    >>> w = Workload(name="toy", batch_size=8, layers=(
+    ...     Layer(name="a", forward_s=1.0, backward_s=2.0, grad_bytes=4),))
+    >>> w.scaled(batch_size=16, speed=2.0).compute_s
+    3.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Layer", "Workload"]
+
+
+def _nonneg(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{owner}.{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One layer (an Operation with a ParameterSet, in scaleout's words).
+
+    Attributes:
+        name: for reports and traces.
+        forward_s, backward_s: compute seconds on one rank for one iteration.
+        grad_bytes: bytes of its gradients (0: nothing to exchange).
+        update_s: optimizer update seconds once its gradients arrived.
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    grad_bytes: int
+    update_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Layer.name must be a str, got {type(self.name).__name__}")
+        for field in ("forward_s", "backward_s", "update_s"):
+            _nonneg("Layer", field, getattr(self, field))
+        if (
+            isinstance(self.grad_bytes, bool)
+            or not isinstance(self.grad_bytes, int)
+            or self.grad_bytes < 0
+        ):
+            raise ValueError(f"Layer.grad_bytes must be an int >= 0, got {self.grad_bytes!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Layers in forward order, for one rank at ``batch_size`` samples.
+
+    Raises:
+        ValueError: no layers, a batch size < 1, or duplicate layer names.
+    """
+
+    name: str
+    layers: tuple[Layer, ...]
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.layers or not all(isinstance(layer, Layer) for layer in self.layers):
+            raise ValueError(f"Workload {self.name!r} needs at least one Layer")
+        if (
+            isinstance(self.batch_size, bool)
+            or not isinstance(self.batch_size, int)
+            or self.batch_size < 1
+        ):
+            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+
+    @property
+    def forward_s(self) -> float:
+        """Forward seconds of all layers."""
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        """Backward seconds of all layers."""
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward + updates: one rank's iteration with nothing to wait for."""
+        return sum(layer.forward_s + layer.backward_s + layer.update_s for layer in self.layers)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradient bytes exchanged per iteration (before compression)."""
+        return sum(layer.grad_bytes for layer in self.layers)
+
+    def scaled(self, *, batch_size: int | None = None, speed: float = 1.0) -> Workload:
+        """The same model at another per-rank batch size and/or on a faster device.
+
+        Compute time is taken as proportional to the batch (large-batch regime) and
+        inversely proportional to ``speed``; gradient bytes and updates do not depend on the
+        batch (updates do scale with speed).
+
+        Raises:
+            ValueError: a batch size < 1 or a speed that is not > 0.
+        """
+        batch = self.batch_size if batch_size is None else batch_size
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch!r}")
+        if not isinstance(speed, (int, float)) or not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed!r}")
+        factor = batch / self.batch_size / speed
+        return Workload(
+            name=self.name,
+            batch_size=batch,
+            layers=tuple(
+                replace(
+                    layer,
+                    forward_s=layer.forward_s * factor,
+                    backward_s=layer.backward_s * factor,
+                    update_s=layer.update_s / speed,
+                )
+                for layer in self.layers
+            ),
+        )

@@ -1,0 +1,157 @@
+"""``scaleout sim`` smoke tests: the module entry point once, the rest in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaleout.cli.main import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_python_dash_m_collective_json() -> None:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaleout",
+            "sim",
+            "collective",
+            "--op",
+            "allreduce",
+            "--algorithm",
+            "ring",
+            "--topology",
+            "8",
+            "--bandwidth",
+            "100Gbps",
+            "--latency",
+            "5us",
+            "--size",
+            "64MB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    ).stdout
+    data = json.loads(out)
+    # 2 x 7 x (5 us + 8 MB / 12.5 GB/s)
+    assert data["time_s"] == pytest.approx(14 * (5e-6 + (64 << 20) / 8 / 12.5e9))
+    assert data["npus"] == 8
+
+
+def test_collective_themis_and_errors(capsys) -> None:
+    assert (
+        main(
+            [
+                "sim",
+                "collective",
+                "--topology",
+                "16x16",
+                "--bandwidth",
+                "100GB/s",
+                "--themis",
+                "--chunks",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["themis"]["gain"] > 1.0
+    assert main(["sim", "collective", "--topology", "8x", "--bandwidth", "1Gbps"]) == 2
+    assert "8x128" in capsys.readouterr().err
+
+
+def test_run_writes_chrome_and_chakra_and_runs_chakra(tmp_path, capsys) -> None:
+    chrome, prefix = tmp_path / "it.json", tmp_path / "rn"
+    assert (
+        main(
+            [
+                "sim",
+                "run",
+                "--model",
+                "resnet50",
+                "--preset",
+                "goyal-bigbasin",
+                "--nodes",
+                "64",
+                "--chrome",
+                str(chrome),
+                "--write-chakra",
+                str(prefix),
+                "--ranks",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert "efficiency" in capsys.readouterr().out
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert (
+        main(["sim", "run", "--chakra", f"{prefix}.1.et", "--preset", "goyal-bigbasin", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["nodes"] > 100
+
+
+def test_sweep_and_trace_workload(tmp_path, capsys) -> None:
+    from scaleout.sim.trace import write_trace
+    from scaleout.sim.workload import Layer, Workload
+
+    trace = tmp_path / "t.json"
+    write_trace(
+        trace,
+        Workload(
+            name="rec",
+            batch_size=4,
+            layers=(Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20),),
+        ),
+    )
+    out = tmp_path / "sweep.json"
+    assert (
+        main(
+            [
+                "sim",
+                "sweep",
+                "--trace",
+                str(trace),
+                "--batch",
+                "8",
+                "--topology",
+                "4x8",
+                "--bandwidth",
+                "10GB/s,10Gbps",
+                "--nodes",
+                "1..32",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    points = json.loads(out.read_text())["points"]
+    assert [p["npus"] for p in points] == [1, 2, 4, 8, 16, 32]
+    assert points[0]["efficiency"] == pytest.approx(1.0)
+    assert points[0]["compute_s"] == pytest.approx(0.06)  # batch 8 from a trace at batch 4
+
+
+def test_validate_prints_sources_writes_json_and_exit_code_matches(tmp_path, capsys) -> None:
+    out = tmp_path / "v.json"
+    rc = main(["sim", "validate", "--only", "published", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == (0 if report["ok"] else 1)
+    text = capsys.readouterr().out
+    assert "Horovod" in text and "Goyal" in text and "Themis" in text
+    assert all(o["source"] and o["assumptions"] for o in report["outcomes"])

@@ -7,6 +7,7 @@ import json
 
 from scaleout.cli.sim_args import algorithm_from, emit, fail, json_arg, network_args, topology_from
 from scaleout.cli.sim_run import handle_run, handle_sweep
+from scaleout.cli.sim_traces import register_chrome
 from scaleout.table import format_table
 
 __all__ = ["register", "handle_collective", "handle_validate"]
@@ -135,6 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write the results (default sim-validation.json)",
     )
     val.set_defaults(func=handle_validate)
+    register_chrome(sub)
 
 
 def handle_collective(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ forward starts while later layers' gradients are still on the wire.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
 from scaleout.session.bucket import CommHook
 from scaleout.session.timing import stopwatch_for
+from scaleout.session.trace import TraceRecorder
 
 __all__ = ["DataParallel"]
 
@@ -50,6 +52,10 @@ class DataParallel(nn.Module):
             parameter-name glob pattern to spec; ``None`` sends exact gradients.
         broadcast_buffers: keep floating buffers (BatchNorm running statistics) consistent
             by averaging them over the data group after every training forward.
+        trace: a folder: every rank records a timeline (each layer's forward and backward,
+            each bucket's communication, exposed waits, updates) and writes
+            ``trace.<rank>.json`` there on ``close()`` / ``write_trace()``; default from
+            ``SCALEOUT_TRACE``. ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -63,7 +69,8 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, distribution: Distribution | None = None, *,
                  scheduler: SchedulerConfig | None = None, distributed_update: bool = False,
-                 compression: Any = None, broadcast_buffers: bool = True) -> None:
+                 compression: Any = None, broadcast_buffers: bool = True,
+                 trace: str | os.PathLike | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -88,6 +95,8 @@ class DataParallel(nn.Module):
         self._forward_order: list[Layer] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._pending_compression_state: dict[str, Any] = {}
+        self._trace_dir = trace if trace is not None else os.environ.get("SCALEOUT_TRACE") or None
+        self._trace = TraceRecorder(self.env.rank) if self._trace_dir else None
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
@@ -161,6 +170,8 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._finish_buffers()
+        if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
+            self._trace.batch_size = args[0].shape[0]
         output = self.module(*args, **kwargs)
         if self._session is None:
             self._commit()
@@ -206,8 +217,19 @@ class DataParallel(nn.Module):
         else:
             self._session.load_compression_state_dict(state["compression"])
 
+    def write_trace(self, **meta: Any) -> str | None:
+        """Write this rank's trace (when tracing) into the trace folder; its path.
+
+        ``meta``: ``workload``, ``batch_size``, ``device``, ``command`` for the file.
+        """
+        if self._trace is None:
+            return None
+        meta.setdefault("device", str(self._device))
+        return self._trace.write(self._trace_dir, **meta)
+
     def close(self) -> None:
-        """Stop the progress thread and remove the hooks."""
+        """Write the trace (when tracing), stop the progress thread and remove the hooks."""
+        self.write_trace()
         if self._session is not None:
             self._session.close()
         for handle in self._handles:
@@ -228,7 +250,7 @@ class DataParallel(nn.Module):
                              dtype=torch.int64, device=self._device)
         collectives.bcast(self.comm, order, 0).wait()
         self._forward_order = [self._layers[i] for i in order.tolist()]
-        session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler)
+        session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler, trace=self._trace)
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)
         params = [p for layer in self._forward_order for p in layer.params]
@@ -254,7 +276,11 @@ class DataParallel(nn.Module):
                     for p, ps in zip(layer.params, layer.sets)}
         for bucket in session.buckets:
             bucket.set_parameters([param_of[id(ps)] for ps in bucket.members if id(ps) in param_of])
-        self.updates.commit(self._forward_order, usage)
+        self.updates.commit(self._forward_order, usage, self._trace)
+        if self._trace is not None:
+            for layer in self._forward_order:
+                self._trace.set_grad_bytes(layer.name, sum(p.numel() * p.element_size()
+                                                           for p in layer.params))
         if self._pending_compression_state:
             session.load_compression_state_dict(self._pending_compression_state)
             self._pending_compression_state = {}
@@ -277,7 +303,7 @@ class DataParallel(nn.Module):
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
             if self._session is not None:  # (backward compute is timed from here on)
-                self._stopwatch.lap(self._session.statistics, layer.name)
+                self._stopwatch.lap(self._session.statistics, layer.name, phase="forward")
             else:
                 self._stopwatch.restart()
         return hook
@@ -292,7 +318,7 @@ class DataParallel(nn.Module):
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         layer, ps = self._set_of[id(param)]
-        self._stopwatch.lap(self._session.statistics, layer.name)
+        self._stopwatch.lap(self._session.statistics, layer.name, phase="backward")
         if ps.gradient_pending:
             raise RuntimeError(
                 f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "

@@ -10,6 +10,7 @@ arrived: one optimizer step instead of one per layer).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from scaleout.pytorch.modules import Layer
 from scaleout.session import ParameterSet
+from scaleout.session.trace import TraceRecorder
 
 __all__ = ["LazyUpdates", "Updater"]
 
@@ -50,6 +52,7 @@ class LazyUpdates:
         self._params: list[nn.Parameter] = []
         self._usage: ParameterSet | None = None
         self._globally_used: dict[int, bool] = {}
+        self._trace: TraceRecorder | None = None
 
     def attach(self, updater: Updater) -> None:
         """Make ``updater`` the one that applies this model's updates.
@@ -66,8 +69,11 @@ class LazyUpdates:
         """``"sync"`` without an updater (DDP semantics), else the updater's mode."""
         return "sync" if self.updater is None else self.updater.mode
 
-    def commit(self, forward_order: list[Layer], usage: ParameterSet | None) -> None:
-        """The layers in forward order and the parameter set carrying who used what."""
+    def commit(self, forward_order: list[Layer], usage: ParameterSet | None,
+               trace: TraceRecorder | None = None) -> None:
+        """The layers in forward order, the parameter set carrying who used what, and the
+        trace that logs each update."""
+        self._trace = trace
         self.forward_order = forward_order
         self._position = {id(layer): i for i, layer in enumerate(forward_order)}
         self._params = [p for layer in forward_order for p in layer.params]
@@ -151,4 +157,8 @@ class LazyUpdates:
                 params.append(param)
                 grads.append(ps.wait_gradient_comm())
         used = self.used_globally()  # after the gradients: waits count against their layers
+        began = time.perf_counter()
         self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])
+        if self._trace is not None:
+            self._trace.span("compute", "update " + "+".join(l.name for l in layers), began,
+                             time.perf_counter(), phase="update")

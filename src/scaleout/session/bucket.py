@@ -11,6 +11,7 @@ DDP's ``GradBucket`` offers are here too, so torch's own hooks run unchanged).
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +189,12 @@ class GradBucket:
         raw = sum(self.job.chunk_bytes)
         sent = sum(request.nbytes for request in self._pending) or raw
         self._pending.clear()
+        if self.statistics.trace is not None:
+            codec = getattr(getattr(self.state, "codec", None), "name", None)
+            self.statistics.trace.span(
+                "comm", self.name, self.job.issued_at or self.job.ready_at, time.perf_counter(),
+                bytes=sent, raw_bytes=raw, priority_lane=self.job.lane,
+                codec=codec or getattr(self.hook, "__name__", "hook"))
         for name, share in self._shares:  # by size
             self.statistics.add(name, bytes=sent * share, raw_bytes=raw * share)
 

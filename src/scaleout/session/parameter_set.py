@@ -169,9 +169,15 @@ class ParameterSet:
                                "not called this iteration")
         began = time.perf_counter()
         bucket.wait(timeout)
-        self.statistics.add(self.op_name, exposed_s=time.perf_counter() - began)
+        self._exposed(began)
         self._started = False
         return bucket.result(self)
+
+    def _exposed(self, began: float) -> None:
+        now = time.perf_counter()
+        self.statistics.add(self.op_name, exposed_s=now - began)
+        if self.statistics.trace is not None:
+            self.statistics.trace.span("wait", self.op_name, began, now)
 
     def test_gradient_comm(self) -> bool:
         """True once the gradient communication completed (``wait`` then returns at once)."""
@@ -199,7 +205,7 @@ class ParameterSet:
             raise RuntimeError(f"wait_increment_comm on {self.name}: no increment started")
         began = time.perf_counter()
         gathered = self._increment.wait(timeout)
-        self.statistics.add(self.op_name, exposed_s=time.perf_counter() - began)
+        self._exposed(began)
         self._increment = None
         return gathered[: self.local_count]
 

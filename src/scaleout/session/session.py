@@ -19,6 +19,7 @@ from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, r
 from scaleout.session.operation import Operation
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
 from scaleout.session.statistics import Statistics
+from scaleout.session.trace import TraceRecorder
 
 __all__ = ["Phase", "Session"]
 
@@ -37,6 +38,8 @@ class Session:
         env: the Environment.
         phase: TRAIN (gradients are communicated) or TEST.
         scheduler: how gradients are fused, split and prioritised.
+        trace: record a timeline of compute, communication and waits (see
+            :mod:`scaleout.session.trace`).
 
     Example (every rank):
         >>> session = Session(env, Phase.TRAIN)
@@ -48,7 +51,8 @@ class Session:
     """
 
     def __init__(self, env: Environment, phase: Phase = Phase.TRAIN, *,
-                 scheduler: SchedulerConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None,
+                 trace: TraceRecorder | None = None) -> None:
         if not isinstance(phase, Phase):
             raise TypeError(f"phase must be a scaleout Phase, got {phase!r}")
         if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
@@ -56,7 +60,7 @@ class Session:
         self.env = env
         self.phase = phase
         self.scheduler = scheduler or SchedulerConfig()
-        self.statistics = Statistics()
+        self.statistics = Statistics(trace)
         self._operations: list[Operation] = []
         self._global_minibatch: int | None = None
         self._committed = False

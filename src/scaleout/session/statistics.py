@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from scaleout.table import format_table
 
@@ -33,12 +34,18 @@ class OperationStats:
 
 
 class Statistics:
-    """Figures per operation, a total, a printable table and a dict."""
+    """Figures per operation, a total, a printable table and a dict.
 
-    def __init__(self) -> None:
+    Args:
+        trace: a :class:`~scaleout.session.trace.TraceRecorder` that the places timing
+            things for these statistics also log their spans to (``None``: no trace).
+    """
+
+    def __init__(self, trace: Any = None) -> None:
         self._ops: dict[str, OperationStats] = defaultdict(OperationStats)
         self._lock = threading.Lock()  # the progress engine adds from its own thread
         self.iterations = 0
+        self.trace = trace
 
     def add(self, operation: str, **amounts: float) -> None:
         """Add ``amounts`` (field=value) to ``operation``'s figures."""
@@ -49,6 +56,8 @@ class Statistics:
 
     def end_iteration(self) -> None:
         self.iterations += 1
+        if self.trace is not None:
+            self.trace.end_iteration()
 
     def reset(self) -> None:
         self._ops.clear()

@@ -23,6 +23,12 @@ __all__ = ["Stopwatch", "CudaStopwatch", "stopwatch_for"]
 Operations = str | Sequence[tuple[str, float]]
 
 
+def _trace(statistics: Statistics, operations: Operations, phase: str, start: float,
+           end: float) -> None:
+    if phase and statistics.trace is not None and isinstance(operations, str):
+        statistics.trace.span("compute", operations, start, end, phase=phase)
+
+
 def _add(statistics: Statistics, operations: Operations, field: str, seconds: float) -> None:
     shares = [(operations, 1.0)] if isinstance(operations, str) else operations
     for name, share in shares:
@@ -43,10 +49,13 @@ class Stopwatch:
     def restart(self) -> None:
         self._last = time.perf_counter()
 
-    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s") -> None:
-        """Add the seconds since the previous lap or restart to ``operation``'s ``field``."""
+    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s",
+            phase: str = "") -> None:
+        """Add the seconds since the previous lap or restart to ``operation``'s ``field``
+        (and, with a ``phase`` and a trace, log the span as compute of that phase)."""
         now = time.perf_counter()
         _add(statistics, operation, field, now - self._last)
+        _trace(statistics, operation, phase, self._last, now)
         self._last = now
 
     def flush(self, statistics: Statistics) -> None:
@@ -65,6 +74,7 @@ class CudaStopwatch:
         self._free: list[Any] = []
         self._pending: deque[tuple[Operations, str, Any, Any]] = deque()
         self._last = self._event()
+        self._host = time.perf_counter()  # for traces: when the work was issued
 
     def _event(self) -> Any:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
@@ -74,11 +84,16 @@ class CudaStopwatch:
     def restart(self) -> None:
         self._free.append(self._last)
         self._last = self._event()
+        self._host = time.perf_counter()
 
-    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s") -> None:
+    def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s",
+            phase: str = "") -> None:
         now = self._event()
         self._pending.append((operation, field, self._last, now))
         self._last = self._event()
+        host = time.perf_counter()
+        _trace(statistics, operation, phase, self._host, host)
+        self._host = host
 
     def flush(self, statistics: Statistics) -> None:
         """Add every lap whose end event has completed, in order (never blocks)."""

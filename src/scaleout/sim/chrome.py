@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from scaleout.sim.iteration import Span
 
-__all__ = ["LANES", "chrome_trace", "write_chrome_trace"]
+__all__ = ["LANES", "chrome_trace", "chrome_trace_of_ranks", "write_chrome_trace", "recorded_spans"]
 
 LANES = ("compute", "comm", "wait")
 
 
 def chrome_trace(spans: Iterable[Span], *, ranks: int = 1, metadata: dict | None = None) -> dict:
-    """The trace document (``{"traceEvents": [...], "displayTimeUnit": "ms"}``).
+    """The trace document (``{"traceEvents": [...], "displayTimeUnit": "ms"}``) of a
+    simulated rank, repeated on ``ranks`` tracks (data-parallel ranks are symmetric).
 
     Raises:
         ValueError: ``ranks`` < 1 or a span on an unknown lane.
@@ -33,17 +34,20 @@ def chrome_trace(spans: Iterable[Span], *, ranks: int = 1, metadata: dict | None
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     spans = list(spans)
+    return chrome_trace_of_ranks([spans] * ranks, metadata=metadata)
+
+
+def chrome_trace_of_ranks(per_rank: Sequence[Iterable[Span]], *,
+                          metadata: dict | None = None) -> dict:
+    """The trace document with track ``i`` holding ``per_rank[i]``'s spans (real runs).
+
+    Raises:
+        ValueError: a span on an unknown lane.
+    """
     events: list[dict] = []
-    for rank in range(ranks):
-        events.append(
-            {
-                "ph": "M",
-                "name": "process_name",
-                "pid": rank,
-                "tid": 0,
-                "args": {"name": f"rank {rank}"},
-            }
-        )
+    for rank, spans in enumerate(per_rank):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
         for tid, lane in enumerate(LANES):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}}
@@ -75,3 +79,16 @@ def write_chrome_trace(
     """Write :func:`chrome_trace` to ``path``."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(chrome_trace(spans, ranks=ranks, metadata=metadata), f)
+
+
+def recorded_spans(trace: dict) -> list[Span]:
+    """The spans of a trace recorded by a real run (``scaleout.session.trace``), one rank.
+
+    Raises:
+        ValueError: the trace holds no ``events`` (not recorded by a run).
+    """
+    if not isinstance(trace, dict) or not isinstance(trace.get("events"), list):
+        raise ValueError("not a recorded trace: it has no 'events' list (record one with "
+                         "DataParallel(trace=FOLDER) or SCALEOUT_TRACE=FOLDER)")
+    return [Span(e["lane"], e["name"], float(e["start"]), float(e["end"]), int(e["iteration"]))
+            for e in trace["events"]]

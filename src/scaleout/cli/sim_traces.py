@@ -1,0 +1,57 @@
+"""``scaleout sim chrome``: one Chrome / Perfetto trace of a real run's recorded traces."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+
+from scaleout.cli.sim_args import fail
+
+__all__ = ["register_chrome", "handle_chrome"]
+
+
+def register_chrome(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chrome",
+        help="merge a run's recorded traces (trace.<rank>.json) into one Chrome trace",
+        epilog="example:\n  SCALEOUT_TRACE=traces scaleout run -n 2 train.py\n"
+               "  scaleout sim chrome traces -o run.json   # open in ui.perfetto.dev\n"
+               "  scaleout sim run --trace traces/trace.0.json --nodes 64 --preset ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("folder", help="the folder given to DataParallel(trace=) / SCALEOUT_TRACE")
+    p.add_argument("-o", "--output", default=None, help="output file (default FOLDER/chrome.json)")
+    p.set_defaults(func=handle_chrome)
+
+
+def handle_chrome(args: argparse.Namespace) -> int:
+    """Write the merged trace; exit code."""
+    from scaleout.sim.chrome import chrome_trace_of_ranks, recorded_spans
+
+    files = glob.glob(os.path.join(args.folder, "trace.*.json"))
+    by_rank = {}
+    for path in files:
+        match = re.search(r"trace\.(\d+)\.json$", path)
+        if match:
+            by_rank[int(match.group(1))] = path
+    if not by_rank:
+        return fail(ValueError(f"no trace.<rank>.json in {args.folder!r}: record with "
+                               "DataParallel(trace=FOLDER) or SCALEOUT_TRACE=FOLDER"))
+    try:
+        per_rank = []
+        for rank in range(max(by_rank) + 1):
+            if rank not in by_rank:
+                raise ValueError(f"rank {rank}'s trace is missing from {args.folder!r}")
+            with open(by_rank[rank], encoding="utf-8") as f:
+                per_rank.append(recorded_spans(json.load(f)))
+    except (OSError, ValueError, KeyError) as err:
+        return fail(err)
+    output = args.output or os.path.join(args.folder, "chrome.json")
+    with open(output, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace_of_ranks(per_rank), f)
+    print(f"wrote {output}: {len(per_rank)} ranks, "
+          f"{sum(len(s) for s in per_rank)} spans")
+    return 0

@@ -169,10 +169,23 @@ class DataParallel(nn.Module):
         self._finish_buffers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(args)
+        output = self.module(*args, **kwargs)
+        self._after_forward()
+        return output
+
+    # torch.compile traces the module, never the communication around it: the hooks and
+    # these steps are opaque to it (torch.compiler.disable), so it neither breaks graphs
+    # on them with a warning nor tries to trace locks, clocks and collectives.
+
+    @torch.compiler.disable
+    def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
-        output = self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _after_forward(self) -> None:
         if self._session is None:
             self._commit()
         for layer in self._forward_order:  # layers this forward did not run
@@ -183,7 +196,6 @@ class DataParallel(nn.Module):
         if self._session is not None:
             self._stopwatch.flush(self._session.statistics)
             self._session.statistics.end_iteration()
-        return output
 
     def train(self, mode: bool = True) -> DataParallel:
         if mode != self.training:
@@ -298,7 +310,7 @@ class DataParallel(nn.Module):
                 return
             self.updates.complete(layer)
             self._stopwatch.restart()
-        return hook
+        return torch.compiler.disable(hook)
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
@@ -306,7 +318,7 @@ class DataParallel(nn.Module):
                 self._stopwatch.lap(self._session.statistics, layer.name, phase="forward")
             else:
                 self._stopwatch.restart()
-        return hook
+        return torch.compiler.disable(hook)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._used[id(param)] = True

@@ -18,7 +18,7 @@ EXAMPLE = """example:
 """
 
 # Further `scaleout bench X` subcommands: modules exposing register(subparsers).
-_MORE = ("scaleout.cli.bench_train",)
+_MORE = ("scaleout.cli.bench_train", "scaleout.cli.bench_codecs")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,10 +1,39 @@
 import os
 import sys
 
-import torch
+import pytest
+
+# Ask NVML, not the CUDA driver, whether a GPU is there: the driver initialised in this
+# process would make CUDA unusable in the ranks the harness forks from it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import torch  # noqa: E402
 
 # Forked ranks inherit this process; keep its intra-op pool single-threaded so that
 # forking after torch work is safe and ranks do not oversubscribe the cores.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _no_gpu_reason() -> str | None:
+    """Why ``gpu`` tests cannot run here, or ``None`` when CUDA is available."""
+    if torch.cuda.is_available():
+        return None
+    if not torch.backends.cuda.is_built():
+        return f"needs CUDA: this torch ({torch.__version__}) is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return f"needs CUDA: torch {torch.__version__} sees no CUDA device{hidden}"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``gpu`` tests skip without CUDA, saying why; with SCALEOUT_REQUIRE_GPU=1 they fail."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    reason = _no_gpu_reason()
+    if reason is None:
+        return
+    if os.environ.get("SCALEOUT_REQUIRE_GPU", "0") not in ("", "0"):
+        pytest.fail(f"SCALEOUT_REQUIRE_GPU=1 but {reason}", pytrace=False)
+    pytest.skip(reason)

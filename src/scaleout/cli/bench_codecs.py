@@ -4,9 +4,11 @@ bytes, beside torch's own DDP hooks (fp16, PowerSGD) on the same tensors."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 EXAMPLE = """examples:
   scaleout bench codecs --device cuda --sizes 1M,25M --json codecs.json
@@ -86,10 +88,36 @@ def codecs_table(report: dict) -> str:
     return format_table(headers, rows)
 
 
+@contextlib.contextmanager
+def hide_cuda(enabled: bool) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=`` for the duration (restored after), when ``enabled``.
+
+    torch's PowerSGD hook calls ``torch.cuda.synchronize()`` whenever CUDA is available,
+    which fails on CPU tensors. Hiding CUDA works while this process has not initialised
+    the CUDA runtime (``scaleout`` never does for CPU work); if it has, that hook's row
+    reports the error and the other rows are still measured.
+    """
+    if not enabled:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def handler(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write ``--json``; the exit code."""
-    if args.device == "cpu" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks torch about CUDA
+    with hide_cuda(args.device == "cpu"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from scaleout.bench.codecs import CodecBenchConfig, run_codec_bench

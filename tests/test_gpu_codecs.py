@@ -15,6 +15,9 @@ runs in forked ranks only, so this process never initialises CUDA (a forked chil
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -22,11 +25,13 @@ import scaleout
 from harness import run_ranks
 from scaleout import GroupType
 from scaleout.bench.codec_comm import LoopbackComm
-from scaleout.compression import CodecState, compressed_allreduce, make_codec
+from scaleout.compression import Codec, CodecState, compressed_allreduce, make_codec
 
 SPECS = ["none", "cast:fp16", "cast:bf16,error_feedback=on", "blockquant", "sign", "sign:block_size=64",
          "topk:ratio=0.05", "topk:ratio=0.05,momentum=0.9", "powersgd:rank=2", "rows"]
-#: Codecs whose encode/decode/exchange need no value on the host (meta tensors have none).
+#: Codecs whose encode/decode/exchange need no value on the host (meta tensors have none;
+#: on CUDA they run under ``torch.cuda.set_sync_debug_mode("error")``). top-k and rows need
+#: a count on the host (docs/compression.md lists why).
 META_SPECS = [s for s in SPECS if not s.startswith(("topk", "rows"))]
 #: Relative L2 distance allowed between the CUDA and the CPU result of a codec (float
 #: reordering; a blockquant/sign/topk element rounding the other way moves one step).
@@ -45,24 +50,45 @@ def _state_tensors(state: CodecState) -> list[torch.Tensor]:
     return [*state.buffers.values(), *state.scratch.values()]
 
 
+@contextlib.contextmanager
+def _no_host_sync(enabled: bool) -> Iterator[None]:
+    """Any CUDA operation that makes the host wait for the device raises inside."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _steps(spec: str, device: torch.device | str, inputs: list[torch.Tensor] | None = None,
-           ) -> tuple[list[torch.Tensor], CodecState]:
+           strict: bool = False) -> tuple[list[torch.Tensor], CodecState]:
     """Encode/decode round trips on ``device`` and exchanges over a loop-back, one per input
-    (default: three gradients)."""
+    (default: three gradients). ``strict``: after the first step (which draws PowerSGD's
+    ``Q`` on the CPU), no CUDA host synchronisation is allowed."""
     codec = make_codec(spec)
     state, ex_state, out = CodecState(), CodecState(), []
-    for x in inputs if inputs is not None else [grad(step).to(device) for step in range(3)]:
-        payload, ctx = codec.encode(x, state)
-        assert all(piece.device == x.device for piece in payload), spec
-        decoded = codec.decode(payload, ctx)
-        assert decoded.device == x.device and decoded.shape == x.shape, spec
-        work = x.clone()
-        compressed_allreduce(codec, work, ex_state, LoopbackComm(), group=None).wait()
-        assert work.device == x.device, spec
-        out += [decoded, work]
+    inputs = inputs if inputs is not None else [grad(step).to(device) for step in range(3)]
+    for step, x in enumerate(inputs):
+        with _no_host_sync(strict and step > 0):
+            out += _step(codec, x, state, ex_state)
     for st in (state, ex_state):
         assert st.devices() <= {torch.device(device)}, f"{spec}: state on {st.devices()}"
     return out, state
+
+
+def _step(codec: Codec, x: torch.Tensor, state: CodecState, ex_state: CodecState) -> list[torch.Tensor]:
+    """One encode/decode (``state``) and one loop-back exchange (``ex_state``) of ``x``."""
+    payload, ctx = codec.encode(x, state)
+    assert all(piece.device == x.device for piece in payload), codec
+    decoded = codec.decode(payload, ctx)
+    assert decoded.device == x.device and decoded.shape == x.shape, codec
+    work = x.clone()
+    compressed_allreduce(codec, work, ex_state, LoopbackComm(), group=None).wait()
+    assert work.device == x.device, codec
+    return [decoded, work]
 
 
 @pytest.mark.parametrize("spec", META_SPECS)
@@ -104,7 +130,7 @@ def _cuda_codec_body() -> dict[str, list[float]]:
     """In a forked rank: every codec on CUDA vs the CPU, state devices checked in _steps."""
     distances = {}
     for spec in SPECS:
-        on_gpu, state = _steps(spec, torch.device("cuda", 0))
+        on_gpu, state = _steps(spec, torch.device("cuda", 0), strict=spec in META_SPECS)
         assert all(t.is_cuda for t in _state_tensors(state)), spec
         on_cpu, _ = _steps(spec, "cpu")
         distances[spec] = [_relative(g.cpu(), c) for g, c in zip(on_gpu, on_cpu)]
@@ -149,3 +175,32 @@ def test_every_codec_exchanges_cuda_tensors(world_size: int, backend: str | None
         for spec, values in distances.items():
             tolerance = CUDA_VS_CPU[spec.split(":")[0]]
             assert max(values) <= tolerance, f"{spec}: CUDA vs CPU relative distance {values}"
+
+
+def test_gram_schmidt_is_orthonormal_and_spans_the_columns() -> None:
+    """PowerSGD's device-side orthonormalisation (the CPU uses LAPACK's QR)."""
+    from scaleout.compression.powersgd import gram_schmidt
+
+    p = torch.randn(200, 4, generator=torch.Generator().manual_seed(0))
+    p[:, 3] = p[:, 0] + 1e-4 * p[:, 1]  # nearly dependent
+    q = gram_schmidt(p)
+    torch.testing.assert_close(q.T @ q, torch.eye(4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(q @ (q.T @ p), p, atol=1e-4, rtol=0)  # same span
+    zero = gram_schmidt(torch.zeros(50, 2))
+    assert torch.equal(zero, torch.zeros(50, 2))
+
+
+def test_powersgd_on_a_device_path_equals_the_cpu_path() -> None:
+    """The branch-free path (Gram-Schmidt) gives the CPU's projections, steps included."""
+    from unittest import mock
+
+    from scaleout.compression import powersgd
+
+    codec = make_codec("powersgd:rank=3")
+    states = CodecState(), CodecState()
+    for step in range(3):
+        x = grad(step)
+        want = codec.decode(*codec.encode(x, states[0]))
+        with mock.patch.object(powersgd, "checks_are_free", return_value=False):
+            got = codec.decode(*codec.encode(x, states[1]))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

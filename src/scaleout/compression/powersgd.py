@@ -27,13 +27,14 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     bucket_layout,
+    checks_are_free,
     compensate,
     keep_residual,
     remember,
 )
 from scaleout.compression.state import CodecState
 
-__all__ = ["PowerSGDCodec"]
+__all__ = ["PowerSGDCodec", "gram_schmidt"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +206,35 @@ class PowerSGDCodec(Codec):
 
     @staticmethod
     def _orthonormal(p: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.qr(p, mode="reduced").Q
+        """Orthonormal columns spanning ``p``'s: LAPACK's QR on the CPU; on a device, where a
+        QR may wait on the host (MAGMA's hybrid kernels), :func:`gram_schmidt`."""
+        if checks_are_free(p):
+            return torch.linalg.qr(p, mode="reduced").Q
+        return gram_schmidt(p)
+
+
+def gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormalise the columns of the tall, thin ``p`` (``n x r``) without host syncs.
+
+    Modified Gram-Schmidt, run twice ("twice is enough": the second pass restores the
+    orthogonality the first loses on nearly dependent columns); a loop over the ``r``
+    columns, each step a few kernels over ``n x r`` values. A zero column stays zero
+    (it adds nothing to ``P P^T M``). torch's PowerSGD hook does one such pass for rank <= 2.
+
+    Example:
+        >>> q = gram_schmidt(torch.tensor([[3.0, 1.0], [4.0, 2.0]]))
+        >>> torch.allclose(q.T @ q, torch.eye(2), atol=1e-6)
+        True
+    """
+    q = p.clone()
+    tiny = torch.finfo(q.dtype).tiny
+    for _ in range(2):
+        for i in range(q.shape[1]):
+            col = q[:, i:i + 1]
+            col.div_(torch.linalg.vector_norm(col).clamp_min(tiny))
+            rest = q[:, i + 1:]
+            rest.sub_(col @ (col.T @ rest))
+    return q
 
 
 def _t_matmul(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

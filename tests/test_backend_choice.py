@@ -89,3 +89,13 @@ def test_environment_exposes_backend_and_device() -> None:
             elif world_size == 1:  # one GPU per process
                 assert (backend, device) == ("cpu:gloo,cuda:nccl", "cuda:0")
             assert f"device={device}" in text
+
+
+def test_choose_backend_reads_the_launcher() -> None:
+    from scaleout.core.env import choose_backend
+
+    if torch.cuda.is_available():
+        pytest.skip("the answer depends on this machine's GPUs")
+    assert choose_backend(environ={"LOCAL_WORLD_SIZE": "2"}, local_rank=1) == ("gloo", CPU)
+    with pytest.raises(ValueError, match="SCALEOUT_BACKEND"):
+        choose_backend(environ={"SCALEOUT_BACKEND": "nccl"})

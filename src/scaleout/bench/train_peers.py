@@ -195,15 +195,11 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> 
 
 def _backend(device: torch.device) -> str:
     """The backend scaleout would choose here (so DDP and scaleout compare on the same one)."""
-    from scaleout.core.env import _choose_backend, local_world_size
+    from scaleout.core.env import choose_backend
 
     if device.type == "cpu":
         return "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend, _ = _choose_backend(None, cuda_devices=torch.cuda.device_count(), local_rank=local_rank,
-                                 local_world_size=local_world_size(os.environ, local_rank),
-                                 environ=os.environ)
-    return backend
+    return choose_backend(local_rank=int(os.environ.get("LOCAL_RANK", "0")))[0]
 
 
 def _lockstep(options: SetupOptions, traffic: bool) -> Setup:

@@ -15,7 +15,7 @@ from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
 
-__all__ = ["Environment", "init", "attach", "local_world_size", "DEFAULT_TIMEOUT"]
+__all__ = ["Environment", "init", "attach", "choose_backend", "local_world_size", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
@@ -98,6 +98,28 @@ def _choose_backend(backend: str | None, *, cuda_devices: int, local_world_size:
             f"{local_world_size} processes on this node share {cuda_devices} GPU(s); use 'gloo' "
             "(it carries CUDA tensors too), or leave the backend to scaleout")
     return backend, device
+
+
+def choose_backend(backend: str | None = None, *, environ: Mapping[str, str] | None = None,
+                   local_rank: int = 0) -> tuple[str, torch.device]:
+    """What :func:`init` chooses for this process: :func:`_choose_backend` with the GPUs
+    torch sees and the node's process count from the launcher's variables.
+
+    Args:
+        backend: as for :func:`init` (``None``: ``SCALEOUT_BACKEND``, else automatic).
+        environ: the launcher's variables (default ``os.environ``).
+        local_rank: this process's rank on the node.
+
+    Returns:
+        ``(backend, device)``.
+
+    Raises:
+        ValueError, TypeError: as :func:`_choose_backend`.
+    """
+    environ = os.environ if environ is None else environ
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return _choose_backend(backend, cuda_devices=cuda_devices, local_rank=local_rank,
+                           local_world_size=local_world_size(environ, local_rank), environ=environ)
 
 
 class Environment:
@@ -241,10 +263,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     seconds = _seconds(timeout)
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    chosen, device = _choose_backend(backend, cuda_devices=cuda_devices, local_rank=info.local_rank,
-                                     local_world_size=local_world_size(environ, info.local_rank),
-                                     environ=environ)
+    chosen, device = choose_backend(backend, environ=environ, local_rank=info.local_rank)
     if check_consistency is None:
         check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
     if tdist.is_initialized():

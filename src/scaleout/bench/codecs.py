@@ -12,6 +12,8 @@ after ``warmup`` untimed ones (CUDA events on a GPU, ``perf_counter`` on the CPU
 * ``torch_s``: torch's hook for the same job on the same process group and tensor, where
   torch has one: ``fp16_compress_hook`` for ``cast:fp16``, ``powerSGD_hook`` (same rank,
   error feedback and warm start on, compressing from the first timed run) for ``powersgd``;
+* ``host_syncs``, ``exchange_host_syncs`` (CUDA only): how many times one more encode +
+  decode, and one more exchange, made the host wait for the GPU;
 * ``copy_s``: one device-to-device copy of the same fp32 bytes, the memory-bandwidth limit
   (timed before and after the codecs, the faster kept); every time is also given as a
   multiple of it (``*_x_copy``).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -206,6 +209,11 @@ def _measure(spec: str, x: torch.Tensor, timer: _Timer) -> dict[str, Any]:
     row["exchange_s"] = timer(
         lambda: compressed_allreduce(codec, work, ex_state, comm, group=None).wait(),
         setup=lambda: work.copy_(x))
+    if x.is_cuda:  # one more step of each, counting the times the host waited for the GPU
+        row["host_syncs"] = _host_syncs(lambda: codec.decode(*codec.encode(x, state)))
+        work.copy_(x)
+        row["exchange_host_syncs"] = _host_syncs(
+            lambda: compressed_allreduce(codec, work, ex_state, comm, group=None).wait())
     hook = _torch_hook(spec)
     if hook is not None:
         name, call = hook
@@ -218,6 +226,18 @@ def _measure(spec: str, x: torch.Tensor, timer: _Timer) -> dict[str, Any]:
         row["torch_s"] = timer(lambda: call(bucket).wait(), setup=lambda: buffer.copy_(x.reshape(-1)))
         row["ours_over_torch"] = row["exchange_s"] / row["torch_s"]
     return row
+
+
+def _host_syncs(run: Callable[[], object]) -> int:
+    """How many synchronising CUDA calls ``run`` makes (``torch.cuda.set_sync_debug_mode``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _with_copy(row: dict[str, Any], numel: int, shape: tuple[int, int], copy_s: float) -> dict[str, Any]:

@@ -18,7 +18,8 @@ Sizes count fp32 values (25M = 26,214,400), viewed as the most nearly square mat
 'x copy' is a time over that of one device-to-device copy of the same fp32 bytes (the
 memory-bandwidth limit); 'exchange' is the codec's whole exchange at world size 1 on a
 process group, 'torch' torch's hook on the same tensor and group (fp16_compress_hook for
-cast:fp16, powerSGD_hook for powersgd). On the CPU, CUDA is hidden from this process
+cast:fp16, powerSGD_hook for powersgd); 'host syncs' (CUDA) counts the times one encode +
+decode / one exchange made the host wait for the GPU. On the CPU, CUDA is hidden from this process
 (torch's PowerSGD hook would call torch.cuda.synchronize() on CPU tensors).
 """
 
@@ -77,14 +78,15 @@ def codecs_table(report: dict) -> str:
     for r in report["results"]:
         if "error" in r:
             rows.append([r["codec"], str(r["numel"]), "failed: " + r["error"][:60], "", "", "", "",
-                         "", ""])
+                         "", "", ""])
             continue
         rows.append([r["codec"], str(r["numel"]), ms(r["encode_decode_s"]),
                      times(r["encode_decode_x_copy"]), ms(r["exchange_s"]), times(r["exchange_x_copy"]),
                      r.get("torch_hook", "-"), ms(r.get("torch_s")),
-                     "-" if "ours_over_torch" not in r else f"{r['ours_over_torch']:.2f}"])
+                     "-" if "ours_over_torch" not in r else f"{r['ours_over_torch']:.2f}",
+                     f"{r['host_syncs']}/{r['exchange_host_syncs']}" if "host_syncs" in r else "-"])
     headers = ["codec", "values", "enc+dec ms", "x copy", "exchange ms", "x copy", "torch hook",
-               "torch ms", "ours/torch"]
+               "torch ms", "ours/torch", "host syncs"]
     return format_table(headers, rows)
 
 

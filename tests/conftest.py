@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-# Ask NVML, not the CUDA driver, whether a GPU is there: the driver initialised in this
-# process would make CUDA unusable in the ranks the harness forks from it.
+# Where torch is asked about CUDA in this process, it asks NVML rather than the CUDA driver:
+# the driver initialised here would make CUDA unusable in the ranks the harness forks.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
@@ -15,10 +15,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+from harness import cuda_available  # noqa: E402
+
 
 def _no_gpu_reason() -> str | None:
     """Why ``gpu`` tests cannot run here, or ``None`` when CUDA is available."""
-    if torch.cuda.is_available():
+    if cuda_available():
         return None
     if not torch.backends.cuda.is_built():
         return f"needs CUDA: this torch ({torch.__version__}) is built without CUDA"

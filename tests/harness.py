@@ -14,17 +14,19 @@ Usage::
 from __future__ import annotations
 
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["run_ranks", "free_port", "RankFailure"]
+__all__ = ["run_ranks", "free_port", "RankFailure", "cuda_available"]
 
 
 class RankFailure(AssertionError):
@@ -63,6 +65,18 @@ def _child(conn: Any, rank: int, world_size: int, port: int, fn: Callable[..., A
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    """Whether torch can use CUDA here, asked in a child process: asking in this one could
+    initialise the CUDA driver, after which the ranks forked from it could not use CUDA."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return False
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0
 
 
 def _start_method() -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import scaleout
-from harness import run_ranks
+from harness import cuda_available, run_ranks
 from scaleout.core.env import _choose_backend, local_world_size
 
 CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
@@ -65,7 +65,7 @@ def test_local_world_size_from_launchers() -> None:
 
 def test_init_refuses_nccl_before_any_rendezvous() -> None:
     """No GPU here (or hidden): init raises at once instead of waiting for peers."""
-    if torch.cuda.is_available():
+    if cuda_available():
         pytest.skip("this machine has CUDA; the no-GPU error cannot happen")
     environ = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -94,7 +94,7 @@ def test_environment_exposes_backend_and_device() -> None:
 def test_choose_backend_reads_the_launcher() -> None:
     from scaleout.core.env import choose_backend
 
-    if torch.cuda.is_available():
+    if cuda_available():
         pytest.skip("the answer depends on this machine's GPUs")
     assert choose_backend(environ={"LOCAL_WORLD_SIZE": "2"}, local_rank=1) == ("gloo", CPU)
     with pytest.raises(ValueError, match="SCALEOUT_BACKEND"):

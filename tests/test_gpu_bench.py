@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import cuda_available
 from scaleout.cli.main import main
 
 
@@ -38,10 +39,7 @@ def test_bench_train_on_cuda(tmp_path: Path) -> None:
 
 
 def test_bench_codecs_on_cuda_is_refused_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("torch")
-    import torch
-
-    if torch.cuda.is_available():
+    if cuda_available():
         pytest.skip("CUDA is available here")
     assert main(["bench", "codecs", "--device", "cuda", "--sizes", "4K"]) == 2
     assert "no CUDA device" in capsys.readouterr().err

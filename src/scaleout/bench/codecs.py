@@ -12,8 +12,9 @@ after ``warmup`` untimed ones (CUDA events on a GPU, ``perf_counter`` on the CPU
 * ``torch_s``: torch's hook for the same job on the same process group and tensor, where
   torch has one: ``fp16_compress_hook`` for ``cast:fp16``, ``powerSGD_hook`` (same rank,
   error feedback and warm start on, compressing from the first timed run) for ``powersgd``;
-* ``host_syncs``, ``exchange_host_syncs`` (CUDA only): how many times one more encode +
-  decode, and one more exchange, made the host wait for the GPU;
+* ``host_syncs``, ``exchange_host_syncs``, ``torch_host_syncs`` (CUDA only): how many
+  times one more encode + decode, exchange, or call of torch's hook made the host wait for
+  the GPU;
 * ``copy_s``: one device-to-device copy of the same fp32 bytes, the memory-bandwidth limit
   (timed before and after the codecs, the faster kept); every time is also given as a
   multiple of it (``*_x_copy``).
@@ -225,6 +226,9 @@ def _measure(spec: str, x: torch.Tensor, timer: _Timer) -> dict[str, Any]:
             call(bucket).wait()
         row["torch_s"] = timer(lambda: call(bucket).wait(), setup=lambda: buffer.copy_(x.reshape(-1)))
         row["ours_over_torch"] = row["exchange_s"] / row["torch_s"]
+        if x.is_cuda:
+            buffer.copy_(x.reshape(-1))
+            row["torch_host_syncs"] = _host_syncs(lambda: call(bucket).wait())
     return row
 
 

@@ -2,8 +2,8 @@
 # The GPU checks of issue 11, for a machine with a GPU (one H100 here, torch 2.11+cu130,
 # the checkout installed with `pip install --no-deps --no-build-isolation -e .`).
 # Run from the repository root; results go to $OUT (default benchmarks/results/gpu).
-# At most 5 minutes: every step has its own time limit (20 + 180 + 70 + 30 s), a failing step does not stop the
-# others, and $OUT/summary.txt lists each step's exit code.
+# At most 5 minutes: every step has its own time limit (20 + 180 + 70 + 30 s), a failing
+# step does not stop the others, and $OUT/summary.txt lists each step's exit code.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu.sh
 set -u

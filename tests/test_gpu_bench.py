@@ -17,8 +17,10 @@ from scaleout.cli.main import main
 @pytest.mark.timeout(180)
 def test_bench_collectives_on_cuda(tmp_path: Path) -> None:
     out = tmp_path / "coll.json"
+    # allreduce only: torch's own side would call gloo's allgather on CUDA tensors, which
+    # torch documents as unsupported (scaleout's codecs' allgathers are tested elsewhere).
     assert main(["bench", "collectives", "-n", "2", "--device", "cuda", "--ops",
-                 "allreduce,allgather", "--sizes", "64K", "--rounds", "2", "--budget", "0.01",
+                 "allreduce,bcast", "--sizes", "64K", "--rounds", "2", "--budget", "0.01",
                  "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"].startswith("cuda") and report["backend"] == "gloo"  # 2 ranks, 1 GPU

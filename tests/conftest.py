@@ -1,8 +1,10 @@
 import os
 import sys
 
-# Ask NVML, not the CUDA runtime, whether a GPU is there: the runtime's check "poisons" fork,
-# and the harness forks ranks that then use CUDA themselves.
+import pytest
+
+# Where torch is asked about CUDA in this process, it asks NVML rather than the CUDA driver:
+# the driver initialised here would make CUDA unusable in the ranks the harness forks.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: E402
@@ -12,3 +14,28 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import cuda_available  # noqa: E402
+
+
+def _no_gpu_reason() -> str | None:
+    """Why ``gpu`` tests cannot run here, or ``None`` when CUDA is available."""
+    if cuda_available():
+        return None
+    if not torch.backends.cuda.is_built():
+        return f"needs CUDA: this torch ({torch.__version__}) is built without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return f"needs CUDA: torch {torch.__version__} sees no CUDA device{hidden}"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``gpu`` tests skip without CUDA, saying why; with SCALEOUT_REQUIRE_GPU=1 they fail."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    reason = _no_gpu_reason()
+    if reason is None:
+        return
+    if os.environ.get("SCALEOUT_REQUIRE_GPU", "0") not in ("", "0"):
+        pytest.fail(f"SCALEOUT_REQUIRE_GPU=1 but {reason}", pytrace=False)
+    pytest.skip(reason)

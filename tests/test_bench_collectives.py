@@ -16,7 +16,9 @@ def test_smoke_writes_paired_rounds(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = tmp_path / "coll.json"
     assert main(["bench", "collectives", "-n", "2", "--ops", "allreduce,alltoall", "--sizes",
                  "4K,64K", "--rounds", "3", "--budget", "0.01", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu"
+    rows = report["results"]
     assert [(r["op"], r["bytes"]) for r in rows] == [
         ("allreduce", 4096), ("allreduce", 65536), ("alltoall", 4096), ("alltoall", 65536)]
     for row in rows:

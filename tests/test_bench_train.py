@@ -228,3 +228,50 @@ def test_ceilings_are_configurations(rank_env: Path, capsys: pytest.CaptureFixtu
         assert summary[name]["efficiency"] > 0
         assert summary["scaleout"]["over_peers"][name] > 0
     assert "vs lockstep-traffic" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_configuration_is_reported_and_the_others_go_on(
+        rank_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """ddp is forced to fail (its ranks run a script that raises); single and scaleout are
+    still measured, in every round, and ddp's row says why."""
+    real = train._worker_args
+    crash = rank_env / "crash.py"
+    crash.write_text("raise RuntimeError('forced failure for the test')\n")
+
+    def worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
+        return [str(crash)] if name == "ddp" else real(config, name, path)
+
+    monkeypatch.setattr(train, "_worker_args", worker_args)
+    out = rank_env / "out.json"
+    args = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index("--rounds") + 2:]]
+    assert main([*args, "--no-testbed", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "ddp FAILED: RuntimeError: forced failure for the test" in captured.out
+    assert "1 configuration(s) failed: ddp" in captured.err
+    report = json.loads(out.read_text())
+    failed = [r for r in report["runs"] if "error" in r]
+    assert [(r["config"], r["reason"]) for r in failed] == [
+        ("ddp", "RuntimeError: forced failure for the test")]  # recorded once, not re-run
+    assert sorted(r["config"] for r in report["runs"] if "error" not in r) == [
+        "scaleout", "scaleout", "single", "single"]
+    assert report["summary"]["scaleout"]["throughput"] > 0
+    assert report["summary"]["ddp"]["failed"].startswith("RuntimeError")
+    assert report["summary"]["scaleout"]["over_peers"]["ddp"] is None
+
+
+def test_device_is_validated_and_cpu_runs_hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="device"):
+        TrainBenchConfig(workload="digits-mlp", testbed=False, device="tpu")
+    cfg = TrainBenchConfig(workload="digits-mlp", testbed=False)
+    seen = {}
+
+    def fake_launch(target, config, wrapper=None, out=None):  # noqa: ANN001
+        seen.update(config.env)
+        return 3
+
+    monkeypatch.setattr(train, "launch", fake_launch)
+    with pytest.raises(train.BenchFailed, match="exit code 3"):
+        train._run_once(cfg, "ddp", train.Placement(wrapper=None, master_addr="127.0.0.1",
+                                                    network={}), "/tmp", None)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and "--device" in train._worker_args(cfg, "ddp", "x")

@@ -21,8 +21,7 @@ from harness import run_ranks
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 from test_data_parallel import PER_RANK, SCHEDULERS, STEPS, Net, batch, make, reference, uses_extra
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # conftest: skip without CUDA, fail under SCALEOUT_REQUIRE_GPU=1
 
 BACKEND = {1: "nccl", 2: "gloo"}
 

@@ -41,17 +41,18 @@ def bus_factor(op: str, p: int) -> float:
     return (p - 1) / p
 
 
-def _calls(op: str, d: scaleout.Distribution, numel: int) -> tuple[Callable[[], object], Callable[[], object]]:
+def _calls(op: str, d: scaleout.Distribution, numel: int,
+           device: torch.device) -> tuple[Callable[[], object], Callable[[], object]]:
     """(scaleout call, plain torch.distributed call) moving the same bytes into the same,
-    preallocated output buffers."""
+    preallocated output buffers on ``device``."""
     p, me = d.size(GroupType.GLOBAL), d.rank(GroupType.GLOBAL)
     g = GroupType.GLOBAL
     pg = d.process_group(g)
     block = max(numel // p, 1)
-    full = torch.ones(block * p)
-    part = torch.ones(block)
-    out_full = torch.empty(block * p)
-    parts = [torch.empty(block) for _ in range(p)]
+    full = torch.ones(block * p, device=device)
+    part = torch.ones(block, device=device)
+    out_full = torch.empty(block * p, device=device)
+    parts = [torch.empty(block, device=device) for _ in range(p)]
     ours: dict[str, Callable[[], object]] = {
         "allreduce": lambda: d.allreduce(full, group=g).wait(),
         "reduce_scatter": lambda: d.reduce_scatter(full, group=g, out=part).wait(),
@@ -76,11 +77,14 @@ def _calls(op: str, d: scaleout.Distribution, numel: int) -> tuple[Callable[[], 
 
 
 def _timed(call: Callable[[], object], iters: int, pg: object) -> float:
-    """Seconds per call, the slowest rank's (every rank starts together)."""
+    """Seconds per call, the slowest rank's (every rank starts together; on a GPU, until the
+    device has finished the calls' kernels)."""
     tdist.barrier(group=pg)
     start = time.perf_counter()
     for _ in range(iters):
         call()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
     tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX, group=pg)
     return float(elapsed.item())
@@ -100,10 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.05,
                         help="seconds of calls per timed block")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the buffers live (cuda: this rank's GPU)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     env = scaleout.init(timeout=120)
+    if args.device == "cuda" and env.device.type != "cuda":
+        raise ValueError(f"rank {env.rank}: --device cuda, but this rank sees no GPU")
+    device = env.device if args.device == "cuda" else torch.device("cpu")
     d = env.create_distribution()
     pg = d.process_group(GroupType.GLOBAL)
     p = env.world_size
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     for op in args.ops.split(","):
         for size in parse_sizes(args.sizes):
             numel = max(size // 4, p)
-            ours, theirs = _calls(op, d, numel)
+            ours, theirs = _calls(op, d, numel, device)
             ours(), theirs()  # warm up both paths
             iters = _iterations(theirs, pg, args.budget)
             t_ours, t_theirs = [], []
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"ratio {row['ratio']:.3f}", flush=True)
     if env.rank == 0:
         with open(args.json, "w") as handle:
-            json.dump({"ranks": p, "backend": env.backend, "results": rows}, handle, indent=1)
+            json.dump({"ranks": p, "backend": env.backend, "device": str(device), "results": rows},
+                      handle, indent=1)
     env.finalize()
 
 

@@ -35,7 +35,30 @@ __all__ = ["TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rot
 
 
 class BenchFailed(RuntimeError):
-    """A configuration run failed; the message names it and holds its output."""
+    """A configuration run failed; the message names it and holds its output.
+
+    Attributes:
+        reason: one line saying why (the last error line of the output, else the exit code).
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def failure_reason(lines: list[str], code: int) -> str:
+    """The line of a failed run's output that says why: the last that names an error or an
+    exception (``RuntimeError: ...``, ``ValueError: ...``), else the exit code.
+
+    Example:
+        >>> failure_reason(["Traceback ...", "  x()", "RuntimeError: boom", "exit"], 1)
+        'RuntimeError: boom'
+    """
+    for line in reversed(lines):
+        text = line.strip()
+        if text and ("Error" in text.split(":")[0] or "Exception" in text.split(":")[0]):
+            return text
+    return f"exit code {code}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +85,10 @@ class TrainBenchConfig:
         testbed: run on an emulated cluster (needs root, ``ip``, ``tc``); ``False`` runs
             over loopback with no rate limit.
         timeout_s: rendezvous and collective timeout of the ranks.
+        device: ``"cpu"`` or ``"cuda"`` (each rank on GPU ``LOCAL_RANK % GPUs``). CPU runs
+            hide CUDA from the ranks (``CUDA_VISIBLE_DEVICES=``): same backends as on a
+            machine without a GPU, and torch's PowerSGD hook, which synchronises CUDA
+            whenever it is available, works on CPU tensors.
 
     Raises:
         ValueError: a field is out of range or names something unknown.
@@ -82,6 +109,7 @@ class TrainBenchConfig:
     seed: int = 0
     testbed: bool = True
     timeout_s: float = 300.0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -119,6 +147,8 @@ class TrainBenchConfig:
             from scaleout.testbed import TestbedConfig
 
             TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
 
@@ -231,7 +261,7 @@ def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
             "--warmup", str(config.warmup), "--iters", str(config.iters),
             "--threads", str(config.threads), "--seed", str(config.seed),
             "--policy", config.policy, "--mode", config.mode,
-            "--timeout", str(config.timeout_s), "--json", path]
+            "--timeout", str(config.timeout_s), "--device", config.device, "--json", path]
     if spec is not None:
         args += ["--compression", spec]
     return args
@@ -243,8 +273,10 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     nprocs = 1 if name == "single" else config.ranks
-    launch_config = LaunchConfig(nprocs=nprocs, master_addr=place.master_addr,
-                                 env={"OMP_NUM_THREADS": str(config.threads)})
+    env = {"OMP_NUM_THREADS": str(config.threads)}
+    if config.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    launch_config = LaunchConfig(nprocs=nprocs, master_addr=place.master_addr, env=env)
     out = _RankOutput(bar)
     code = launch(_worker_args(config, name, path), launch_config, wrapper=place.wrapper,
                   out=out)  # type: ignore[arg-type]
@@ -252,7 +284,8 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
         raise KeyboardInterrupt
     if code != 0 or not os.path.exists(path):
         tail = "\n".join(f"    {line}" for line in out.lines[-40:])
-        raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}")
+        raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}",
+                          failure_reason(out.lines, code))
     with open(path) as handle:
         return json.load(handle)
 
@@ -267,22 +300,34 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
     Returns:
         ``{"config": ..., "network": ..., "runs": [...]}``; each run holds ``round``,
         ``config``, ``order`` (its place in the round), the worker's per-iteration times
-        and, for scaleout, its statistics.
+        and, for scaleout, its statistics. A configuration that fails is recorded once, as
+        a run with ``error`` (its output) and ``reason`` (one line), and not run again;
+        the others go on.
 
     Raises:
         TestbedUnavailable: ``config.testbed`` but this machine cannot host one.
-        BenchFailed: a run failed (the message holds its output).
         KeyboardInterrupt: on Ctrl-C, after every rank and the testbed are gone.
     """
     names = config.configurations
     bar = ProgressBar(total=config.rounds * len(names), enabled=progress)
-    runs = []
+    runs: list[dict[str, object]] = []
+    failed: set[str] = set()
     try:
         with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
             for r in range(config.rounds):
                 for order, name in enumerate(rotation(names, r)):
                     bar.start(f"round {r + 1}/{config.rounds}: {name}")
-                    result = _run_once(config, name, place, tmp, bar)
+                    if name in failed:
+                        bar.finish_run("skipped (failed earlier)")
+                        continue
+                    try:
+                        result = _run_once(config, name, place, tmp, bar)
+                    except BenchFailed as err:
+                        failed.add(name)
+                        bar.finish_run("failed")
+                        runs.append({"round": r, "order": order, "config": name,
+                                     "error": str(err), "reason": err.reason})
+                        continue
                     throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
                     bar.finish_run(f"{throughput:.1f} samples/s")
                     runs.append({"round": r, "order": order, **result, "config": name})

@@ -22,6 +22,7 @@ Configurations:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +63,7 @@ class SetupOptions:
         mode: scaleout's DistributedOptimizer mode (``"overlap"`` or ``"sync"``).
         compression: scaleout's codec spec, or ``None`` for exact gradients.
         timeout_s: rendezvous and collective timeout in seconds.
+        device: where the model trains, ``"cpu"`` or ``"cuda"`` (this rank's GPU).
     """
 
     workload: Workload
@@ -70,6 +72,18 @@ class SetupOptions:
     mode: str = "overlap"
     compression: str | None = None
     timeout_s: float = 300.0
+    device: str = "cpu"
+
+    def torch_device(self) -> torch.device:
+        """The device: the CPU, or ``cuda:LOCAL_RANK % GPUs``."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+
+    def build_model(self) -> nn.Module:
+        """The workload's model from the seed, on the device."""
+        return self.workload.build_model(self.seed).to(self.torch_device())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +118,7 @@ def _nothing() -> None:
 
 
 def _single(options: SetupOptions) -> Setup:
-    model = options.workload.build_model(options.seed)
+    model = options.build_model()
     return Setup(model=model, optimizer=_sgd(model.parameters()), settle=_nothing,
                  reset=_nothing, statistics=None, close=_nothing, details={})
 
@@ -114,7 +128,7 @@ def _scaleout(options: SetupOptions) -> Setup:
     from scaleout.pytorch import DataParallel, DistributedOptimizer
 
     env = scaleout.init(timeout=options.timeout_s)
-    net = options.workload.build_model(options.seed)
+    net = options.build_model()
     model = DataParallel(net, env.create_distribution(),
                          scheduler=scaleout.SchedulerConfig(policy=options.policy),
                          compression=options.compression)
@@ -137,7 +151,7 @@ def _scaleout(options: SetupOptions) -> Setup:
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode,
-               "compression": options.compression}
+               "compression": options.compression, "backend": env.backend}
     return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
                  statistics=statistics,
                  close=close, details=details)
@@ -146,10 +160,13 @@ def _scaleout(options: SetupOptions) -> Setup:
 def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> Setup:
     from torch.nn.parallel import DistributedDataParallel
 
-    tdist.init_process_group("gloo", init_method="env://",
+    device = options.torch_device()
+    backend = _backend(device)
+    tdist.init_process_group(backend, init_method="env://",
                              timeout=timedelta(seconds=options.timeout_s))
-    model = DistributedDataParallel(options.workload.build_model(options.seed))
-    details: dict[str, Any] = {"bucket_cap_mb": 25, "hook": hook}
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(options.build_model(), device_ids=device_ids)
+    details: dict[str, Any] = {"bucket_cap_mb": 25, "hook": hook, "backend": backend}
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -176,8 +193,17 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> 
                  statistics=None, close=tdist.destroy_process_group, details=details)
 
 
+def _backend(device: torch.device) -> str:
+    """The backend scaleout would choose here (so DDP and scaleout compare on the same one)."""
+    from scaleout.core.env import choose_backend
+
+    if device.type == "cpu":
+        return "gloo"
+    return choose_backend(local_rank=int(os.environ.get("LOCAL_RANK", "0")))[0]
+
+
 def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
-    model = options.workload.build_model(options.seed)
+    model = options.build_model()
     optimizer = build_lockstep(model, traffic=traffic, timeout_s=options.timeout_s, lr=LR,
                                momentum=MOMENTUM)
 

@@ -53,7 +53,11 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
     peers = list(config["peers"])
     names = ["single", *(_variant(c) for c in config["compression"]), *peers]
     by_round: dict[int, dict[str, dict]] = {}
+    failures: dict[str, str] = {}
     for run in raw["runs"]:
+        if "error" in run:  # a failed configuration: its reason, no figures
+            failures.setdefault(run["config"], run.get("reason") or "failed")
+            continue
         thr = run["batch_per_rank"] * run["ranks"] / run["median_iter_s"]
         by_round.setdefault(run["round"], {})[run["config"]] = {**run, "throughput": thr}
     rounds = [by_round[r] for r in sorted(by_round)]
@@ -83,8 +87,14 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
                 entry[f"{key}_per_iter"] = _median([s[key] for s in stats])
         details = [rnd[name].get("details") for rnd in present]
         entry["details"] = details[0] if details else {}
+        if name in failures:
+            entry["failed"] = failures[name]
         summary[name] = entry
     return summary
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _variant(spec: str) -> str:
@@ -133,13 +143,19 @@ def build_report(raw: dict, *, argv: Sequence[str] | None = None,
 def format_report(report: dict) -> str:
     """A header saying what ran where, the table, and how to read it."""
     s, net, summary = report["settings"], report["network"], report["summary"]
-    header = (f"{s['workload']}, {s['ranks']} ranks x {s['batch']} samples, "
+    header = (f"{s['workload']} on {s.get('device', 'cpu')}, {s['ranks']} ranks x {s['batch']} samples, "
               f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
               f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank\n"
               f"network: {net['description']}")
     peers = list(s["peers"])
-    rows = []
+    rows, failed = [], []
     for name, e in summary.items():
+        if e.get("failed") and e["throughput"] is None:
+            rows.append([name, f"FAILED: {_short(e['failed'])}", *([""] * (6 + len(peers)))])
+            failed.append(f"{name} FAILED: {e['failed']}")
+            continue
+        if e.get("failed"):
+            failed.append(f"{name} failed in a later round: {e['failed']}")
         spread = (f"{e['throughput_min']:.1f}..{e['throughput_max']:.1f}"
                   if e["throughput_min"] is not None else "-")
         mb = e.get("bytes_per_iter")
@@ -164,6 +180,7 @@ def format_report(report: dict) -> str:
         notes.append(f"ddp-powersgd: matrix_approximation_rank {psgd['matrix_approximation_rank']}"
                      f", start_powerSGD_iter {psgd['start_powerSGD_iter']} (plain allreduce "
                      "before), error feedback and warm start on")
+    notes += failed
     if not net.get("testbed"):
         notes.append("NO TESTBED: ranks talk over loopback with no rate limit; these numbers "
                      "say little about a real network")

@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -45,8 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="overlap")
     parser.add_argument("--compression", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", required=True, help="rank 0 writes its results here")
     return parser
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A tensor, or a tuple/list of them (nested), moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return type(value)(_to(item, device) for item in value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,11 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
                            mode=args.mode, compression=args.compression,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, device=args.device)
+    device = options.torch_device()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     started = time.perf_counter()
     setup = build_setup(args.config, options)
-    batches = [workload.make_batch(args.batch * world, step, args.seed, rank=rank,
-                                   world_size=world)
+    batches = [_to(workload.make_batch(args.batch * world, step, args.seed, rank=rank,
+                                       world_size=world), device)
                for step in range(min(DISTINCT_BATCHES, args.warmup + args.iters))]
     total = args.warmup + args.iters
 
@@ -71,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         workload.loss_fn(setup.model(inputs), targets).backward()
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
+        if cuda:  # the iteration's time includes its kernels, not only their launches
+            torch.cuda.synchronize(device)
         if rank == 0:
             print(f"{PROGRESS_MARK} {step + 1} {total}", flush=True)
 
@@ -91,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "config": args.config, "ranks": world, "batch_per_rank": args.batch,
         "iter_s": times, "median_iter_s": statistics.median(times), "loop_s": loop_s,
-        "setup_and_warmup_s": loop_start - started, "threads": args.threads, "details": setup.details,
+        "setup_and_warmup_s": loop_start - started, "threads": args.threads, "device": str(device),
+        "details": setup.details,
         "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
     }
     if rank == 0:

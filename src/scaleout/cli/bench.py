@@ -18,7 +18,7 @@ EXAMPLE = """example:
 """
 
 # Further `scaleout bench X` subcommands: modules exposing register(subparsers).
-_MORE = ("scaleout.cli.bench_train",)
+_MORE = ("scaleout.cli.bench_train", "scaleout.cli.bench_codecs")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="seconds of calls per timed block (default 0.05)")
     coll.add_argument("--testbed", default=None, metavar="NAME",
                       help="run one rank per host of an emulated cluster")
+    coll.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                      help="buffers on the CPU (CUDA hidden from the ranks) or on each rank's "
+                           "GPU (default cpu)")
     coll.add_argument("--json", default=None, metavar="FILE", help="also write results as JSON")
     coll.set_defaults(func=handle_collectives)
     for name in _MORE:
@@ -77,20 +80,23 @@ def handle_collectives(args: argparse.Namespace) -> int:
             from scaleout.testbed import attach_wrapper
 
             wrapper, master_addr = attach_wrapper(args.testbed, args.nprocs)
-        config = LaunchConfig(nprocs=args.nprocs, master_addr=master_addr)
+        env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}
+        config = LaunchConfig(nprocs=args.nprocs, master_addr=master_addr, env=env)
     except ValueError as err:
         print(f"scaleout bench: error: {err}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json")
         target = ["-m", "scaleout.bench.collectives", "--ops", args.ops, "--sizes", args.sizes,
-                  "--rounds", str(args.rounds), "--budget", str(args.budget), "--json", path]
+                  "--rounds", str(args.rounds), "--budget", str(args.budget),
+                  "--device", args.device, "--json", path]
         code = launch(target, config, wrapper=wrapper)
         if code != 0:
             return code
         with open(path) as handle:
             results = json.load(handle)
-    print(f"\n{results['ranks']} ranks, backend {results['backend']}; ours/torch is the median "
+    print(f"\n{results['ranks']} ranks, backend {results['backend']}, buffers on "
+          f"{results.get('device', 'cpu')}; ours/torch is the median "
           "of per-round time ratios (1.000 = no overhead)")
     print(collectives_table(results))
     if args.json:

@@ -35,6 +35,7 @@ __all__ = [
     "TensorMeta",
     "compensate",
     "bucket_layout",
+    "checks_are_free",
     "compensate_check",
     "keep_buffer",
     "keep_residual",
@@ -76,6 +77,17 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def checks_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host is free (a CPU tensor).
+
+    On the CPU a data-dependent branch (``if bool(x.any()):``) costs one reduction and
+    saves whole passes; on an accelerator it would stall the host until the device
+    catches up, so codecs take the branch-free path there instead (same result).
+    docs/compression.md lists the host synchronisations that remain, and why.
+    """
+    return tensor.device.type == "cpu"
+
+
 def compensate_check(codec: str, tensor: torch.Tensor) -> None:
     """Raise the TypeError :func:`compensate` raises for a tensor a codec cannot compress."""
     if not isinstance(tensor, torch.Tensor):
@@ -106,7 +118,7 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
     """
     compensate_check(codec, tensor)
     source = tensor.detach().reshape(-1)
-    flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype))
+    flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype), device=source.device)
     residual = state.buffers.get("residual") if enabled else None
     if residual is None:
         flat.copy_(source)
@@ -116,7 +128,7 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
             f"codec {codec!r}: error-feedback residual has {residual.numel()} elements "
             f"but the tensor has {flat.numel()}; one CodecState per tensor is required"
         )
-    torch.add(source, residual.reshape(-1).to(dtype=flat.dtype), out=flat)
+    torch.add(source, residual.reshape(-1).to(device=flat.device, dtype=flat.dtype), out=flat)
     return flat
 
 
@@ -161,7 +173,12 @@ def keep_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str
     that scratch buffer (double buffering: no allocation per step).
     """
     old = state.buffers.get(name)
-    if not bool(torch.isfinite(new.sum())):  # one reduction; exact check only if needed
+    if not checks_are_free(new):  # no host sync: always mask (two passes on the device)
+        if old is None:
+            new.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            torch.where(torch.isfinite(new), new, old.reshape(-1).to(new.device, new.dtype), out=new)
+    elif not bool(torch.isfinite(new.sum())):  # one reduction; exact check only if needed
         keep = torch.zeros_like(new) if old is None else old.reshape(-1).to(new.dtype)
         torch.where(torch.isfinite(new), new, keep, out=new)
     if new is state.scratch.get(scratch):

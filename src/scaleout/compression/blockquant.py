@@ -15,6 +15,7 @@ choice (versus gathering int8 blocks).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
+    checks_are_free,
     compensate,
     keep_residual,
     remember,
@@ -81,8 +83,10 @@ class BlockQuantCodec(Codec):
     magnitude in the block across ranks. Single process ``L = 127`` (0.79% of the
     block maximum); ``p`` ranks ``L = 127 // p`` with int8 on the wire. Error
     feedback keeps the rest for the next step. Exponents are clamped to
-    ``[-126, 126]``: magnitudes below ``2**-127`` quantise to zero and values
-    above ``2**126`` saturate (the excess stays in the residual). A block holding
+    ``[-126, 126]``, and raised further so that ``L / 2**e`` is finite in the work
+    dtype (float32, int8 wire: ``e >= -120``): blocks below ``2**-121`` are quantised
+    a little coarser, and values above ``2**126`` saturate (the excess stays in the
+    residual). A block holding
     NaN/Inf on any rank decodes to NaN on every rank; the residual keeps its
     previous value there.
 
@@ -142,7 +146,7 @@ class BlockQuantCodec(Codec):
         ``scratch``, a buffer like ``flat``, receives ``|flat|`` (else a temporary does).
         """
         magnitudes = torch.abs(flat, out=scratch) if scratch is not None else flat.abs()
-        amax = torch.zeros(self._num_blocks(flat.numel()), dtype=flat.dtype)
+        amax = torch.zeros(self._num_blocks(flat.numel()), dtype=flat.dtype, device=flat.device)
         for values, rows in self._segments(magnitudes):
             torch.amax(values, dim=1, out=amax[rows])  # |x| then max: ~5x faster than aminmax
         exp = torch.frexp(amax).exponent.clamp(_EXP_MIN, _EXP_MAX)
@@ -184,12 +188,14 @@ class BlockQuantCodec(Codec):
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
         ranks = comm.size
         flat = compensate(self.name, tensor, state, self.error_feedback)
-        exponents = self.exponents(flat, state.work_buffer("quantized", flat.numel(), flat.dtype))
+        exponents = self.exponents(
+            flat, state.work_buffer("quantized", flat.numel(), flat.dtype, device=flat.device))
         exponents = yield collectives.allreduce(comm, exponents, ReduceOp.MAX)
         payload, ctx = self._quantize_and_remember(
             flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False)
         summed = yield collectives.allreduce(comm, payload[0], ReduceOp.SUM)
-        return self._decode_flat(summed, ctx, out=state.work_buffer("quantized", summed.numel(), flat.dtype))
+        return self._decode_flat(summed, ctx, out=state.work_buffer(
+            "quantized", summed.numel(), flat.dtype, device=flat.device))
 
     # -- internals -----------------------------------------------------------
     #
@@ -212,7 +218,8 @@ class BlockQuantCodec(Codec):
     @staticmethod
     def _step_sizes(exp: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
         """Value of one mantissa step per block, ``2**e / L`` (NaN for non-finite blocks)."""
-        step = torch.ldexp(torch.full(exp.shape, 1.0 / levels, dtype=dtype), exp.to(dtype))
+        step = torch.ldexp(torch.full(exp.shape, 1.0 / levels, dtype=dtype, device=exp.device),
+                           exp.to(dtype))
         return torch.where(exp == EXP_NONFINITE, torch.full_like(step, float("nan")), step)
 
     def _quantize_and_remember(
@@ -224,37 +231,31 @@ class BlockQuantCodec(Codec):
         blocks = self._num_blocks(flat.numel())
         if exponents.shape != (blocks,):
             raise ValueError(f"blockquant: expected {blocks} block exponents, got shape {tuple(exponents.shape)}")
-        exp = exponents.to(torch.int32)
+        exp = _floor_exponents(exponents.to(torch.int32), levels, flat.dtype)
         bad = exp == EXP_NONFINITE
-        any_bad = bool(bad.any())
+        host = checks_are_free(flat)  # on a device: no data-dependent branch, same result
+        any_bad = bool(bad.any()) if host else False
         # |x| <= amax < 2**e, so |x * L / 2**e| < L: rounding stays within +-L unless the
         # exponent saturated at its maximum (or the caller's exponents are smaller).
-        saturate = saturate or bool((exp >= _EXP_MAX).any())
-        finite_exp = exp.clamp(_EXP_MIN, _EXP_MAX).to(torch.float64)  # all-zero blocks: any
-        pow2 = torch.ldexp(torch.ones_like(finite_exp), -finite_exp)
-        pow2 = torch.where(exp == EXP_EMPTY, torch.zeros_like(pow2), pow2)  # zeros stay zero
-        if any_bad:
-            pow2 = torch.where(bad, torch.zeros_like(pow2), pow2)
-        # One multiply by L / 2**e where that factor fits the work dtype (always, but for
-        # blocks below ~2**-120); else 2**-e first, then L, as two passes.
-        fused = bool((pow2 * levels).max() <= torch.finfo(flat.dtype).max)
-        mult = (pow2 * levels if fused else pow2).to(flat.dtype)
-        q = state.work_buffer("quantized", flat.numel(), flat.dtype)
+        saturate = saturate or not host or bool((exp >= _EXP_MAX).any())
+        # The floor keeps L / 2**e finite in the work dtype: one multiply per value.
+        mult = torch.ldexp(torch.full(exp.shape, float(levels), dtype=torch.float64, device=exp.device),
+                           -exp.clamp(max=_EXP_MAX).to(torch.float64))
+        mult = torch.where(bad | (exp == EXP_EMPTY), torch.zeros_like(mult), mult).to(flat.dtype)
+        q = state.work_buffer("quantized", flat.numel(), flat.dtype, device=flat.device)
         for (values, rows), (out, _) in zip(self._segments(flat), self._segments(q)):
             torch.mul(values, mult[rows, None], out=out)
-        if not fused:
-            q.mul_(levels)
-        if any_bad:
+        if any_bad:  # on a device, NaN mantissas of a non-finite block are don't-care: it decodes to NaN
             q.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         q.round_()
         if saturate:
             q.clamp_(-levels, levels)
-        mantissas = state.work_buffer("mantissas", flat.numel(), wire)
+        mantissas = state.work_buffer("mantissas", flat.numel(), wire, device=flat.device)
         mantissas.copy_(q)
-        ctx = BlockQuantCtx(meta, exponents.to(torch.int8), levels, self.block_size)
+        ctx = BlockQuantCtx(meta, exp.to(torch.int8), levels, self.block_size)
         if self.error_feedback and any_bad:
             remember(state, flat, self._decode_flat(mantissas, ctx), True)
-        elif self.error_feedback:  # finite everywhere: residual = flat - q * 2**e / L, in place
+        elif self.error_feedback:  # residual = flat - q * 2**e / L, in place (NaN blocks: kept)
             step = self._step_sizes(exp, levels, flat.dtype)
             for (values, rows), (sent, _) in zip(self._segments(flat), self._segments(q)):
                 values.addcmul_(sent, step[rows, None], value=-1.0)
@@ -269,3 +270,14 @@ class BlockQuantCodec(Codec):
         for segment, rows in self._segments(values):
             segment.mul_(scale[rows, None])
         return values
+
+
+def _floor_exponents(exp: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """Raise block exponents to the least ``e`` for which ``levels / 2**e`` is finite in
+    ``dtype`` (float32 with int8 levels: -120), keeping the all-zero and non-finite marks.
+
+    Only blocks whose largest magnitude is below ``2**-121`` (float32 subnormals, nearly)
+    change: they are quantised a little coarser; every rank floors alike.
+    """
+    floor = max(_EXP_MIN, levels.bit_length() - (math.frexp(torch.finfo(dtype).max)[1] - 1))
+    return torch.where(exp == EXP_EMPTY, exp, exp.clamp(min=floor))

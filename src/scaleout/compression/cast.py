@@ -83,12 +83,14 @@ class CastCodec(Codec):
         """
         if self.error_feedback:
             flat = compensate(self.name, tensor, state, True)
-            wire = state.work_buffer("wire", flat.numel(), self.wire_dtype).copy_(flat)
+            wire = state.work_buffer("wire", flat.numel(), self.wire_dtype, device=flat.device)
+            wire.copy_(flat)
             remember(state, flat, wire.to(flat.dtype), True)
         else:  # straight from the gradient: one pass
             compensate_check(self.name, tensor)
             source = tensor.detach().reshape(-1)
-            wire = state.work_buffer("wire", source.numel(), self.wire_dtype).copy_(source)
+            wire = state.work_buffer("wire", source.numel(), self.wire_dtype, device=source.device)
+            wire.copy_(source)
         return [wire], TensorMeta(tensor.shape, tensor.dtype)
 
     def exchange(

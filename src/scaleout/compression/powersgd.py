@@ -27,6 +27,7 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     bucket_layout,
+    checks_are_free,
     compensate,
     keep_residual,
     remember,
@@ -34,7 +35,7 @@ from scaleout.compression.base import (
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
-__all__ = ["PowerSGDCodec"]
+__all__ = ["PowerSGDCodec", "gram_schmidt"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,9 +109,10 @@ class PowerSGDCodec(Codec):
         if dims is None:
             return [flat], meta
         mat = flat.view(dims)
-        p = self._orthonormal(mat @ self._q(state, dims, flat.dtype, "q0"))
+        q0 = self._q(state, dims, flat, "q0")
+        p = self._orthonormal(mat @ q0)
         q = _t_matmul(mat, p)
-        self._keep_q(state, q, "q0")
+        self._keep_q(state, q, q0, "q0")
         approx = p @ q.T
         remember(state, flat, approx.reshape(-1), self.error_feedback)
         return [p.reshape(-1), q.reshape(-1)], meta
@@ -150,10 +152,11 @@ class PowerSGDCodec(Codec):
         if not mats:
             summed = yield collectives.allreduce(comm, work)
             return summed
-        ps = [work[o:o + n].view(d) @ self._q(state, d, work.dtype, f"q{i}") for i, o, n, d in mats]
+        q0s = [self._q(state, d, work, f"q{i}") for i, _, _, d in mats]
+        ps = [work[o:o + n].view(d) @ q0 for (_, o, n, d), q0 in zip(mats, q0s)]
         first = torch.cat([work[o:o + n] for _, o, n, _ in plain] + [p.reshape(-1) for p in ps])
         first = yield collectives.allreduce(comm, first)
-        result = state.work_buffer("result", work.numel(), work.dtype)
+        result = state.work_buffer("result", work.numel(), work.dtype, device=work.device)
         at = 0
         for _, o, n, _ in plain:
             result[o:o + n] = first[at:at + n]
@@ -164,10 +167,10 @@ class PowerSGDCodec(Codec):
         qs = [_t_matmul(work[o:o + n].view(d), p) for (_, o, n, d), p in zip(mats, ps)]
         second = yield collectives.allreduce(comm, torch.cat([q.reshape(-1) for q in qs]))
         at = 0
-        for (i, o, n, d), p in zip(mats, ps):
+        for (i, o, n, d), p, q0 in zip(mats, ps, q0s):
             q = second[at:at + d[1] * p.shape[1]].view(d[1], -1)
             at += q.numel()
-            self._keep_q(state, q, f"q{i}")
+            self._keep_q(state, q, q0, f"q{i}")
             torch.matmul(p, q.T, out=result[o:o + n].view(d))
         if self.error_feedback:  # matrices keep M_i - result / p; exact tensors keep nothing
             ranks = comm.size
@@ -180,23 +183,59 @@ class PowerSGDCodec(Codec):
 
     # -- internals -----------------------------------------------------------
 
-    def _q(self, state: CodecState, dims: tuple[int, int], dtype: torch.dtype,
+    def _q(self, state: CodecState, dims: tuple[int, int], like: torch.Tensor,
            key: str) -> torch.Tensor:
+        """The factor ``Q`` (m x r) in ``like``'s dtype and on its device, column-major.
+
+        A fresh ``Q`` is drawn on the CPU from the seed, like torch's PowerSGD hook, so
+        that every rank and every device type starts from the same factor, and copied to
+        the device once (every step only when ``warm_start`` is off).
+        """
         n, m = dims
         r = min(self.rank, n, m)
         q = state.buffers.get(key) if self.warm_start else None
         if q is None or q.shape != (m, r):
             gen = torch.Generator().manual_seed(self.seed + (0 if self.warm_start else state.step))
-            q = torch.randn(m, r, generator=gen, dtype=torch.float64)
-        return q.to(dtype).T.contiguous().T  # column-major: M @ Q runs ~4x faster
+            q = torch.randn(m, r, generator=gen, dtype=torch.float64, device="cpu")
+        q = q.to(device=like.device, dtype=like.dtype)
+        return q.T.contiguous().T  # column-major: M @ Q runs ~4x faster
 
-    def _keep_q(self, state: CodecState, q: torch.Tensor, key: str) -> None:
-        if self.warm_start and bool(torch.isfinite(q).all()):
-            state.buffers[key] = q.detach().clone()
+    def _keep_q(self, state: CodecState, q: torch.Tensor, previous: torch.Tensor, key: str) -> None:
+        """Keep ``q`` for the warm start, or ``previous`` if ``q`` holds NaN/Inf (no host sync)."""
+        if self.warm_start:
+            state.buffers[key] = torch.where(torch.isfinite(q).all(), q, previous).detach()
 
     @staticmethod
     def _orthonormal(p: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.qr(p, mode="reduced").Q
+        """Orthonormal columns spanning ``p``'s: LAPACK's QR on the CPU; on a device, where a
+        QR may wait on the host (MAGMA's hybrid kernels), :func:`gram_schmidt`."""
+        if checks_are_free(p):
+            return torch.linalg.qr(p, mode="reduced").Q
+        return gram_schmidt(p)
+
+
+def gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormalise the columns of the tall, thin ``p`` (``n x r``) without host syncs.
+
+    Modified Gram-Schmidt, run twice ("twice is enough": the second pass restores the
+    orthogonality the first loses on nearly dependent columns); a loop over the ``r``
+    columns, each step a few kernels over ``n x r`` values. A zero column stays zero
+    (it adds nothing to ``P P^T M``). torch's PowerSGD hook does one such pass for rank <= 2.
+
+    Example:
+        >>> q = gram_schmidt(torch.tensor([[3.0, 1.0], [4.0, 2.0]]))
+        >>> torch.allclose(q.T @ q, torch.eye(2), atol=1e-6)
+        True
+    """
+    q = p.clone()
+    tiny = torch.finfo(q.dtype).tiny
+    for _ in range(2):
+        for i in range(q.shape[1]):
+            col = q[:, i:i + 1]
+            col.div_(torch.linalg.vector_norm(col).clamp_min(tiny))
+            rest = q[:, i + 1:]
+            rest.sub_(col @ (col.T @ rest))
+    return q
 
 
 def _t_matmul(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -73,14 +73,14 @@ class RowsCodec(Codec):
         """
         compensate_check(self.name, tensor)
         matrix = _as_rows(tensor.detach().reshape(-1), tuple(tensor.shape))
-        touched = _touched(matrix).nonzero().view(-1)
+        touched = _touched(matrix).nonzero().view(-1)  # a host sync: the payload's size
         return ([matrix[touched].reshape(-1), touched.to(torch.int32)],
                 TensorMeta(tensor.shape, tensor.dtype))
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Scatter the rows into zeros; see :meth:`Codec.decode`."""
         values, rows = payload
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype)
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
         matrix = _as_rows(out, tuple(ctx.shape))
         matrix.index_copy_(0, rows.long(), values.view(rows.numel(), -1).to(ctx.dtype))
         return out.view(ctx.shape)
@@ -107,14 +107,14 @@ class RowsCodec(Codec):
             summed = yield collectives.allreduce(comm, torch.cat(flags))
             at = 0
             for o, n, s in matrices:
-                rows = summed[at:at + s[0]].ne(0).nonzero().view(-1)
+                rows = summed[at:at + s[0]].ne(0).nonzero().view(-1)  # host sync: round 2's size
                 at += s[0]
                 if rows.numel() <= self.dense_above * s[0]:
                     union[o] = rows
         pieces = [_as_rows(flat[o:o + n], s)[union[o]].reshape(-1) if o in union
                   else flat[o:o + n] for o, n, s in layout]
         summed = yield collectives.allreduce(comm, torch.cat(pieces))
-        result = state.work_buffer("result", flat.numel(), flat.dtype)
+        result = state.work_buffer("result", flat.numel(), flat.dtype, device=flat.device)
         at = 0
         for (o, n, s), piece in zip(layout, pieces):
             part = summed[at:at + piece.numel()]

@@ -37,7 +37,6 @@ __all__ = ["SignCodec", "pack_bits", "unpack_bits"]
 # Eight 0/1 bytes read as one little-endian int64, times this, hold the 8 bits (first
 # byte lowest) in the top byte: the cross terms fall off either end.
 _GATHER_BITS = 0x0102040810204080
-_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits
 
 
 def pack_bits(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,13 +63,21 @@ def pack_bits(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 bytes to a flat bool tensor (8 per byte)."""
-    return _BITS[packed.long()].reshape(-1)
+    return _bits(packed.device)[packed.long()].reshape(-1)
 
 
 @functools.lru_cache(maxsize=None)
-def _units(dtype: torch.dtype) -> torch.Tensor:
-    """``[256, 8]``: row ``b`` holds ``+1`` / ``-1`` for the 8 bits of byte ``b``."""
-    return 1.0 - 2.0 * _BITS.to(dtype)
+def _bits(device: torch.device) -> torch.Tensor:
+    """``[256, 8]`` bool on ``device``: row ``b`` holds the 8 bits of byte ``b``, LSB first
+    (built once per device, on it)."""
+    byte = torch.arange(256, device=device)[:, None]
+    return ((byte >> torch.arange(8, device=device)) & 1).bool()
+
+
+@functools.lru_cache(maxsize=None)
+def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[256, 8]`` on ``device``: row ``b`` holds ``+1`` / ``-1`` for the 8 bits of byte ``b``."""
+    return 1.0 - 2.0 * _bits(device).to(dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +135,7 @@ class SignCodec(Codec):
         """``scale * (+1 / -1)`` per value; see :meth:`Codec.decode`."""
         signs, scales = payload
         dtype = work_dtype(ctx.dtype)
-        units = _units(dtype)[signs.long()].view(-1, self.block_size)
+        units = _units(dtype, signs.device)[signs.long()].view(-1, self.block_size)
         values = units.mul_(scales.to(dtype)[:, None]).reshape(-1)[: ctx.numel]
         return values.to(ctx.dtype).view(ctx.shape)
 
@@ -139,12 +146,12 @@ class SignCodec(Codec):
         flat = compensate(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
         nscale = scales.numel() * 4
-        wire = state.work_buffer("wire", nscale + signs.numel(), torch.uint8)
+        wire = state.work_buffer("wire", nscale + signs.numel(), torch.uint8, device=flat.device)
         wire[:nscale].copy_(scales.view(torch.uint8))
         wire[nscale:].copy_(signs)
         gathered = yield collectives.allgather(comm, wire)
         rows = gathered.view(comm.size, -1)
-        total = state.work_buffer("sum", signs.numel() * 8, flat.dtype)
+        total = state.work_buffer("sum", signs.numel() * 8, flat.dtype, device=flat.device)
         blocks = total.view(-1, self.block_size)
         for rank, row in enumerate(rows):
             their_scales = row[:nscale].clone().view(torch.float32).to(flat.dtype)[:, None]
@@ -164,21 +171,22 @@ class SignCodec(Codec):
         n = flat.numel()
         nblocks = max(1, -(-n // self.block_size))
         full = n // self.block_size * self.block_size
-        magnitude = torch.abs(flat, out=state.work_buffer("magnitude", n, flat.dtype))
+        device = flat.device
+        magnitude = torch.abs(flat, out=state.work_buffer("magnitude", n, flat.dtype, device=device))
         sums = [magnitude[:full].view(-1, self.block_size).sum(dim=1)]
         if full < n or n == 0:
             sums.append(magnitude[full:].sum().div(max(1, n - full)).view(1))
         scales = torch.cat([sums[0].div_(self.block_size), *sums[1:]]).to(torch.float32)
-        bits = state.work_buffer("bits", nblocks * self.block_size, torch.bool)
+        bits = state.work_buffer("bits", nblocks * self.block_size, torch.bool, device=device)
         torch.lt(flat, 0, out=bits[:n])
         bits[n:] = False
-        signs = pack_bits(bits, out=state.work_buffer("signs", bits.numel() // 8, torch.uint8))
+        signs = pack_bits(bits, out=state.work_buffer("signs", bits.numel() // 8, torch.uint8, device=device))
         return signs, scales
 
     def _units_into(self, signs: torch.Tensor, state: CodecState, dtype: torch.dtype) -> torch.Tensor:
         """``+1`` / ``-1`` per packed bit (flat, padded to whole blocks), in a scratch buffer."""
-        units = state.work_buffer("units", signs.numel() * 8, dtype)
-        torch.index_select(_units(dtype), 0, signs.to(torch.int32), out=units.view(-1, 8))
+        units = state.work_buffer("units", signs.numel() * 8, dtype, device=signs.device)
+        torch.index_select(_units(dtype, signs.device), 0, signs.to(torch.int32), out=units.view(-1, 8))
         return units
 
     def _settle_residual(self, flat: torch.Tensor, units: torch.Tensor, scales: torch.Tensor,

@@ -29,6 +29,9 @@ class CodecState:
             large tensor costs page faults on every step (~20 ms per 45 MB on the
             development machine), a reused one does not.
 
+    Every tensor a codec keeps here lives on the device of the tensor it compresses
+    (:meth:`work_buffer` takes that device; ``tests/test_gpu_codecs.py`` checks it).
+
     Example:
         >>> state = CodecState()
         >>> state.buffers["residual"] = torch.zeros(3)
@@ -42,12 +45,29 @@ class CodecState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     scratch: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
-    def work_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The scratch buffer ``name`` of ``numel`` elements (contents undefined)."""
+    def work_buffer(self, name: str, numel: int, dtype: torch.dtype, *,
+                    device: torch.device) -> torch.Tensor:
+        """The scratch buffer ``name`` of ``numel`` elements on ``device`` (contents undefined).
+
+        Args:
+            name: The buffer's name (one per use, e.g. ``"work"``, ``"wire"``).
+            numel: Elements.
+            dtype: Element type.
+            device: Device, normally that of the tensor being compressed (required, so
+                that no buffer silently lands on the CPU).
+
+        Returns:
+            A 1-D tensor, reused while name, size, dtype and device stay the same.
+        """
         buffer = self.scratch.get(name)
-        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
-            buffer = self.scratch[name] = torch.empty(numel, dtype=dtype)
+        if (buffer is None or buffer.numel() != numel or buffer.dtype != dtype
+                or buffer.device != torch.device(device)):
+            buffer = self.scratch[name] = torch.empty(numel, dtype=dtype, device=device)
         return buffer
+
+    def devices(self) -> set[torch.device]:
+        """The devices of every tensor held (buffers and scratch); for checks and tests."""
+        return {t.device for t in (*self.buffers.values(), *self.scratch.values())}
 
     def state_dict(self) -> dict[str, Any]:
         """Return a checkpointable copy of the state.

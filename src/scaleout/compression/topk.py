@@ -29,7 +29,6 @@ from scaleout.compression.base import (
     compensate_check,
     keep_buffer,
     keep_residual,
-    remember,
     work_dtype,
 )
 from scaleout.compression.exchange import gather_payloads
@@ -99,12 +98,9 @@ class TopKCodec(Codec):
         k = self.k(velocity.numel())
         indices = _largest(velocity, k, state)
         values = velocity[indices]
-        if self.error_feedback:
-            if bool(torch.isfinite(values).all()):  # the residual: velocity less what was sent
-                keep_residual(state, velocity.index_fill_(0, indices, 0.0))
-            else:  # non-finite entries keep their previous residual (see remember)
-                sent = torch.zeros_like(velocity).index_put_((indices,), values)
-                remember(state, velocity, sent, True)
+        if self.error_feedback:  # the residual: velocity less what was sent, in place; sent
+            # NaN/Inf become NaN (v - v), which keep their previous residual (see remember)
+            keep_residual(state, velocity.index_put_((indices,), values - values))
         if self.momentum:
             state.buffers["momentum"].index_fill_(0, indices, 0.0)
         return [values, indices.to(torch.int32)], TensorMeta(tensor.shape, tensor.dtype)
@@ -112,18 +108,21 @@ class TopKCodec(Codec):
     def _momentum(self, grad: torch.Tensor, state: CodecState) -> torch.Tensor:
         """``momentum * u + grad`` into the ``"momentum"`` scratch buffer."""
         old = state.buffers.get("momentum")
-        u = state.work_buffer("momentum", grad.numel(), work_dtype(grad.dtype))
+        u = state.work_buffer("momentum", grad.numel(), work_dtype(grad.dtype), device=grad.device)
         if old is None:
             return u.copy_(grad)
-        return torch.add(grad, old, alpha=self.momentum, out=u)
+        return torch.add(grad, old.to(grad.device), alpha=self.momentum, out=u)
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Scatter the values into zeros; see :meth:`Codec.decode`."""
         return self.decode_sum([payload], ctx).to(ctx.dtype).view(ctx.shape)
 
     def decode_sum(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: TensorMeta) -> torch.Tensor:
-        """Scatter-add every rank's values into one flat buffer."""
-        return _scatter_sum(payloads, torch.zeros(ctx.numel, dtype=work_dtype(ctx.dtype)))
+        """Scatter-add every rank's values into one flat buffer (on the payloads' device)."""
+        if not payloads:
+            raise ValueError(f"codec {self.name!r}: decode_sum needs at least one payload, got none")
+        device = payloads[0][0].device
+        return _scatter_sum(payloads, torch.zeros(ctx.numel, dtype=work_dtype(ctx.dtype), device=device))
 
     def exchange(
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
@@ -131,7 +130,7 @@ class TopKCodec(Codec):
         """The generic gather, summed into a reused buffer (a fresh one costs page faults)."""
         payload, ctx = self.encode(tensor, state)
         payloads = yield from gather_payloads(payload, comm)
-        out = state.work_buffer("sum", ctx.numel, work_dtype(ctx.dtype))
+        out = state.work_buffer("sum", ctx.numel, work_dtype(ctx.dtype), device=tensor.device)
         return _scatter_sum(payloads, out.zero_())
 
 
@@ -154,14 +153,16 @@ def _largest(values: torch.Tensor, k: int, state: CodecState) -> torch.Tensor:
     """
     n = values.numel()
     if k >= n:
-        return torch.arange(n)
-    magnitude = torch.abs(values, out=state.work_buffer("magnitude", n, values.dtype))
+        return torch.arange(n, device=values.device)
+    magnitude = torch.abs(values, out=state.work_buffer("magnitude", n, values.dtype,
+                                                        device=values.device))
     stride = n // _SAMPLE
     keep = 2 * k / n + 8 / _SAMPLE  # the share of entries to keep, with a margin
     if stride >= 4 and keep < 0.5:
         sample = magnitude[::stride]
         position = max(0, int(sample.numel() * (1.0 - keep)) - 1)
         threshold = sample.kthvalue(position + 1).values
+        # The one host synchronisation: how many candidates survived sizes the next step.
         candidates = torch.lt(magnitude, threshold).logical_not_().nonzero().view(-1)
         if candidates.numel() >= k:
             chosen = torch.topk(magnitude[candidates], k, sorted=False).indices

@@ -15,7 +15,7 @@ from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
 
-__all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
+__all__ = ["Environment", "init", "attach", "choose_backend", "local_world_size", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
@@ -31,18 +31,95 @@ def _seconds(timeout: float | timedelta) -> float:
     return float(timeout)
 
 
-def _choose_backend(backend: str | None) -> str:
+#: Where launchers put the number of processes on this node (torchrun / scaleout run,
+#: Open MPI, MPICH).
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def local_world_size(environ: Mapping[str, str], local_rank: int) -> int:
+    """Processes on this node, from the launcher's variables (at least ``local_rank + 1``)."""
+    for name in _LOCAL_SIZE_VARS:
+        value = environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return max(int(value), local_rank + 1)
+    return local_rank + 1
+
+
+def _choose_backend(backend: str | None, *, cuda_devices: int, local_world_size: int,
+                    local_rank: int = 0, environ: Mapping[str, str] | None = None,
+                    ) -> tuple[str, torch.device]:
+    """The torch.distributed backend and this rank's default device; a pure function.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, a device map such as
+            ``"cpu:gloo,cuda:nccl"``, or ``None``: ``SCALEOUT_BACKEND`` from ``environ``
+            if set, else automatic.
+        cuda_devices: GPUs this process sees (``torch.cuda.device_count()``).
+        local_world_size: processes on this node.
+        local_rank: this process's rank on the node.
+        environ: where ``SCALEOUT_BACKEND`` is read (default: nowhere).
+
+    Returns:
+        ``(backend, device)``. Automatic: ``"gloo"`` and the CPU without CUDA;
+        ``"cpu:gloo,cuda:nccl"`` with one GPU per process; ``"gloo"`` (with CUDA tensors)
+        when processes share GPUs, which NCCL refuses. The device is
+        ``cuda:{local_rank % cuda_devices}`` whenever there is a GPU.
+
+    Raises:
+        TypeError: ``backend`` is not a string.
+        ValueError: an unknown backend, or NCCL where it cannot run (no GPU, or more
+            processes on this node than GPUs), before any rendezvous.
+
+    Example:
+        >>> _choose_backend(None, cuda_devices=1, local_world_size=2)
+        ('gloo', device(type='cuda', index=0))
+    """
+    device = torch.device("cuda", local_rank % cuda_devices) if cuda_devices > 0 else torch.device("cpu")
+    source = "backend"
+    if backend is None and environ is not None and environ.get("SCALEOUT_BACKEND", "").strip():
+        backend, source = environ["SCALEOUT_BACKEND"].strip(), "SCALEOUT_BACKEND"
     if backend is None:
-        # gloo for CPU tensors; NCCL as well when CUDA tensors may be used.
-        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if cuda_devices == 0:
+            return "gloo", device
+        return ("cpu:gloo,cuda:nccl" if local_world_size <= cuda_devices else "gloo"), device
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    names = [part.split(":")[-1] for part in backend.split(",")]
+    names = [part.split(":")[-1].strip() for part in backend.split(",")]
     unknown = [name for name in names if name not in _BACKENDS]
     if unknown:
-        raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} "
+        raise ValueError(f"unknown backend {backend!r} ({source}): expected one of {_BACKENDS} "
                          "or a device map like 'cpu:gloo,cuda:nccl'")
-    return backend
+    if "nccl" in names and cuda_devices == 0:
+        raise ValueError(f"backend {backend!r} ({source}) needs NCCL, which needs CUDA, but this "
+                         "process sees no GPU; use 'gloo'")
+    if "nccl" in names and local_world_size > cuda_devices:
+        raise ValueError(
+            f"backend {backend!r} ({source}) needs NCCL, which needs one GPU per process, but "
+            f"{local_world_size} processes on this node share {cuda_devices} GPU(s); use 'gloo' "
+            "(it carries CUDA tensors too), or leave the backend to scaleout")
+    return backend, device
+
+
+def choose_backend(backend: str | None = None, *, environ: Mapping[str, str] | None = None,
+                   local_rank: int = 0) -> tuple[str, torch.device]:
+    """What :func:`init` chooses for this process: :func:`_choose_backend` with the GPUs
+    torch sees and the node's process count from the launcher's variables.
+
+    Args:
+        backend: as for :func:`init` (``None``: ``SCALEOUT_BACKEND``, else automatic).
+        environ: the launcher's variables (default ``os.environ``).
+        local_rank: this process's rank on the node.
+
+    Returns:
+        ``(backend, device)``.
+
+    Raises:
+        ValueError, TypeError: as :func:`_choose_backend`.
+    """
+    environ = os.environ if environ is None else environ
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return _choose_backend(backend, cuda_devices=cuda_devices, local_rank=local_rank,
+                           local_world_size=local_world_size(environ, local_rank), environ=environ)
 
 
 class Environment:
@@ -51,14 +128,17 @@ class Environment:
     Attributes:
         rank, world_size, local_rank: as launched.
         backend: the torch.distributed backend string.
+        device: this rank's default device (``cuda:N`` where a GPU is visible, else the CPU);
+            with NCCL it is also made the current CUDA device.
         timeout: seconds any collective may wait before raising.
         check_consistency: verify before each collective that every rank called the same one.
     """
 
     def __init__(self, info: LaunchInfo, backend: str, timeout: float,
-                 check_consistency: bool) -> None:
+                 check_consistency: bool, device: torch.device | None = None) -> None:
         self._info = info
         self.backend = backend
+        self.device = torch.device("cpu") if device is None else device
         self.timeout = timeout
         self.check_consistency = check_consistency
         self._alive = True
@@ -130,7 +210,7 @@ class Environment:
 
     def __repr__(self) -> str:
         return (f"<Environment rank={self.rank}/{self.world_size} local_rank={self.local_rank} "
-                f"backend={self.backend} via {self._info.source}>")
+                f"backend={self.backend} device={self.device} via {self._info.source}>")
 
 
 def attach(*, check_consistency: bool = False) -> Environment:
@@ -159,8 +239,9 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     """Join the job: detect the launcher, pick a backend and initialise torch.distributed.
 
     Args:
-        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or a device map; ``None`` picks gloo on CPU
-            and adds NCCL for CUDA tensors when CUDA is available.
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or a device map; ``None`` reads
+            ``SCALEOUT_BACKEND``, else picks gloo without CUDA, ``cpu:gloo,cuda:nccl`` with
+            one GPU per process, and gloo (with CUDA tensors) when processes share a GPU.
         timeout: seconds (or a timedelta) any rendezvous or collective may take before it
             raises an error naming the rank, group and operation.
         check_consistency: verify before every collective that all ranks called the same
@@ -171,6 +252,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         The :class:`Environment`. Use it as a context manager or call ``finalize()``.
 
     Raises:
+        ValueError: an unknown backend, or NCCL where it cannot run (before any rendezvous).
         ScaleoutError: torch.distributed is already initialised, or the rendezvous failed.
 
     Example:
@@ -179,9 +261,9 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         (0, 2)                             # rank 1 prints (1, 2)
     """
     seconds = _seconds(timeout)
-    chosen = _choose_backend(backend)
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
+    chosen, device = choose_backend(backend, environ=environ, local_rank=info.local_rank)
     if check_consistency is None:
         check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
     if tdist.is_initialized():
@@ -189,8 +271,8 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             "scaleout.init() was called while torch.distributed is already initialised "
             "(init called twice?): call env.finalize() first"
         )
-    if "nccl" in chosen and torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    if "nccl" in chosen:  # NCCL talks to the current device; gloo is told by each tensor
+        torch.cuda.set_device(device)
     try:
         if info.world_size == 1:
             tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
@@ -205,4 +287,4 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
             f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): {err}"
         ) from err
-    return Environment(info, chosen, seconds, check_consistency)
+    return Environment(info, chosen, seconds, check_consistency, device)

@@ -24,7 +24,7 @@ import torch
 import scaleout
 from harness import run_ranks
 from scaleout import GroupType
-from scaleout.bench.codec_comm import LoopbackComm
+from scaleout.core.collectives import Communicator
 from scaleout.compression import Codec, CodecState, compressed_allreduce, make_codec
 
 SPECS = ["none", "cast:fp16", "cast:bf16,error_feedback=on", "blockquant", "sign", "sign:block_size=64",
@@ -65,7 +65,7 @@ def _no_host_sync(enabled: bool) -> Iterator[None]:
 
 def _steps(spec: str, device: torch.device | str, inputs: list[torch.Tensor] | None = None,
            strict: bool = False) -> tuple[list[torch.Tensor], CodecState]:
-    """Encode/decode round trips on ``device`` and exchanges over a loop-back, one per input
+    """Encode/decode round trips on ``device`` and exchanges on a group of one, one per input
     (default: three gradients). ``strict``: after the first step (which draws PowerSGD's
     ``Q`` on the CPU), no CUDA host synchronisation is allowed."""
     codec = make_codec(spec)
@@ -80,13 +80,13 @@ def _steps(spec: str, device: torch.device | str, inputs: list[torch.Tensor] | N
 
 
 def _step(codec: Codec, x: torch.Tensor, state: CodecState, ex_state: CodecState) -> list[torch.Tensor]:
-    """One encode/decode (``state``) and one loop-back exchange (``ex_state``) of ``x``."""
+    """One encode/decode (``state``) and one exchange on a group of one (``ex_state``) of ``x``."""
     payload, ctx = codec.encode(x, state)
     assert all(piece.device == x.device for piece in payload), codec
     decoded = codec.decode(payload, ctx)
     assert decoded.device == x.device and decoded.shape == x.shape, codec
     work = x.clone()
-    compressed_allreduce(codec, work, ex_state, LoopbackComm(), group=None).wait()
+    compressed_allreduce(codec, work, ex_state, Communicator.alone()).wait()
     assert work.device == x.device, codec
     return [decoded, work]
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from scaleout.bench.codec_comm import ProcessGroupComm
+from scaleout.core.collectives import Communicator
 from scaleout.compression import CodecState, compressed_allreduce, make_codec
 from scaleout.compression.powersgd import PowerSGDCodec
 
@@ -206,7 +206,7 @@ def _measure(spec: str, x: torch.Tensor, timer: _Timer) -> dict[str, Any]:
     row: dict[str, Any] = {"codec": spec}
     state = CodecState()
     row["encode_decode_s"] = timer(lambda: codec.decode(*codec.encode(x, state)))
-    work, ex_state, comm = torch.empty_like(x), CodecState(), ProcessGroupComm()
+    work, ex_state, comm = torch.empty_like(x), CodecState(), Communicator.of_group(name="bench")
     row["exchange_s"] = timer(
         lambda: compressed_allreduce(codec, work, ex_state, comm, group=None).wait(),
         setup=lambda: work.copy_(x))

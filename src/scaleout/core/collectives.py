@@ -85,8 +85,47 @@ class Communicator:
     def label(self) -> str:
         return f"{self.name}{list(self.ranks)}"
 
+    @classmethod
+    def of_group(cls, group: Any = None, *, name: str = "group",
+                 timeout: float = 300.0) -> Communicator:
+        """The communicator of a plain torch.distributed process group (``None``: the
+        default group), for code outside a scaleout Distribution (torch's DDP hooks, say)."""
+        ranks = tuple(tdist.get_process_group_ranks(group or tdist.group.WORLD))
+        return cls(group=group, ranks=ranks, name=name, global_rank=tdist.get_rank(),
+                   timeout=timeout)
 
-def _start(comm: Communicator, operation: str, start: Callable[[], Any]) -> Any:
+    @classmethod
+    def alone(cls, *, timeout: float = 300.0) -> Communicator:
+        """A group of this process alone: every collective completes at once, with no
+        process group and on any device (to run a codec's exchange by itself)."""
+        return cls(group=None, ranks=(0,), name="alone", global_rank=0, timeout=timeout)
+
+
+class _LocalWork:
+    """What a collective on a group of one returns: done at once, no library call (so a
+    one-rank group needs no process group at all, and any device, ``meta`` too, works)."""
+
+    def __init__(self) -> None:
+        self._future = torch.futures.Future()
+        self._future.set_result(None)
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        return self._future
+
+
+def _start(comm: Communicator, operation: str, start: Callable[[], Any],
+           local: Callable[[], Any] = lambda: None) -> Any:
+    """Start a collective; on a group of one, ``local()`` gives its result instead (for
+    in-place collectives the input already is the result)."""
+    if comm.size == 1:
+        local()
+        return _LocalWork()
     try:
         return start()
     except (RuntimeError, ValueError) as err:
@@ -119,7 +158,7 @@ def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
 def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
              rows_may_differ: bool = False) -> torch.Tensor:
     tensor = check_tensor(tensor, operation)
-    if comm.check_consistency:
+    if comm.check_consistency and comm.size > 1:
         _verify_same_call(comm, operation, tensor, extra, rows_may_differ)
     return tensor
 
@@ -224,7 +263,7 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
     send = _rows(_checked(comm, name, tensor))
     out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
     work = _start(comm, name, lambda: all_gather_single(
-        out, send, group=comm.group, async_op=True))
+        out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out, _nbytes(send))
 
 
@@ -245,7 +284,7 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
         send = padded
     out = send.new_empty((comm.size * longest, *send.shape[1:]))
     work = _start(comm, name, lambda: all_gather_single(
-        out, send, group=comm.group, async_op=True))
+        out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
 
     def finish() -> torch.Tensor:
         if all(c == longest for c in counts):
@@ -265,7 +304,8 @@ def gather(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     send = _rows(_checked(comm, name, tensor, root))
     parts = [torch.empty_like(send) for _ in range(comm.size)] if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.gather(
-        send, parts, dst=comm.ranks[root], group=comm.group, async_op=True))
+        send, parts, dst=comm.ranks[root], group=comm.group, async_op=True),
+        lambda: parts[0].copy_(send))
     return comm.request(name, [work], lambda: torch.cat(parts) if parts is not None else None)
 
 
@@ -283,7 +323,8 @@ def scatter(comm: Communicator, tensor: torch.Tensor, root: int,
     out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     parts = list(tensor.contiguous().split(rows)) if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.scatter(
-        out, parts, src=comm.ranks[root], group=comm.group, async_op=True))
+        out, parts, src=comm.ranks[root], group=comm.group, async_op=True),
+        lambda: out.copy_(parts[0]))
     return comm.request(name, [work], lambda: out)
 
 
@@ -297,7 +338,7 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
     out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     send = tensor.contiguous()
     work = _start(comm, name, lambda: reduce_scatter_single(
-        out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True))
+        out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True), lambda: out.copy_(send))
     divisor = comm.size if op is ReduceOp.AVG else 1
     return comm.request(name, [work], lambda: average_into(out, out, divisor), _nbytes(send))
 
@@ -310,7 +351,7 @@ def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None 
     send = tensor.contiguous()
     out = _output(out, tuple(send.shape), send, name)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
-        out, send, group=comm.group, async_op=True))
+        out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out)
 
 
@@ -329,7 +370,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
     out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-        group=comm.group, async_op=True))
+        group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out)
 
 

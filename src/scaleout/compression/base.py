@@ -33,13 +33,13 @@ __all__ = [
     "Codec",
     "ExchangeGenerator",
     "TensorMeta",
-    "compensate",
+    "add_residual",
     "bucket_layout",
     "checks_are_free",
-    "compensate_check",
-    "keep_buffer",
-    "keep_residual",
-    "remember",
+    "check_compressible",
+    "update_buffer",
+    "set_residual",
+    "store_residual",
     "work_dtype",
 ]
 
@@ -88,8 +88,8 @@ def checks_are_free(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-def compensate_check(codec: str, tensor: torch.Tensor) -> None:
-    """Raise the TypeError :func:`compensate` raises for a tensor a codec cannot compress."""
+def check_compressible(codec: str, tensor: torch.Tensor) -> None:
+    """Raise the TypeError :func:`add_residual` raises for a tensor a codec cannot compress."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"codec {codec!r} expects a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
@@ -99,7 +99,7 @@ def compensate_check(codec: str, tensor: torch.Tensor) -> None:
         )
 
 
-def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: bool) -> torch.Tensor:
+def add_residual(codec: str, tensor: torch.Tensor, state: CodecState, enabled: bool) -> torch.Tensor:
     """Flatten ``tensor`` to the work dtype and add the error-feedback residual.
 
     Args:
@@ -116,7 +116,7 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
         TypeError: If ``tensor`` is not a floating-point tensor.
         ValueError: If a stored residual does not match the tensor's size.
     """
-    compensate_check(codec, tensor)
+    check_compressible(codec, tensor)
     source = tensor.detach().reshape(-1)
     flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype), device=source.device)
     residual = state.buffers.get("residual") if enabled else None
@@ -132,7 +132,7 @@ def compensate(codec: str, tensor: torch.Tensor, state: CodecState, enabled: boo
     return flat
 
 
-def remember(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, enabled: bool) -> None:
+def store_residual(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, enabled: bool) -> None:
     """Store the error-feedback residual ``compensated - sent``.
 
     Elements where the new residual would be NaN/Inf keep their previous residual
@@ -143,7 +143,7 @@ def remember(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, e
     Args:
         state: The tensor's codec state (``buffers["residual"]`` is written).
         compensated: The flat compensated gradient that was encoded (if it is the
-            state's work buffer, from :func:`compensate`, it is overwritten).
+            state's work buffer, from :func:`add_residual`, it is overwritten).
         sent: What this rank actually contributed after decoding, same size.
         enabled: Whether error feedback is on; if off nothing is stored.
     """
@@ -153,19 +153,19 @@ def remember(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, e
         new = compensated.sub_(sent)
     else:
         new = compensated - sent
-    keep_residual(state, new)
+    set_residual(state, new)
 
 
-def keep_residual(state: CodecState, new: torch.Tensor) -> None:
-    """Make ``new`` the residual; non-finite elements keep the previous one (see remember).
+def set_residual(state: CodecState, new: torch.Tensor) -> None:
+    """Make ``new`` the residual; non-finite elements keep the previous one (see store_residual).
 
     When ``new`` is the state's work buffer, the previous residual's storage becomes
     the next work buffer (double buffering: no allocation per step).
     """
-    keep_buffer(state, "residual", new, scratch="work")
+    update_buffer(state, "residual", new, scratch="work")
 
 
-def keep_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str) -> None:
+def update_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str) -> None:
     """Make ``new`` the state's buffer ``name``; non-finite elements keep the previous value
     (zero if there was none).
 

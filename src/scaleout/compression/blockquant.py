@@ -29,9 +29,9 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     checks_are_free,
-    compensate,
-    keep_residual,
-    remember,
+    add_residual,
+    set_residual,
+    store_residual,
     work_dtype,
 )
 from scaleout.compression.state import CodecState
@@ -169,7 +169,7 @@ class BlockQuantCodec(Codec):
         Returns:
             ``([mantissas], ctx)``; mantissas are ``tensor.numel()`` integers.
         """
-        flat = compensate(self.name, tensor, state, self.error_feedback)
+        flat = add_residual(self.name, tensor, state, self.error_feedback)
         own = self.exponents(flat) if exponents is None else exponents
         return self._quantize_and_remember(flat, own, ranks, TensorMeta(tensor.shape, tensor.dtype),
                                            state, saturate=exponents is not None)
@@ -187,7 +187,7 @@ class BlockQuantCodec(Codec):
     ) -> ExchangeGenerator:
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
         ranks = comm.size
-        flat = compensate(self.name, tensor, state, self.error_feedback)
+        flat = add_residual(self.name, tensor, state, self.error_feedback)
         exponents = self.exponents(
             flat, state.work_buffer("quantized", flat.numel(), flat.dtype, device=flat.device))
         exponents = yield collectives.allreduce(comm, exponents, ReduceOp.MAX)
@@ -200,7 +200,7 @@ class BlockQuantCodec(Codec):
     # -- internals -----------------------------------------------------------
     #
     # Every pass over the gradient costs CPU that, on a busy machine, training would have
-    # used; the hot path makes about seven: compensate, |x| into scratch, max per block,
+    # used; the hot path makes about seven: add the residual, |x| into scratch, max per block,
     # scale, round, narrow to the wire type, and the residual (one multiply-add, in place).
 
     def _num_blocks(self, numel: int) -> int:
@@ -254,12 +254,12 @@ class BlockQuantCodec(Codec):
         mantissas.copy_(q)
         ctx = BlockQuantCtx(meta, exp.to(torch.int8), levels, self.block_size)
         if self.error_feedback and any_bad:
-            remember(state, flat, self._decode_flat(mantissas, ctx), True)
+            store_residual(state, flat, self._decode_flat(mantissas, ctx), True)
         elif self.error_feedback:  # residual = flat - q * 2**e / L, in place (NaN blocks: kept)
             step = self._step_sizes(exp, levels, flat.dtype)
             for (values, rows), (sent, _) in zip(self._segments(flat), self._segments(q)):
                 values.addcmul_(sent, step[rows, None], value=-1.0)
-            keep_residual(state, flat)
+            set_residual(state, flat)
         return [mantissas], ctx
 
     def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx,

@@ -13,9 +13,9 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
-    compensate,
-    compensate_check,
-    remember,
+    add_residual,
+    check_compressible,
+    store_residual,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -82,12 +82,12 @@ class CastCodec(Codec):
         The payload is the state's ``"wire"`` scratch buffer (reused every step).
         """
         if self.error_feedback:
-            flat = compensate(self.name, tensor, state, True)
+            flat = add_residual(self.name, tensor, state, True)
             wire = state.work_buffer("wire", flat.numel(), self.wire_dtype, device=flat.device)
             wire.copy_(flat)
-            remember(state, flat, wire.to(flat.dtype), True)
+            store_residual(state, flat, wire.to(flat.dtype), True)
         else:  # straight from the gradient: one pass
-            compensate_check(self.name, tensor)
+            check_compressible(self.name, tensor)
             source = tensor.detach().reshape(-1)
             wire = state.work_buffer("wire", source.numel(), self.wire_dtype, device=source.device)
             wire.copy_(source)

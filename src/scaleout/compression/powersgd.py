@@ -28,9 +28,9 @@ from scaleout.compression.base import (
     TensorMeta,
     bucket_layout,
     checks_are_free,
-    compensate,
-    keep_residual,
-    remember,
+    add_residual,
+    set_residual,
+    store_residual,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -105,7 +105,7 @@ class PowerSGDCodec(Codec):
         """
         meta = TensorMeta(tensor.shape, tensor.dtype)
         dims = self.matrix_shape(tensor.shape)
-        flat = compensate(self.name, tensor, state, self.error_feedback and dims is not None)
+        flat = add_residual(self.name, tensor, state, self.error_feedback and dims is not None)
         if dims is None:
             return [flat], meta
         mat = flat.view(dims)
@@ -114,7 +114,7 @@ class PowerSGDCodec(Codec):
         q = _t_matmul(mat, p)
         self._keep_q(state, q, q0, "q0")
         approx = p @ q.T
-        remember(state, flat, approx.reshape(-1), self.error_feedback)
+        store_residual(state, flat, approx.reshape(-1), self.error_feedback)
         return [p.reshape(-1), q.reshape(-1)], meta
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
@@ -148,7 +148,7 @@ class PowerSGDCodec(Codec):
                   for index, (offset, numel, shape) in enumerate(bucket_layout(shapes))]
         mats = [entry for entry in layout if entry[3] is not None]
         plain = [entry for entry in layout if entry[3] is None]
-        work = compensate(self.name, flat, state, self.error_feedback and bool(mats))
+        work = add_residual(self.name, flat, state, self.error_feedback and bool(mats))
         if not mats:
             summed = yield collectives.allreduce(comm, work)
             return summed
@@ -178,7 +178,7 @@ class PowerSGDCodec(Codec):
                 work[o:o + n].sub_(result[o:o + n], alpha=1.0 / ranks)
             for _, o, n, _ in plain:
                 work[o:o + n].zero_()
-            keep_residual(state, work)
+            set_residual(state, work)
         return result
 
     # -- internals -----------------------------------------------------------

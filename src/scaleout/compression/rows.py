@@ -24,7 +24,7 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     bucket_layout,
-    compensate_check,
+    check_compressible,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -71,7 +71,7 @@ class RowsCodec(Codec):
             ``([rows flat, row indices int32], meta)``; a tensor that is not a matrix is
             one row.
         """
-        compensate_check(self.name, tensor)
+        check_compressible(self.name, tensor)
         matrix = _as_rows(tensor.detach().reshape(-1), tuple(tensor.shape))
         touched = _touched(matrix).nonzero().view(-1)  # a host sync: the payload's size
         return ([matrix[touched].reshape(-1), touched.to(torch.int32)],
@@ -96,7 +96,7 @@ class RowsCodec(Codec):
         comm: Communicator,
     ) -> ExchangeGenerator:
         """Round 1: row flags of every matrix; round 2: the union's rows and the rest whole."""
-        compensate_check(self.name, flat)
+        check_compressible(self.name, flat)
         if flat.numel() == 0:
             return flat.clone()
         layout = bucket_layout(shapes)

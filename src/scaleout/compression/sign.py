@@ -25,8 +25,8 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
-    compensate,
-    keep_residual,
+    add_residual,
+    set_residual,
     work_dtype,
 )
 from scaleout.compression.state import CodecState
@@ -124,7 +124,7 @@ class SignCodec(Codec):
         Returns:
             ``([signs uint8, scales float32], meta)``.
         """
-        flat = compensate(self.name, tensor, state, self.error_feedback)
+        flat = add_residual(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
         meta = TensorMeta(tensor.shape, tensor.dtype)
         units = self._units_into(signs, state, flat.dtype)
@@ -143,7 +143,7 @@ class SignCodec(Codec):
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """One allgather of every rank's scales and signs, then ``sum scale * sign``."""
-        flat = compensate(self.name, tensor, state, self.error_feedback)
+        flat = add_residual(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
         nscale = scales.numel() * 4
         wire = state.work_buffer("wire", nscale + signs.numel(), torch.uint8, device=flat.device)
@@ -203,4 +203,4 @@ class SignCodec(Codec):
         if full * self.block_size < n:
             flat[full * self.block_size:].addcmul_(
                 padded[full, : n - full * self.block_size], mine[full], value=-1.0)
-        keep_residual(state, flat)
+        set_residual(state, flat)

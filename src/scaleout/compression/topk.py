@@ -25,10 +25,10 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     TensorMeta,
-    compensate,
-    compensate_check,
-    keep_buffer,
-    keep_residual,
+    add_residual,
+    check_compressible,
+    update_buffer,
+    set_residual,
     work_dtype,
 )
 from scaleout.compression.exchange import gather_payloads
@@ -89,18 +89,18 @@ class TopKCodec(Codec):
         Returns:
             ``([values float32|float64, indices int32], meta)``, both of length k.
         """
-        compensate_check(self.name, tensor)
+        check_compressible(self.name, tensor)
         grad = tensor.detach().reshape(-1)
         source = self._momentum(grad, state) if self.momentum else grad  # u = m u + g
-        velocity = compensate(self.name, source, state, self.error_feedback)  # NaN/Inf kept
+        velocity = add_residual(self.name, source, state, self.error_feedback)  # NaN/Inf kept
         if self.momentum:
-            keep_buffer(state, "momentum", source, scratch="momentum")  # stored u stays finite
+            update_buffer(state, "momentum", source, scratch="momentum")  # stored u stays finite
         k = self.k(velocity.numel())
         indices = _largest(velocity, k, state)
         values = velocity[indices]
         if self.error_feedback:  # the residual: velocity less what was sent, in place; sent
-            # NaN/Inf become NaN (v - v), which keep their previous residual (see remember)
-            keep_residual(state, velocity.index_put_((indices,), values - values))
+            # NaN/Inf become NaN (v - v), which keep their previous residual (see store_residual)
+            set_residual(state, velocity.index_put_((indices,), values - values))
         if self.momentum:
             state.buffers["momentum"].index_fill_(0, indices, 0.0)
         return [values, indices.to(torch.int32)], TensorMeta(tensor.shape, tensor.dtype)

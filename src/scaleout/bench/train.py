@@ -115,7 +115,7 @@ class TrainBenchConfig:
         from scaleout.workloads import get_workload
 
         get_workload(self.workload)  # raises ValueError listing the names
-        for name, low in (("ranks", 2), ("rounds", 1), ("iters", 1), ("warmup", 0),
+        for name, low in (("ranks", 1), ("rounds", 1), ("iters", 1), ("warmup", 0),
                           ("threads", 1), ("seed", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

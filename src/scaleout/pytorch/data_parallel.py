@@ -348,8 +348,12 @@ class DataParallel(nn.Module):
                 used.append(1.0 if self._used[id(param)] else 0.0)
                 self._used[id(param)] = False
         usage = self._usage_set()
-        usage.start_gradient_comm(torch.tensor(used, dtype=usage.spec.dtype,
-                                               device=usage.spec.device))
+        self.updates.all_used_here = all(used)
+        if self.updates.all_used_here:  # the usual case: no host-to-device copy
+            flags = torch.ones(len(used), dtype=usage.spec.dtype, device=usage.spec.device)
+        else:
+            flags = torch.tensor(used, dtype=usage.spec.dtype, device=usage.spec.device)
+        usage.start_gradient_comm(flags)
         if self.distributed_update:
             if self.updates.updater is None:
                 raise RuntimeError("DataParallel(distributed_update=True) needs a "

@@ -53,6 +53,7 @@ class LazyUpdates:
         self._usage: ParameterSet | None = None
         self._globally_used: dict[int, bool] = {}
         self._trace: TraceRecorder | None = None
+        self.all_used_here = False  # this rank used every parameter in the last backward
 
     def attach(self, updater: Updater) -> None:
         """Make ``updater`` the one that applies this model's updates.
@@ -85,10 +86,19 @@ class LazyUpdates:
                 if any(ps.gradient_pending for ps in layer.sets)]
 
     def used_globally(self) -> dict[int, bool]:
-        """Whether any rank used each parameter in the last backward (unused: no update)."""
+        """Whether any rank used each parameter in the last backward (unused: no update).
+
+        When this rank used every parameter the answer is known without reading the
+        exchanged flags, so the common case costs no host synchronisation on a GPU (the
+        flags decide, on the host, which parameters the optimizer skips).
+        """
         if self._usage is not None and self._usage.gradient_pending:
-            shares = self._usage.wait_gradient_comm().tolist()
-            self._globally_used = {id(p): share > 0 for p, share in zip(self._params, shares)}
+            shares = self._usage.wait_gradient_comm()
+            if self.all_used_here:
+                self._globally_used = {id(p): True for p in self._params}
+            else:
+                self._globally_used = {id(p): share > 0
+                                       for p, share in zip(self._params, shares.tolist())}
         return self._globally_used
 
     def request(self, layers: Sequence[Layer]) -> None:

@@ -181,6 +181,7 @@ class DataParallel(nn.Module):
     @torch.compiler.disable
     def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
+        self._stopwatch.begin()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
 

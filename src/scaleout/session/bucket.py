@@ -73,9 +73,10 @@ class GradBucket:
         # is copied in (the communication stream waits on them before the bucket is sent),
         # and one recorded on the communication stream once the averaged result is there
         # (the compute stream waits on it before the result is read).
-        cuda = self._buffer.is_cuda
+        cuda = self._buffer.is_cuda and comm.size > 1  # (a group of one sends nothing)
         self._ready = {id(ps): torch.cuda.Event() for ps in members} if cuda else {}
         self._done_event = torch.cuda.Event() if cuda else None
+        self.stream: Any = None  # the engine's communication stream, bound by the session
         self._clock = stopwatch_for(self._buffer.device)  # issue to result (comm time)
         total = sum(ps.local_count for ps in members)
         self._shares = [(ps.op_name, ps.local_count / total) for ps in members]
@@ -142,6 +143,10 @@ class GradBucket:
         self._filled += 1
         if self._filled == len(self.members):
             self._filled = 0
+            if self.comm.size == 1:  # nothing to send: done here, no trip to the engine
+                self.job.reset()
+                self.job.complete()
+                return
             assert self.engine is not None, "the session binds every bucket to an engine"
             self.engine.submit(self.job)
 
@@ -149,8 +154,8 @@ class GradBucket:
         """Block the host until the engine finished the bucket; on a GPU the current stream
         then waits for the result's kernels (the host does not)."""
         self.job.wait(timeout)
-        if self._done_event is not None and self.comm.size > 1:
-            torch.cuda.current_stream(self._buffer.device).wait_event(self._done_event)
+        if self._done_event is not None:
+            self._done_event.wait()  # the current (compute) stream waits, the host does not
 
     def result(self, ps: ParameterSet) -> torch.Tensor:
         """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
@@ -163,8 +168,9 @@ class GradBucket:
         # (engine thread: its current stream is the communication stream)
         if begin == 0:
             for event in self._ready.values():
-                torch.cuda.current_stream(self._buffer.device).wait_event(event)
+                self.stream.wait_event(event)
             self._clock.flush(self.statistics)  # earlier iterations' GPU times, if done
+            self._clock.begin()  # (on the communication stream)
             self._clock.restart()
         view = self
         if (begin, end) != (0, self._buffer.numel()):
@@ -184,7 +190,7 @@ class GradBucket:
         if self.comm.size == 1:
             return
         if self._done_event is not None:
-            self._done_event.record(torch.cuda.current_stream(self._buffer.device))
+            self._done_event.record(self.stream)
         self._clock.lap(self.statistics, self._shares, "comm_s")
         raw = sum(self.job.chunk_bytes)
         sent = sum(request.nbytes for request in self._pending) or raw

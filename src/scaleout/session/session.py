@@ -211,7 +211,7 @@ class Session:
         engine = ProgressEngine(lanes, [max(n, 1) for n in lengths], make_policy(config),
                                 self.env.timeout, stream=stream)
         for bucket in buckets:
-            bucket.engine = engine
+            bucket.engine, bucket.stream = engine, stream
         self._engines.append(engine)
         self.buckets.extend(buckets)
 

@@ -58,12 +58,19 @@ class Stopwatch:
         _trace(statistics, operation, phase, self._last, now)
         self._last = now
 
+    def begin(self) -> None:
+        """Nothing to look up on the host."""
+
     def flush(self, statistics: Statistics) -> None:
         """Nothing is deferred on the host."""
 
 
 class CudaStopwatch:
-    """Laps timed by CUDA events on the current stream, added once the events completed.
+    """Laps timed by CUDA events, added once the events completed.
+
+    One event per lap: a lap ends where the next begins, so its end event is the next
+    lap's start. Events are recycled once no pending lap needs them. The stream is looked
+    up once per iteration (:meth:`begin`), not at every lap.
 
     Args:
         device: the GPU whose current stream is timed.
@@ -71,26 +78,39 @@ class CudaStopwatch:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._stream = torch.cuda.current_stream(device)
         self._free: list[Any] = []
+        self._uses: dict[int, int] = {}  # id(event) -> pending laps that use it
         self._pending: deque[tuple[Operations, str, Any, Any]] = deque()
         self._last = self._event()
         self._host = time.perf_counter()  # for traces: when the work was issued
 
+    def begin(self) -> None:
+        """Time on the stream that is current now (call once per iteration)."""
+        self._stream = torch.cuda.current_stream(self._device)
+
     def _event(self) -> Any:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._device))
+        event.record(self._stream)
         return event
 
+    def _release(self, event: Any) -> None:
+        if not self._uses.get(id(event)) and event is not self._last:
+            self._uses.pop(id(event), None)
+            self._free.append(event)
+
     def restart(self) -> None:
-        self._free.append(self._last)
-        self._last = self._event()
+        previous, self._last = self._last, self._event()
+        self._release(previous)
         self._host = time.perf_counter()
 
     def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s",
             phase: str = "") -> None:
-        now = self._event()
-        self._pending.append((operation, field, self._last, now))
-        self._last = self._event()
+        start, end = self._last, self._event()
+        self._pending.append((operation, field, start, end))
+        for event in (start, end):
+            self._uses[id(event)] = self._uses.get(id(event), 0) + 1
+        self._last = end
         host = time.perf_counter()
         _trace(statistics, operation, phase, self._host, host)
         self._host = host
@@ -100,7 +120,9 @@ class CudaStopwatch:
         while self._pending and self._pending[0][3].query():
             operation, field, start, end = self._pending.popleft()
             _add(statistics, operation, field, start.elapsed_time(end) / 1e3)
-            self._free += [start, end]
+            for event in (start, end):
+                self._uses[id(event)] -= 1
+                self._release(event)
 
 
 def stopwatch_for(device: torch.device) -> Stopwatch | CudaStopwatch:

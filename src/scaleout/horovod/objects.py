@@ -27,11 +27,12 @@ def encode_object(obj: Any, operation: str) -> torch.Tensor:
         TypeError: ``obj`` holds a type that ``torch.load(weights_only=True)`` cannot rebuild.
     """
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getvalue()
     try:
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as err:
+    except (pickle.PicklingError, pickle.UnpicklingError, RuntimeError, AttributeError,
+            TypeError) as err:
         raise TypeError(
             f"{operation}: cannot send an object of type {type(obj).__name__} safely: only "
             "tensors, numbers, strings, bytes, None and lists/tuples/dicts/sets of them travel "
@@ -58,7 +59,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         A copy of the root's object (on the root, ``obj`` itself).
 
     Raises:
-        TypeError: (on the root) the object holds a type that cannot travel safely.
+        TypeError: (on every rank) the root's object holds a type that cannot travel safely.
         ValueError: ``root_rank`` is not a member of the set.
     """
     comm = process_set.communicator("broadcast_object")
@@ -67,9 +68,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                          f"{list(comm.ranks)}, got {root_rank}")
     root = comm.ranks.index(root_rank)
     is_root = comm.global_rank == root_rank
-    payload = encode_object(obj, "broadcast_object") if is_root else None
-    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    payload, failure = None, None
+    if is_root:
+        try:
+            payload = encode_object(obj, "broadcast_object")
+        except TypeError as err:
+            failure = err
+    # the length, or -1 when the root cannot send: then every rank raises, none waits
+    length = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.int64)
     coll.bcast(comm, length, root).wait()
+    if failure is not None:
+        raise failure
+    if length.item() < 0:
+        raise TypeError(f"broadcast_object: root rank {root_rank} could not send its object "
+                        "(see the error there)")
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     coll.bcast(comm, payload, root).wait()
@@ -89,11 +101,23 @@ def allgather_object(obj: Any, name: str | None = None,
         The list of the members' objects (this rank's entry is a decoded copy).
 
     Raises:
-        TypeError: the object holds a type that cannot travel safely.
+        TypeError: (on every rank) some rank's object holds a type that cannot travel safely.
     """
     comm = process_set.communicator("allgather_object")
-    payload = encode_object(obj, "allgather_object")
-    lengths = coll.allgather(comm, torch.tensor([payload.numel()], dtype=torch.int64)).wait()
-    counts = [int(n) for n in lengths.tolist()]
+    payload, failure = None, None
+    try:
+        payload = encode_object(obj, "allgather_object")
+    except TypeError as err:
+        failure = err
+    # every length, -1 for a rank that cannot send: then every rank raises, none waits
+    mine = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.int64)
+    counts = [int(n) for n in coll.allgather(comm, mine).wait().tolist()]
+    if failure is not None:
+        raise failure
+    if min(counts) < 0:
+        failed = [comm.ranks[i] for i, n in enumerate(counts) if n < 0]
+        raise TypeError(f"allgather_object: ranks {failed} could not send their objects "
+                        "(see the errors there)")
+    assert payload is not None
     gathered = coll.allgatherv(comm, payload, counts).wait()
     return [decode_object(part) for part in gathered.split(counts)]

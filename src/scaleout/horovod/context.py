@@ -7,8 +7,10 @@ other module asks for it through :func:`runtime`.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,8 +152,28 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
     global_process_set._attach(0, comm_all, list(range(env.world_size)))
     rt.process_sets[0] = global_process_set
     _state.append(rt)
+    atexit.register(_at_exit, rt)
     for process_set in process_sets or ():
         add_process_set(process_set)
+
+
+def _at_exit(rt: Runtime) -> None:
+    """Horovod scripts rarely call shutdown(): leave the job at exit, as Horovod does.
+
+    After an uncaught exception the peers may be gone or stuck: tear down without meeting
+    them (the launcher stops them); otherwise meet them, as ``shutdown()`` does.
+    """
+    if not _state or _state[0] is not rt:
+        return
+    failure = getattr(sys, "last_value", None)
+    if failure is None:
+        shutdown()
+        return
+    for process_set in rt.process_sets.values():
+        process_set._detach()
+    _state.clear()
+    if rt.owns_env:
+        rt.env.__exit__(type(failure), failure, None)  # the Environment's no-meeting exit
 
 
 def shutdown() -> None:

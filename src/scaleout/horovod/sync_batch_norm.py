@@ -46,7 +46,8 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training or self.process_set.size() == 1:
             return super().forward(input)
         dims = [d for d in range(input.dim()) if d != 1]
-        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype)
+        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype,
+                             device=input.device)
         local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         total = allreduce(local, op=Sum, name=None, process_set=self.process_set)
         channels = input.shape[1]

@@ -1,7 +1,7 @@
 """``hvd.init()`` and who this process is: rank, size, local and cross ranks.
 
 Horovod's API is a set of module-level functions over one job, so the face keeps the job's
-state in one :class:`Runtime`, created by :func:`init` and dropped by :func:`shutdown`; every
+state in one :class:`Runtime`, created by :func:`start` and dropped by :func:`shutdown`; every
 other module asks for it through :func:`runtime`.
 """
 
@@ -29,7 +29,7 @@ from scaleout.horovod.launch_vars import horovod_environ, node_key
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = [
-    "Runtime", "runtime", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
+    "Runtime", "runtime", "start", "shutdown", "is_initialized", "size", "rank", "local_size",
     "local_rank", "cross_size", "cross_rank", "is_homogeneous", "add_process_set",
     "remove_process_set",
 ]
@@ -43,7 +43,12 @@ class Runtime:
         env: the scaleout Environment.
         distribution: a data-parallel grid over all ranks (for scaleout's codecs).
         local_rank, local_size, cross_rank, cross_size: Horovod's node-level numbers.
+        homogeneous: every node runs the same number of ranks.
         owns_env: ``shutdown()`` finalizes ``env`` (False when attached to a running job).
+        process_sets: the registered sets by id (0: the global set).
+        names: per-collective counters of unnamed calls.
+        extras: state other modules keep per job: ``"handles"`` (pending operations),
+            ``"timeline"`` (the recording), ``"on_shutdown"`` (callbacks run by shutdown).
     """
 
     env: Environment
@@ -112,24 +117,11 @@ def _node_layout(comm: Communicator, local_rank: int, key: int) -> tuple[int, in
             len(set(per_node)) == 1)
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
-         timeout: float | None = None, backend: str | None = None) -> None:
-    """Join the job (Horovod's ``hvd.init``). Calling it again while running does nothing.
+def start(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+          timeout: float | None = None, backend: str | None = None) -> None:
+    """Join the job and create the Runtime (what :func:`scaleout.horovod.init` does).
 
-    Rank and size come from torchrun, Open MPI, MPICH/PMI, Slurm or ``HOROVOD_RANK``/
-    ``HOROVOD_SIZE`` variables (``scaleout run`` sets torchrun's). When torch.distributed is
-    already initialised (say by ``scaleout.init()``), the face joins that job.
-
-    Args:
-        comm: Horovod's MPI communicator argument; only ``None`` is supported.
-        process_sets: sets to register now (like :func:`add_process_set` on each).
-        timeout: seconds any collective may take (default ``HOROVOD_GLOO_TIMEOUT_SECONDS``,
-            else scaleout's 300 s).
-        backend: a scaleout backend string (default: gloo, plus NCCL with CUDA).
-
-    Raises:
-        NotImplementedError: ``comm`` is given (MPI communicators are not supported).
-        ScaleoutError: the rendezvous failed.
+    Args and Raises: see :func:`scaleout.horovod.init`.
     """
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) takes an MPI communicator; scaleout does "

@@ -22,8 +22,8 @@ def horovod_environ(environ: Mapping[str, str]) -> Mapping[str, str]:
     """``environ`` with ``HOROVOD_*`` launch variables mapped to torchrun's names.
 
     The mapping applies only when ``HOROVOD_RANK`` and ``HOROVOD_SIZE`` are set and torchrun's
-    ``RANK``/``WORLD_SIZE`` are not. The rendezvous is ``MASTER_ADDR``/``MASTER_PORT`` when set,
-    else ``HOROVOD_HOSTNAME`` of rank 0 is unknowable, so ``127.0.0.1`` (single node).
+    ``RANK``/``WORLD_SIZE`` are not. The rendezvous stays ``MASTER_ADDR``/``MASTER_PORT``
+    (default ``127.0.0.1``: one node): Horovod's own rendezvous server is not used.
 
     Args:
         environ: the process environment (normally ``os.environ``).

@@ -38,7 +38,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
         (0, 2)                             # rank 1 prints (1, 2)
     """
     running = context.is_initialized()
-    context.init(comm, process_sets, timeout=timeout, backend=backend)
+    context.start(comm, process_sets, timeout=timeout, backend=backend)
     path = os.environ.get("HOROVOD_TIMELINE")
     if path and not running:
         start_timeline(path)

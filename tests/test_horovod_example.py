@@ -1,4 +1,5 @@
-"""examples/horovod_digits.py, a Horovod script but for its import line, trains under `scaleout run`."""
+"""examples/horovod_digits.py, a Horovod script but for its import line, trains under `scaleout run`;
+a Horovod script runs under torchrun and (where installed) Open MPI's mpirun."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from harness import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "horovod_digits.py"
 
@@ -30,3 +33,47 @@ def test_example_trains_on_two_ranks() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     accuracies = [float(m) for m in re.findall(r"accuracy ([\d.]+)%", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 80.0, done.stdout[-2000:]
+
+
+SCRIPT = """
+import torch
+import scaleout.horovod as hvd
+hvd.init(timeout=60)
+total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+print(f"RESULT rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()} sum={total}")
+"""
+
+
+def _launch(command: list[str], script: Path) -> list[str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    done = subprocess.run(command + [str(script)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return sorted(line[line.index("RESULT"):] for line in done.stdout.splitlines()
+                  if "RESULT" in line)
+
+
+def test_torchrun_launches_a_horovod_script(tmp_path: Path) -> None:
+    script = tmp_path / "hvd_script.py"
+    script.write_text(SCRIPT)
+    got = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port())], script)
+    assert got == ["RESULT rank=0 size=2 local=0 sum=1.0", "RESULT rank=1 size=2 local=1 sum=1.0"]
+
+
+def test_mpirun_launches_a_horovod_script(tmp_path: Path) -> None:
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin)")
+    script = tmp_path / "hvd_script.py"
+    script.write_text(SCRIPT)
+    got = _launch([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                   "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", sys.executable],
+                  script)
+    assert got == ["RESULT rank=0 size=2 local=0 sum=1.0", "RESULT rank=1 size=2 local=1 sum=1.0"]

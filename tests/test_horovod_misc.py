@@ -69,15 +69,17 @@ def body_timeline(path: str) -> None:
     hvd.shutdown()
 
 
-def test_timeline_is_a_chrome_trace(tmp_path) -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_timeline_is_a_chrome_trace(tmp_path, n: int) -> None:
     path = str(tmp_path / "timeline.json")
-    run_ranks(2, body_timeline, path, timeout=90)
+    run_ranks(n, body_timeline, path, timeout=90)
     events = json.load(open(path))["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {(e["pid"], e["name"], e["cat"]) for e in spans} == {
-        (r, n, c) for r in (0, 1) for n, c in (("grad.w", "allreduce"), ("feature", "allgather"))}
+        (r, name, kind) for r in range(n)
+        for name, kind in (("grad.w", "allreduce"), ("feature", "allgather"))}
     assert all(e["dur"] >= 0 for e in spans)
-    assert [e["args"]["name"] for e in events if e["ph"] == "M"] == ["rank 0", "rank 1"]
+    assert [e["args"]["name"] for e in events if e["ph"] == "M"] == [f"rank {r}" for r in range(n)]
 
 
 def body_timeline_env() -> None:

@@ -8,6 +8,10 @@ import torch
 import scaleout.horovod as hvd
 from harness import run_ranks
 
+# A process's first optimizer costs seconds of lazy torch imports: pay it once here, before
+# the ranks fork, not in every rank of every test.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 
 def _value(rank: int, shape: tuple[int, ...] = (2, 3)) -> torch.Tensor:
     return torch.arange(float(torch.Size(shape).numel())).reshape(shape) + 10 * rank
@@ -188,7 +192,7 @@ def body_gather_family() -> None:
     hvd.reducescatter(leaf, op=hvd.Sum).sum().backward()
     assert torch.equal(leaf.grad, torch.ones(2 * n, 3))
     hvd.barrier()
-    assert 0 <= hvd.join() < n
+    assert 0 <= hvd.join() < n  # every rank joins at once
     hvd.shutdown()
 
 
@@ -259,3 +263,64 @@ def body_bad_arguments() -> None:
 
 def test_bad_arguments() -> None:
     run_ranks(2, body_bad_arguments, timeout=120)
+
+
+def body_join() -> dict[str, object]:
+    hvd.init(timeout=30)
+    r, n = hvd.rank(), hvd.size()
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    for s in range(r + 1):  # rank r has r + 1 batches; at step s ranks s.. n-1 are active
+        active = range(s, n)
+        mine = torch.tensor([r + 1.0])
+        assert hvd.allreduce(mine, op=hvd.Sum, name=f"sum{s}").item() == sum(q + 1 for q in active)
+        assert hvd.allreduce(mine, op=hvd.Min).item() == s + 1
+        assert hvd.allreduce(mine, op=hvd.Max).item() == n
+        assert hvd.allreduce(mine, op=hvd.Product).item() == torch.tensor(
+            [q + 1.0 for q in active]).prod().item()
+        assert hvd.allreduce(mine.half(), op=hvd.Sum, compression=hvd.Compression.fp16).item() \
+            == sum(q + 1 for q in active)
+        rows = hvd.allgather(torch.full((r + 1, 2), float(r)))
+        assert rows[:, 0].tolist() == [float(q) for q in active for _ in range(q + 1)]
+        opt.zero_grad()
+        (model.weight.sum() * (r + 1)).backward()  # gradient r + 1
+        opt.step()  # averaged over all n ranks, joined ones giving zeros
+    last = hvd.join()
+    out = {"last": last, "weight": model.weight.item()}
+    try:  # after the join every rank is active again
+        hvd.broadcast(torch.ones(1), root_rank=0)
+    except Exception as err:  # noqa: BLE001
+        out["after"] = repr(err)
+    hvd.shutdown()
+    return out
+
+
+def body_join_refuses() -> str:
+    hvd.init(timeout=30)
+    if hvd.rank() == 0:
+        hvd.join()
+        hvd.shutdown()
+        return "joined"
+    try:
+        hvd.broadcast(torch.ones(1), root_rank=1)
+    except hvd.TensorMismatchError as err:
+        message = str(err)
+    hvd.join()
+    hvd.shutdown()
+    return message
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_join_lets_ranks_run_different_numbers_of_batches(n: int) -> None:
+    got = run_ranks(n, body_join, timeout=120)
+    assert all(g["last"] == n - 1 and "after" not in g for g in got)
+    # rank n-1 ran every step: w = -sum over steps s of (sum of q+1 for active q) / n
+    want = -sum(sum(q + 1 for q in range(s, n)) for s in range(n)) / n
+    assert got[n - 1]["weight"] == pytest.approx(want)
+
+
+def test_join_refuses_collectives_it_cannot_stand_in_for() -> None:
+    got = run_ranks(2, body_join_refuses, timeout=120)
+    assert got[0] == "joined" and "has called hvd.join()" in got[1]

@@ -12,6 +12,10 @@ from torch import nn
 import scaleout.horovod as hvd
 from harness import run_ranks
 
+# A process's first optimizer costs seconds of lazy torch imports: pay it once here, before
+# the ranks fork, not in every rank of every test.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 BATCH = 6  # per rank
 
 

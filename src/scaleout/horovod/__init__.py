@@ -45,7 +45,6 @@ from scaleout.horovod.collectives import (
     barrier,
     broadcast_async,
     broadcast_async_,
-    join,
     reducescatter_async,
 )
 from scaleout.horovod.compression import Compression
@@ -64,6 +63,7 @@ from scaleout.horovod.context import (
 )
 from scaleout.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError
 from scaleout.horovod.handles import poll, synchronize
+from scaleout.horovod.join import join
 from scaleout.horovod.objects import allgather_object, broadcast_object
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from scaleout.horovod.optimizer import DistributedOptimizer

@@ -64,15 +64,16 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     output = require_tensor(output, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
-    exchange_signature(comm, kind, name, output, op=int(op))
+    codec = isinstance(compression, CodecCompression)
+    send, ctx = (output, None) if codec else compression.compress(output)
+    exchange_signature(comm, kind, name, output, op=int(op), wire=send.dtype, joinable=not codec)
     check_tensor(output, kind)
     prescale = _factor(prescale, "prescale_factor", output, kind)
     postscale = _factor(postscale, "postscale_factor", output, kind)
     if op is Adasum:
         check_adasum_size(comm.size, kind)
-    if isinstance(compression, CodecCompression):
+    if codec:
         return _start_codec(rt, output, name, op, prescale, postscale, compression, process_set, kind)
-    send, ctx = compression.compress(output)
     if prescale != 1.0:
         send = send.mul_(prescale)
     if op in (Product, Adasum):

@@ -1,5 +1,5 @@
 """Horovod's other collectives, non-blocking: allgather, broadcast, alltoall, reducescatter;
-and the blocking ``barrier`` and ``join``.
+and the blocking ``barrier``.
 
 Each ``*_async`` call checks its signature with the process set, starts the core's
 collective and returns a handle for :func:`scaleout.horovod.synchronize`. The blocking,
@@ -8,7 +8,6 @@ differentiable forms live in :mod:`scaleout.horovod.autograd`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +20,14 @@ from scaleout.core.collectives import ReduceOp as CoreOp
 from scaleout.horovod.allreduce import require_tensor
 from scaleout.horovod.context import runtime
 from scaleout.horovod.handles import Pending, submit
+from scaleout.horovod.join import gather_rows
 from scaleout.horovod.ops import Average, Max, Min, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 from scaleout.horovod.signature import exchange_signature
 
 __all__ = [
     "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
-    "reducescatter_async", "barrier", "join", "root_index", "reducescatter_rows",
+    "reducescatter_async", "barrier", "root_index", "reducescatter_rows",
 ]
 
 
@@ -56,12 +56,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     tensor = require_tensor(tensor, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
-    counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True)
-    send = check_tensor(tensor, kind).detach()
-    if len(set(counts)) == 1:
-        request = coll.allgather(comm, send)
-    else:
-        request = coll.allgatherv(comm, send, counts)
+    counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True)
+    request = gather_rows(comm, check_tensor(tensor, kind).detach(), counts)
     return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
 
 
@@ -188,22 +184,3 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every member of the process set arrives (bounded by the job's timeout)."""
     coll.barrier(process_set.communicator("barrier"))
-
-
-def join(device: int = -1) -> int:
-    """Wait for every rank to join; returns the rank that joined last.
-
-    Unlike Horovod's, a joined rank does not stand in for the others' remaining
-    allreduces: every rank must have made the same collective calls before joining (give
-    every rank the same number of batches, e.g. ``drop_last=True``).
-
-    Args:
-        device: accepted for Horovod compatibility.
-
-    Returns:
-        The global rank whose ``join`` call came last (by wall clock).
-    """
-    rt = runtime()
-    stamp = torch.tensor([time.time()], dtype=torch.float64)
-    stamps = coll.allgather(rt.comm, stamp).wait()
-    return int(torch.argmax(stamps).item())

@@ -2,14 +2,18 @@
 
 Horovod's coordinator negotiates every tensor by name and reports "Mismatched ... shapes"
 instead of hanging. The face does the same with one small allgather (one row of int64 per
-rank: name, collective, op, dtype, root, shape) on the core's collectives; every member sees
-every row, so all of them raise the same error, before any data moves.
+rank: name, collective, op, dtype, root, shape, wire dtype) on the core's collectives; every
+member sees every row, so all of them raise the same error, before any data moves.
+
+A rank that called ``hvd.join()`` sends a *joined* row instead and stands in for the others'
+allreduces and allgathers (see :mod:`scaleout.horovod.join`); the active ranks skip its row.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,26 +21,39 @@ from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
 from scaleout.horovod.errors import TensorMismatchError
 
-__all__ = ["exchange_signature", "DTYPES"]
+__all__ = ["exchange_signature", "exchange_joined", "Signature", "DTYPES", "JOINABLE"]
 
 DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.float32, torch.float64, torch.bfloat16, torch.bool)
+#: collectives a joined rank can stand in for
+JOINABLE = ("allreduce", "grouped_allreduce", "allgather")
 _MAX_DIMS = 8
-# columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS
+# columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
+# joinable (1: a joined rank can stand in for this call)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
-_WIDTH = _DIMS + _MAX_DIMS + 1
+_TAIL = _DIMS + _MAX_DIMS
+_WIRE, _JOINABLE = _TAIL + 1, _TAIL + 2
+_WIDTH = _JOINABLE + 1
 
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
-def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int) -> list[int]:
+_JOINED = _hash("joined")
+
+
+def _code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else 100 + _hash(str(dtype)) % 1000
+
+
+def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: torch.dtype,
+         joinable: bool) -> list[int]:
     dims = list(tensor.shape)
     shown = dims[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(dims), _MAX_DIMS))
-    dtype = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else 100 + _hash(str(tensor.dtype)) % 1000
-    return [_hash(name), _hash(kind), op, dtype, root, len(dims), *shown,
-            _hash(repr(dims[_MAX_DIMS:]))]
+    joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
+    return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
+            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable)]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -50,8 +67,39 @@ def _dtype(code: int) -> str:
     return str(DTYPES[code]).removeprefix("torch.") if 0 <= code < len(DTYPES) else "another dtype"
 
 
+@dataclass(frozen=True)
+class Signature:
+    """What an active rank announced, as a joined rank reads it.
+
+    Attributes:
+        kind: the collective (one of :data:`JOINABLE`), or ``None`` for one a joined rank
+            cannot stand in for.
+        op: the reduction (Horovod's op number).
+        wire: the dtype of the tensor on the wire.
+        shape: the shape on the wire (dim 0 of the announcing rank).
+    """
+
+    kind: str | None
+    op: int
+    wire: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _decode(row: Sequence[int]) -> Signature:
+    kinds = {_hash(k): k for k in JOINABLE}
+    kind = kinds.get(row[_KIND]) if row[_JOINABLE] else None
+    wire = DTYPES[row[_WIRE]] if 0 <= row[_WIRE] < len(DTYPES) else torch.uint8
+    shape = tuple(row[_DIMS:_DIMS + row[_NDIM]]) if row[_NDIM] <= _MAX_DIMS else ()
+    return Signature(kind=kind, op=row[_OP], wire=wire, shape=shape)
+
+
+def _gather(comm: Communicator, row: list[int]) -> list[list[int]]:
+    return coll.allgather(comm, torch.tensor([row], dtype=torch.int64)).wait().tolist()
+
+
 def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor, *,
-                       op: int = -1, root: int = -1, rows_may_differ: bool = False) -> list[int]:
+                       op: int = -1, root: int = -1, rows_may_differ: bool = False,
+                       wire: torch.dtype | None = None, joinable: bool = False) -> list[int]:
     """Exchange this call's signature with the group and raise unless all agree.
 
     Args:
@@ -62,23 +110,32 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         op: the reduction, when the collective has one.
         root: the root rank, when it has one.
         rows_may_differ: dim 0 may differ between ranks (allgather, alltoall).
+        wire: the dtype sent (after compression); default ``tensor.dtype``.
+        joinable: a joined rank can stand in for this call (see :mod:`scaleout.horovod.join`).
 
     Returns:
-        Every member's dim-0 length, in group-rank order (the counts of an allgatherv).
+        Every member's dim-0 length, in group-rank order (0 for joined members).
 
     Raises:
-        TensorMismatchError: on every member, when any member differs; the message names the
-            first differing member and what it passed.
+        TensorMismatchError: on every member, when any member differs, or when a member has
+            joined and this collective is not one a joined rank can stand in for; the message
+            names the first such member.
     """
-    mine = _row(name, kind, op, tensor, root)
+    mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable)
     if comm.size == 1:
         return [tensor.shape[0] if tensor.dim() else 1]
-    table = coll.allgather(comm, torch.tensor([mine], dtype=torch.int64)).wait().tolist()
+    table = _gather(comm, mine)
     for member, row in enumerate(table):
         if row == mine:
             continue
         where = (f"rank {comm.global_rank}: {kind} {name!r} on group {comm.label}: group rank "
                  f"{member} (global rank {comm.ranks[member]})")
+        if row[_KIND] == _JOINED:
+            if mine[_JOINABLE]:
+                continue
+            raise TensorMismatchError(
+                f"{where} has called hvd.join(): while ranks have joined, only allreduce "
+                f"(without a scaleout codec) and allgather of tensors up to {_MAX_DIMS}-d can run")
         if row[_KIND] != mine[_KIND]:
             raise TensorMismatchError(f"{where} called a different collective at the same "
                                       f"point (this rank: {kind})")
@@ -91,12 +148,40 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         if row[_ROOT] != mine[_ROOT]:
             raise TensorMismatchError(f"{where}: mismatched root ranks ({row[_ROOT]} there, "
                                       f"{root} here)")
-        if row[_DTYPE] != mine[_DTYPE]:
+        if row[_DTYPE] != mine[_DTYPE] or row[_WIRE] != mine[_WIRE]:
             raise TensorMismatchError(f"{where}: mismatched data types: {_dtype(row[_DTYPE])} "
-                                      f"there, {_dtype(mine[_DTYPE])} here")
+                                      f"there, {_dtype(mine[_DTYPE])} here (on the wire: "
+                                      f"{_dtype(row[_WIRE])} there, {_dtype(mine[_WIRE])} here)")
         same_tail = row[_NDIM] == mine[_NDIM] and row[_DIMS + 1:] == mine[_DIMS + 1:]
         if not (rows_may_differ and same_tail):
             what = "trailing shapes (dims after the first)" if rows_may_differ else "shapes"
             raise TensorMismatchError(f"{where}: mismatched {what}: {_shape(row)} there, "
                                       f"{_shape(mine)} here")
-    return [row[_DIMS] if row[_NDIM] else 1 for row in table]
+    return [0 if row[_KIND] == _JOINED else (row[_DIMS] if row[_NDIM] else 1) for row in table]
+
+
+def exchange_joined(comm: Communicator) -> tuple[Signature | None, list[int]] | None:
+    """A joined rank's side of :func:`exchange_signature`.
+
+    Returns:
+        ``None`` when every member has joined; else the active members' call (``None`` as
+        the signature when they disagree among themselves, or when a joined rank cannot stand
+        in for it: they raise, and nothing moves) and every member's dim-0 length.
+    """
+    row = [0] * _WIDTH
+    row[_KIND] = _JOINED
+    table = _gather(comm, row)
+    active = [r for r in table if r[_KIND] != _JOINED]
+    if not active:
+        return None
+    counts = [0 if r[_KIND] == _JOINED else (r[_DIMS] if r[_NDIM] else 1) for r in table]
+    first = active[0]
+    signature = _decode(first)
+    if signature.kind == "allgather":  # dim 0 may differ
+        agreed = all(r[:_DIMS] == first[:_DIMS] and r[_DIMS + 1:] == first[_DIMS + 1:]
+                     for r in active)
+    else:
+        agreed = all(r == first for r in active)
+    if not agreed or signature.kind is None:
+        return None, counts
+    return signature, counts

@@ -324,3 +324,27 @@ def test_join_lets_ranks_run_different_numbers_of_batches(n: int) -> None:
 def test_join_refuses_collectives_it_cannot_stand_in_for() -> None:
     got = run_ranks(2, body_join_refuses, timeout=120)
     assert got[0] == "joined" and "has called hvd.join()" in got[1]
+
+
+def body_peer_never_comes() -> str:
+    import time
+
+    from scaleout.core.errors import CommunicationTimeout
+
+    hvd.init(timeout=2)
+    if hvd.rank() == 1:
+        time.sleep(5)  # never calls the allreduce
+        return "slept"
+    began = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2), name="late")
+    except CommunicationTimeout as err:
+        assert time.monotonic() - began < 4.5
+        return str(err)
+    return "no error"
+
+
+def test_a_missing_peer_is_an_error_naming_rank_group_and_call() -> None:
+    message = run_ranks(2, body_peer_never_comes, timeout=60)[0]
+    assert message.startswith("rank 0: allreduce 'late' on group global[0, 1]: the other ranks "
+                              "did not reach this call within 2 s"), message

@@ -19,6 +19,7 @@ import torch
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
+from scaleout.core.errors import CommunicationError, CommunicationTimeout
 from scaleout.horovod.errors import TensorMismatchError
 
 __all__ = ["exchange_signature", "exchange_joined", "Signature", "DTYPES", "JOINABLE"]
@@ -93,8 +94,18 @@ def _decode(row: Sequence[int]) -> Signature:
     return Signature(kind=kind, op=row[_OP], wire=wire, shape=shape)
 
 
-def _gather(comm: Communicator, row: list[int]) -> list[list[int]]:
-    return coll.allgather(comm, torch.tensor([row], dtype=torch.int64)).wait().tolist()
+def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[list[int]]:
+    try:
+        return coll.allgather(comm, torch.tensor([row], dtype=torch.int64)).wait().tolist()
+    except CommunicationError as err:  # say which call of the user's it was, once
+        if isinstance(err, CommunicationTimeout):
+            reason = (f"the other ranks did not reach this call within {comm.timeout:g} s (one "
+                      "may have died, be stuck, or have called another collective)")
+        else:
+            reason = f"failed: {err.__cause__ or err}"
+        raise type(err)(f"rank {comm.global_rank}: {kind} {name!r} on group {comm.label}: "
+                        f"{reason}", rank=comm.global_rank, group=comm.label,
+                        operation=kind) from err
 
 
 def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor, *,
@@ -117,6 +128,8 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         Every member's dim-0 length, in group-rank order (0 for joined members).
 
     Raises:
+        CommunicationTimeout: the other members did not reach this call in time (names this
+            rank, the group and the call).
         TensorMismatchError: on every member, when any member differs, or when a member has
             joined and this collective is not one a joined rank can stand in for; the message
             names the first such member.
@@ -124,7 +137,7 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
     mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable)
     if comm.size == 1:
         return [tensor.shape[0] if tensor.dim() else 1]
-    table = _gather(comm, mine)
+    table = _gather(comm, mine, kind, name)
     for member, row in enumerate(table):
         if row == mine:
             continue
@@ -170,7 +183,7 @@ def exchange_joined(comm: Communicator) -> tuple[Signature | None, list[int]] | 
     """
     row = [0] * _WIDTH
     row[_KIND] = _JOINED
-    table = _gather(comm, row)
+    table = _gather(comm, row, "join", "join")
     active = [r for r in table if r[_KIND] != _JOINED]
     if not active:
         return None

@@ -258,6 +258,9 @@ def body_bad_arguments() -> None:
     _raises(ValueError, "hvd.Average or hvd.Sum",
             lambda: hvd.allreduce(torch.ones(2), op=hvd.Max, compression=hvd.Compression.codec("topk")))
     _raises(NotImplementedError, "MPI communicator", lambda: hvd.init(comm=object()))
+    leaf = torch.ones(4, requires_grad=True)
+    _raises(NotImplementedError, "has no gradient",
+            lambda: hvd.reducescatter(leaf, op=hvd.Min).sum().backward())
     hvd.shutdown()
 
 

@@ -24,7 +24,7 @@ from scaleout.horovod.collectives import (
 from scaleout.horovod.compression import CodecCompression, Compression
 from scaleout.horovod.context import runtime
 from scaleout.horovod.handles import submit, synchronize
-from scaleout.horovod.ops import Average, ReduceOp, resolve_op
+from scaleout.horovod.ops import Average, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
@@ -122,6 +122,9 @@ class ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, process_set, scale = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"reducescatter with op={op.name} has no gradient; "
+                                      "use hvd.Average or hvd.Sum")
         gathered = synchronize(allgather_async(grad.contiguous(), None, process_set))
         if op is Average:
             scale /= process_set.size()
@@ -133,6 +136,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """The reduction of ``tensor`` over the process set, as a new tensor; differentiable.
+
+    As in Horovod, the gradient is the same reduction of the incoming gradients (exact for
+    Sum and Average).
 
     Args:
         tensor: the input (left unchanged).

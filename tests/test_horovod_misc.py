@@ -211,3 +211,21 @@ def test_not_initialized_errors() -> None:
             fn()
     assert not hvd.is_initialized()
     hvd.shutdown()  # shutting down when not running is harmless
+
+
+def body_attach() -> tuple[float, bool]:
+    import scaleout
+
+    env = scaleout.init(timeout=30)
+    hvd.init()  # joins the running job
+    total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+    hvd.shutdown()  # leaves torch.distributed to its owner
+    import torch.distributed as tdist
+
+    alive = tdist.is_initialized()
+    env.finalize()
+    return total, alive
+
+
+def test_init_joins_a_job_scaleout_started() -> None:
+    assert run_ranks(2, body_attach, timeout=90) == [(2.0, True), (2.0, True)]

@@ -108,7 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles: dict[torch.Tensor, int | None] = {}
         self._should_synchronize = True
         self._synchronized = False
-        self._hooks = []
+        self._hooks: list[Any] = []  # the hook handles, kept alive with the optimizer
         if runtime().env.world_size > 1:
             for p in self._names:
                 if p.requires_grad:

@@ -173,3 +173,29 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(n: int) -> None:
         assert torch.allclose(got_y, y[r * 4:(r + 1) * 4].detach(), atol=1e-5)
         assert torch.allclose(got_grad, x.grad[r * 4:(r + 1) * 4], atol=1e-4)
         assert torch.allclose(got_var, bn.running_var, atol=1e-5)
+
+
+def body_mismatched_models() -> list[str]:
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    model = nn.Linear(4, 2 + r)  # rank 1's layer is wider
+    errors = []
+    try:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    except hvd.TensorMismatchError as err:
+        errors.append(str(err))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        model(torch.ones(3, 4)).sum().backward()
+    except hvd.TensorMismatchError as err:
+        errors.append(str(err))
+    hvd.shutdown()
+    return errors
+
+
+def test_mismatched_models_raise_on_every_rank() -> None:
+    for r, errors in enumerate(run_ranks(2, body_mismatched_models, timeout=90)):
+        assert len(errors) == 2, errors
+        assert "broadcast 'parameter.bias'" in errors[0] and "mismatched shapes" in errors[0]
+        assert "allreduce" in errors[1] and "mismatched shapes" in errors[1]

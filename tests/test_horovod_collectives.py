@@ -351,3 +351,37 @@ def test_a_missing_peer_is_an_error_naming_rank_group_and_call() -> None:
     message = run_ranks(2, body_peer_never_comes, timeout=60)[0]
     assert message.startswith("rank 0: allreduce 'late' on group global[0, 1]: the other ranks "
                               "did not reach this call within 2 s"), message
+
+
+def body_one_rank_refuses() -> list[str]:
+    import time
+
+    hvd.init(timeout=60)  # a wait for the others would take a minute: none must happen
+    r = hvd.rank()
+    began = time.monotonic()
+    calls = [
+        lambda: hvd.allreduce(torch.ones(2) if r == 0 else torch.ones(2, dtype=torch.bool)),
+        lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, prescale_factor=2.0 if r == 0 else "x"),
+        lambda: hvd.allgather(torch.ones(2) if r == 0 else [1.0, 2.0]),
+        lambda: hvd.broadcast(torch.ones(2), root_rank=0 if r == 0 else 7),
+        lambda: hvd.alltoall(torch.ones(4), splits=[2, 2] if r == 0 else [1, 1]),
+        lambda: hvd.reducescatter(torch.ones(4), op=hvd.Sum if r == 0 else hvd.Product),
+    ]
+    seen = []
+    for call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as err:
+            seen.append(type(err).__name__ + ": " + str(err))
+        else:
+            seen.append("no error")
+    assert time.monotonic() - began < 20
+    hvd.shutdown()
+    return seen
+
+
+def test_arguments_refused_on_one_rank_raise_on_every_rank_at_once() -> None:
+    rank0, rank1 = run_ranks(2, body_one_rank_refuses, timeout=90)
+    assert all("refused its arguments to this call" in m for m in rank0), rank0
+    assert not any("refused its arguments" in m for m in rank1), rank1
+    assert all(m.startswith(("TypeError", "ValueError")) for m in rank1), rank1

@@ -24,14 +24,21 @@ from scaleout.horovod.context import Runtime, runtime
 from scaleout.horovod.handles import Pending, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
-from scaleout.horovod.signature import exchange_signature
+from scaleout.horovod.signature import ARGUMENT_ERRORS, exchange_signature
 
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
+    "copy_of",
 ]
 
 _CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
+
+
+def copy_of(tensor: object) -> Any:
+    """A detached copy of a tensor; anything else as it is (the checks refuse it later, on
+    every rank at once)."""
+    return tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def require_tensor(tensor: object, operation: str) -> torch.Tensor:
@@ -57,23 +64,32 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
 
     Raises:
         TypeError: not a tensor, unsupported dtype, or a scale factor on an integer tensor.
-        TensorMismatchError: the members disagree on name, op, dtype or shape.
+        TensorMismatchError: the members disagree on name, op, dtype or shape, or another
+            member's arguments failed these checks.
         NotImplementedError: Adasum on a non-power-of-two set.
         ValueError: a scaleout codec with an op other than Average/Sum or a process set.
     """
-    output = require_tensor(output, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
     codec = isinstance(compression, CodecCompression)
-    send, ctx = (output, None) if codec else compression.compress(output)
-    exchange_signature(comm, kind, name, output, op=int(op), wire=send.dtype, joinable=not codec)
-    check_tensor(output, kind)
-    prescale = _factor(prescale, "prescale_factor", output, kind)
-    postscale = _factor(postscale, "postscale_factor", output, kind)
-    if op is Adasum:
-        check_adasum_size(comm.size, kind)
+    send, ctx, refused = None, None, None
+    try:  # every check first: a rank whose arguments fail tells the others, nobody waits
+        output = check_tensor(require_tensor(output, kind), kind)
+        prescale = _factor(prescale, "prescale_factor", output, kind)
+        postscale = _factor(postscale, "postscale_factor", output, kind)
+        if op is Adasum:
+            check_adasum_size(comm.size, kind)
+        if codec:
+            _check_codec(op, process_set, kind)
+        send, ctx = (output, None) if codec else compression.compress(output)
+    except ARGUMENT_ERRORS as err:
+        refused = err
+    exchange_signature(comm, kind, name, None if refused else output, op=int(op),
+                       wire=None if send is None else send.dtype, joinable=not codec,
+                       refused=refused)
+    assert send is not None  # (exchange_signature raised otherwise)
     if codec:
-        return _start_codec(rt, output, name, op, prescale, postscale, compression, process_set, kind)
+        return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)
     if prescale != 1.0:
         send = send.mul_(prescale)
     if op in (Product, Adasum):
@@ -101,15 +117,17 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     return Pending(kind=kind, name=name, requests=[request], finish=finish)
 
 
-def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, prescale: float,
-                 postscale: float, compression: CodecCompression, process_set: ProcessSet,
-                 kind: str) -> Pending:
+def _check_codec(op: ReduceOp, process_set: ProcessSet, kind: str) -> None:
     if op not in (Average, Sum):
         raise ValueError(f"{kind}: a scaleout codec compression reduces with hvd.Average or "
                          f"hvd.Sum, got op={op.name}")
     if process_set is not global_process_set:
         raise ValueError(f"{kind}: a scaleout codec compression runs on the global process set "
                          f"only, got {process_set}")
+
+
+def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, prescale: float,
+                 postscale: float, compression: CodecCompression, kind: str) -> Pending:
     if prescale != 1.0:
         output.mul_(prescale)
     request = compressed_allreduce(compression.codec, output, compression.state(name),
@@ -154,7 +172,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
     """Like :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
-    output = require_tensor(tensor, "allreduce").detach().clone()
+    output = copy_of(tensor)
     return allreduce_async_(output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -199,7 +217,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
     """Like :func:`grouped_allreduce_async_`, into new tensors."""
-    copies = [require_tensor(t, "grouped_allreduce").detach().clone() for t in tensors]
+    copies = [copy_of(t) for t in tensors]
     return grouped_allreduce_async_(copies, average, name, op, prescale_factor,
                                     postscale_factor, process_set)
 

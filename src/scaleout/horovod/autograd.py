@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from scaleout.horovod.allreduce import require_tensor, start_allreduce
+from scaleout.horovod.allreduce import copy_of, start_allreduce
 from scaleout.horovod.collectives import (
     allgather_async,
     alltoall_async,
@@ -34,7 +34,7 @@ __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcas
 def _reduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
             postscale: float, process_set: ProcessSet, compression: Any = Compression.none) -> torch.Tensor:
     rt = runtime()
-    output = tensor.detach().clone()
+    output = copy_of(tensor)
     return synchronize(submit(rt, start_allreduce(
         rt, output, name=name, op=op, prescale=prescale, postscale=postscale,
         compression=compression, process_set=process_set)))
@@ -163,8 +163,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         tensor([1.])
     """
     op = resolve_op(op, average, "allreduce")
-    tensor = require_tensor(tensor, "allreduce")
-    if isinstance(compression, CodecCompression):
+    if isinstance(compression, CodecCompression) or not isinstance(tensor, torch.Tensor):
         return _reduce(tensor, name, op, prescale_factor, postscale_factor, process_set,
                        compression)
     compressed, ctx = compression.compress(tensor)
@@ -195,14 +194,17 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
         >>> hvd.allgather(torch.full((hvd.rank() + 1,), hvd.rank()))
         tensor([0, 1, 1])
     """
-    return AllgatherFunction.apply(require_tensor(tensor, "allgather"), name, process_set)
+    if not isinstance(tensor, torch.Tensor):  # refused on every rank by the exchange
+        return synchronize(allgather_async(tensor, name, process_set))
+    return AllgatherFunction.apply(tensor, name, process_set)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Global rank ``root_rank``'s ``tensor``, as a new tensor on every member; differentiable."""
-    return BroadcastFunction.apply(require_tensor(tensor, "broadcast"), root_rank, name,
-                                   process_set)
+    if not isinstance(tensor, torch.Tensor):  # refused on every rank by the exchange
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return BroadcastFunction.apply(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -219,8 +221,10 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     Returns:
         The received rows; with ``splits`` given, ``(rows, received_splits)`` as in Horovod.
     """
-    output, received = AlltoallFunction.apply(require_tensor(tensor, "alltoall"), splits, name,
-                                              process_set)
+    if not isinstance(tensor, torch.Tensor):  # refused on every rank by the exchange
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    else:
+        output, received = AlltoallFunction.apply(tensor, splits, name, process_set)
     return output if splits is None else (output, received)
 
 
@@ -235,7 +239,10 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     if isinstance(compression, CodecCompression):
         raise ValueError("reducescatter: scaleout codec compressions apply to allreduce only; "
                          "use hvd.Compression.none or .fp16")
-    compressed, ctx = compression.compress(require_tensor(tensor, "reducescatter"))
+    if not isinstance(tensor, torch.Tensor):  # refused on every rank by the exchange
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
+    compressed, ctx = compression.compress(tensor)
     out = ReducescatterFunction.apply(compressed, name, resolve_op(op, None, "reducescatter"),
                                       process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, ctx)

@@ -17,13 +17,13 @@ from scaleout.core import collectives as coll
 from scaleout.core.checks import check_counts, check_tensor
 from scaleout.core.collectives import Communicator
 from scaleout.core.collectives import ReduceOp as CoreOp
-from scaleout.horovod.allreduce import require_tensor
+from scaleout.horovod.allreduce import copy_of, require_tensor
 from scaleout.horovod.context import runtime
 from scaleout.horovod.handles import Pending, submit
 from scaleout.horovod.join import gather_rows
 from scaleout.horovod.ops import Average, Max, Min, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
-from scaleout.horovod.signature import exchange_signature
+from scaleout.horovod.signature import attempt, exchange_signature
 
 __all__ = [
     "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
@@ -53,11 +53,12 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """
     kind = "allgather"
     rt = runtime()
-    tensor = require_tensor(tensor, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
-    counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True)
-    request = gather_rows(comm, check_tensor(tensor, kind).detach(), counts)
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True,
+                                refused=refused)
+    request = gather_rows(comm, tensor.detach(), counts)
     return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
 
 
@@ -72,19 +73,20 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     """
     kind = "broadcast"
     rt = runtime()
-    tensor = require_tensor(tensor, kind)
     comm = process_set.communicator(kind)
-    root = root_index(comm, root_rank, kind)
     name = rt.auto_name(kind, name)
-    exchange_signature(comm, kind, name, tensor, root=root_rank)
-    request = coll.bcast(comm, check_tensor(tensor, kind), root)
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    root, refused_root = attempt(lambda: root_index(comm, root_rank, kind))
+    exchange_signature(comm, kind, name, tensor, root=root if root is not None else -1,
+                       refused=refused or refused_root)
+    request = coll.bcast(comm, tensor, root)
     return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Like :func:`broadcast_async_`, into a new tensor."""
-    output = require_tensor(tensor, "broadcast").detach().clone()
+    output = copy_of(tensor)
     return broadcast_async_(output, root_rank, name, process_set)
 
 
@@ -117,11 +119,13 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     """
     kind = "alltoall"
     rt = runtime()
-    tensor = require_tensor(tensor, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
-    exchange_signature(comm, kind, name, tensor, rows_may_differ=True)
-    send_counts = _splits(splits, comm, check_tensor(tensor, kind))
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    send_counts, refused_splits = attempt(lambda: _splits(splits, comm, tensor)) \
+        if refused is None else (None, None)
+    exchange_signature(comm, kind, name, tensor, rows_may_differ=True,
+                       refused=refused or refused_splits)
     received = coll.alltoall(comm, torch.tensor(send_counts, dtype=torch.int64)).wait()
     recv_counts = [int(n) for n in received.tolist()]
     request = coll.alltoallv(comm, tensor.detach(), send_counts, recv_counts)
@@ -151,16 +155,21 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     """
     kind = "reducescatter"
     rt = runtime()
-    op = resolve_op(op, None, kind)
-    if op not in (Average, Sum, Min, Max):
-        raise ValueError(f"{kind}: op must be hvd.Average, Sum, Min or Max, got {op.name}")
-    tensor = require_tensor(tensor, kind)
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name)
-    exchange_signature(comm, kind, name, tensor, op=int(op))
-    check_tensor(tensor, kind)
-    if (prescale_factor != 1 or postscale_factor != 1) and not tensor.is_floating_point():
-        raise TypeError(f"{kind}: scale factors need a floating tensor, got {tensor.dtype}")
+
+    def check() -> tuple[torch.Tensor, ReduceOp]:
+        chosen = resolve_op(op, None, kind)
+        if chosen not in (Average, Sum, Min, Max):
+            raise ValueError(f"{kind}: op must be hvd.Average, Sum, Min or Max, got {chosen.name}")
+        checked = check_tensor(require_tensor(tensor, kind), kind)
+        if (prescale_factor != 1 or postscale_factor != 1) and not checked.is_floating_point():
+            raise TypeError(f"{kind}: scale factors need a floating tensor, got {checked.dtype}")
+        return checked, chosen
+
+    checked, refused = attempt(check)
+    tensor, op = checked if checked is not None else (None, Sum)
+    exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused)
     send = tensor.detach() * prescale_factor if prescale_factor != 1 else tensor.detach()
     core_op = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}[op]
     rows = reducescatter_rows(send.shape[0] if send.dim() else 1, comm.size)

@@ -12,8 +12,9 @@ allreduces and allgathers (see :mod:`scaleout.horovod.join`); the active ranks s
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,11 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError, CommunicationTimeout
 from scaleout.horovod.errors import TensorMismatchError
 
-__all__ = ["exchange_signature", "exchange_joined", "Signature", "DTYPES", "JOINABLE"]
+__all__ = ["exchange_signature", "exchange_joined", "attempt", "Signature", "DTYPES", "JOINABLE",
+           "ARGUMENT_ERRORS"]
+
+#: what a call's argument checks raise; such a refusal travels in the signature exchange
+ARGUMENT_ERRORS = (TypeError, ValueError, NotImplementedError)
 
 DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.float32, torch.float64, torch.bfloat16, torch.bool)
@@ -30,11 +35,12 @@ DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.
 JOINABLE = ("allreduce", "grouped_allreduce", "allgather")
 _MAX_DIMS = 8
 # columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
-# joinable (1: a joined rank can stand in for this call)
+# joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
+# were refused, it raises and sends nothing)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
 _TAIL = _DIMS + _MAX_DIMS
-_WIRE, _JOINABLE = _TAIL + 1, _TAIL + 2
-_WIDTH = _JOINABLE + 1
+_WIRE, _JOINABLE, _REFUSED = _TAIL + 1, _TAIL + 2, _TAIL + 3
+_WIDTH = _REFUSED + 1
 
 
 def _hash(text: str) -> int:
@@ -54,7 +60,7 @@ def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: t
     shown = dims[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(dims), _MAX_DIMS))
     joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
     return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
-            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable)]
+            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -94,6 +100,17 @@ def _decode(row: Sequence[int]) -> Signature:
     return Signature(kind=kind, op=row[_OP], wire=wire, shape=shape)
 
 
+def attempt(check: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """``(check(), None)``, or ``(None, error)`` when the arguments fail their checks.
+
+    The error goes to :func:`exchange_signature` as ``refused``, so that every member raises.
+    """
+    try:
+        return check(), None
+    except ARGUMENT_ERRORS as err:
+        return None, err
+
+
 def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[list[int]]:
     try:
         return coll.allgather(comm, torch.tensor([row], dtype=torch.int64)).wait().tolist()
@@ -108,9 +125,10 @@ def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[li
                         operation=kind) from err
 
 
-def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor, *,
+def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor | None, *,
                        op: int = -1, root: int = -1, rows_may_differ: bool = False,
-                       wire: torch.dtype | None = None, joinable: bool = False) -> list[int]:
+                       wire: torch.dtype | None = None, joinable: bool = False,
+                       refused: Exception | None = None) -> list[int]:
     """Exchange this call's signature with the group and raise unless all agree.
 
     Args:
@@ -123,26 +141,37 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         rows_may_differ: dim 0 may differ between ranks (allgather, alltoall).
         wire: the dtype sent (after compression); default ``tensor.dtype``.
         joinable: a joined rank can stand in for this call (see :mod:`scaleout.horovod.join`).
+        refused: this rank's arguments failed their checks: the error is raised here after the
+            exchange, and every other member raises too (nobody waits for this rank).
 
     Returns:
         Every member's dim-0 length, in group-rank order (0 for joined members).
 
     Raises:
+        TypeError, ValueError, NotImplementedError: ``refused``, on this rank.
         CommunicationTimeout: the other members did not reach this call in time (names this
             rank, the group and the call).
         TensorMismatchError: on every member, when any member differs, or when a member has
             joined and this collective is not one a joined rank can stand in for; the message
             names the first such member.
     """
-    mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable)
-    if comm.size == 1:
-        return [tensor.shape[0] if tensor.dim() else 1]
-    table = _gather(comm, mine, kind, name)
+    if refused is not None or tensor is None:
+        mine = [_hash(name), _hash(kind)] + [0] * (_WIDTH - 2)
+        mine[_REFUSED] = 1
+    else:
+        mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable)
+    table = _gather(comm, mine, kind, name) if comm.size > 1 else [mine]
+    if refused is not None:
+        raise refused
+    assert tensor is not None
     for member, row in enumerate(table):
         if row == mine:
             continue
         where = (f"rank {comm.global_rank}: {kind} {name!r} on group {comm.label}: group rank "
                  f"{member} (global rank {comm.ranks[member]})")
+        if row[_REFUSED]:
+            raise TensorMismatchError(f"{where} refused its arguments to this call and raised "
+                                      "(see the error on that rank)")
         if row[_KIND] == _JOINED:
             if mine[_JOINABLE]:
                 continue

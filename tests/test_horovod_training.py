@@ -199,3 +199,27 @@ def test_mismatched_models_raise_on_every_rank() -> None:
         assert len(errors) == 2, errors
         assert "broadcast 'parameter.bias'" in errors[0] and "mismatched shapes" in errors[0]
         assert "allreduce" in errors[1] and "mismatched shapes" in errors[1]
+
+
+def body_sparse_embedding() -> torch.Tensor:
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    torch.manual_seed(0)
+    table = nn.Embedding(6, 2, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(table.parameters(), lr=1.0),
+                                   named_parameters=table.named_parameters())
+    table(torch.tensor([r, 5])).sum().backward()  # rank r touches rows r and 5
+    opt.step()
+    hvd.shutdown()
+    return table.weight.detach()
+
+
+def test_sparse_gradients_are_averaged_dense() -> None:
+    torch.manual_seed(0)
+    start = nn.Embedding(6, 2).weight.detach()
+    got = run_ranks(2, body_sparse_embedding, timeout=90)
+    want = start.clone()
+    want[0] -= 0.5
+    want[1] -= 0.5
+    want[5] -= 1.0
+    assert torch.allclose(got[0], want) and torch.allclose(got[1], want)

@@ -62,7 +62,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it.
         num_groups, groups, sparse_as_dense: accepted for compatibility; no effect (each
-            gradient travels on its own; gradients are dense).
+            gradient travels on its own; sparse gradients are always made dense, as
+            ``sparse_as_dense=True`` does in Horovod).
         process_set: the ranks to average over.
 
     Raises:
@@ -117,6 +118,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, p: torch.Tensor) -> int:
         if p.grad is None:  # not used this step here, maybe elsewhere: contribute zeros
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:  # (an Embedding with sparse=True) averaged dense, as
+            p.grad = p.grad.to_dense()  # Horovod's sparse_as_dense=True does
         rt = runtime()
         pre, post = 1.0, 1.0
         if self._op is Average:

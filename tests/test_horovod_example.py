@@ -1,5 +1,6 @@
 """examples/horovod_digits.py, a Horovod script but for its import line, trains under `scaleout run`;
-a Horovod script runs under torchrun and (where installed) Open MPI's mpirun."""
+a Horovod script runs under torchrun and (where installed) Open MPI's mpirun; torch.compile with
+the DistributedOptimizer trains with no warnings."""
 
 from __future__ import annotations
 
@@ -77,3 +78,35 @@ def test_mpirun_launches_a_horovod_script(tmp_path: Path) -> None:
                    "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", sys.executable],
                   script)
     assert got == ["RESULT rank=0 size=2 local=0 sum=1.0", "RESULT rank=1 size=2 local=1 sum=1.0"]
+
+
+COMPILED = """
+import torch, torch.nn as nn
+import scaleout.horovod as hvd
+hvd.init(timeout=120)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+compiled = torch.compile(model)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), 0)
+for step in range(3):
+    opt.zero_grad()
+    compiled(torch.randn(4, 8) + hvd.rank()).pow(2).mean().backward()
+    opt.step()
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+same = hvd.allgather(flat[None])
+print(f"RESULT equal={bool((same == same[0]).all())}")
+"""
+
+
+def test_torch_compile_with_the_distributed_optimizer_is_quiet(tmp_path: Path) -> None:
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert sorted(lines) == ["[rank 0] RESULT equal=True", "[rank 1] RESULT equal=True"], lines

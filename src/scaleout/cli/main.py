@@ -15,8 +15,21 @@ from collections.abc import Sequence
 # Subcommand modules, imported lazily so that ``scaleout --help`` stays fast.
 _SUBCOMMANDS = ("run", "bench", "testbed", "sim")
 
+# The line `scaleout --help` shows for a subcommand, so that it need not import the module
+# (some import torch). A subcommand missing here is imported to register its parser.
+_SUMMARIES = {
+    "run": "start N ranks of a script",
+    "bench": "benchmarks, scaleout vs its peers side by side",
+    "testbed": "emulated cluster: hosts as network namespaces on a shaped switch",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``scaleout`` parser, with ``command``'s full parser (others as summaries only).
+
+    Args:
+        command: the subcommand being run; ``None`` registers every subcommand in full.
+    """
     parser = argparse.ArgumentParser(
         prog="scaleout",
         description="Scale-out PyTorch training on torch.distributed.",
@@ -24,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
+        if command is not None and name != command and name in _SUMMARIES:
+            subparsers.add_parser(name, help=_SUMMARIES[name])
+            continue
         try:
             module = importlib.import_module(f"scaleout.cli.{name}")
         except ModuleNotFoundError as err:
@@ -35,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else "")
     if argv[:1] == ["run"] and not {"-h", "--help"} & set(argv[1:2]):
         from scaleout.cli.run import split_argv
 

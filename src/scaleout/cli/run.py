@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from scaleout.launch.launcher import LaunchConfig, launch
@@ -14,6 +15,11 @@ EXAMPLE = """examples:
   scaleout run -n 4 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
 """
 
+
+DESCRIPTION = """\
+Start N ranks of a training script (or -m module) with torchrun's variables set
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); when one rank fails,
+the others are stopped."""
 
 # run's own options that take a value; everything from the script (or -m) on is the target's
 _VALUED = {"-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
@@ -40,7 +46,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "run", help="start N ranks of a script", description=__doc__, epilog=EXAMPLE,
+        "run", help="start N ranks of a script", description=DESCRIPTION, epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--nproc-per-node", type=int, default=2, dest="nprocs",
                         help="ranks on this node (default 2)")
@@ -51,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="rendezvous port (default: a free port; required with --nnodes > 1)")
     parser.add_argument("--testbed", default=None, metavar="NAME",
                         help="run one rank per host of the emulated cluster NAME "
-                             "(see `scaleout testbed up`)")
+                             "(see: scaleout testbed up --help)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     parser.add_argument("target", nargs=argparse.REMAINDER,
                         help="script.py [args] or -m module [args]")
@@ -72,6 +78,9 @@ def handler(args: argparse.Namespace) -> int:
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix)
+        if target and target[0] != "-m" and not os.path.isfile(target[0]):
+            raise ValueError(f"no script {target[0]!r}: give the path of a Python file, "
+                             "or -m module")
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

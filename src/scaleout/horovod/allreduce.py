@@ -1,0 +1,231 @@
+"""Horovod's allreduce family: ``allreduce(_)(_async)(_)`` and ``grouped_allreduce*``.
+
+Each call checks its signature with the process set (see :mod:`scaleout.horovod.signature`),
+starts the core's non-blocking allreduce (or allgather, for Product and Adasum, which the
+core has no reduction for) and returns a handle; ``synchronize`` applies the post-processing
+(Average's division, ``postscale_factor``, decompression).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from scaleout.compression import compressed_allreduce
+from scaleout.core import collectives as coll
+from scaleout.core.checks import check_tensor
+from scaleout.core.collectives import ReduceOp as CoreOp
+from scaleout.core.grid import GroupType
+from scaleout.horovod.adasum import adasum_tree, check_adasum_size
+from scaleout.horovod.compression import CodecCompression, Compression
+from scaleout.horovod.context import Runtime, runtime
+from scaleout.horovod.handles import Pending, submit, synchronize
+from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
+from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.signature import ARGUMENT_ERRORS, exchange_signature
+
+__all__ = [
+    "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
+    "copy_of",
+]
+
+_CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
+
+
+def copy_of(tensor: object) -> Any:
+    """A detached copy of a tensor; anything else as it is (the checks refuse it later, on
+    every rank at once)."""
+    return tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
+
+
+def require_tensor(tensor: object, operation: str) -> torch.Tensor:
+    """``tensor`` if it is a tensor, else a TypeError naming ``operation``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{operation}: expected a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _factor(value: object, what: str, tensor: torch.Tensor, operation: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{operation}: {what} must be a number, got {type(value).__name__}")
+    if value != 1 and not tensor.dtype.is_floating_point:
+        raise TypeError(f"{operation}: {what}={value} needs a floating tensor, got {tensor.dtype}")
+    return float(value)
+
+
+def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: ReduceOp,
+                    prescale: float = 1.0, postscale: float = 1.0, compression: Any = Compression.none,
+                    process_set: ProcessSet = global_process_set,
+                    kind: str = "allreduce") -> Pending:
+    """Start reducing ``output`` in place over ``process_set``; the pending result is ``output``.
+
+    Raises:
+        TypeError: not a tensor, unsupported dtype, or a scale factor on an integer tensor.
+        TensorMismatchError: the members disagree on name, op, dtype or shape, or another
+            member's arguments failed these checks.
+        NotImplementedError: Adasum on a non-power-of-two set.
+        ValueError: a scaleout codec with an op other than Average/Sum or a process set.
+    """
+    comm = process_set.communicator(kind)
+    name = rt.auto_name(kind, name)
+    codec = isinstance(compression, CodecCompression)
+    send, ctx, refused = None, None, None
+    try:  # every check first: a rank whose arguments fail tells the others, nobody waits
+        output = check_tensor(require_tensor(output, kind), kind)
+        prescale = _factor(prescale, "prescale_factor", output, kind)
+        postscale = _factor(postscale, "postscale_factor", output, kind)
+        if op is Adasum:
+            check_adasum_size(comm.size, kind)
+        if codec:
+            _check_codec(op, process_set, kind)
+        send, ctx = (output, None) if codec else compression.compress(output)
+    except ARGUMENT_ERRORS as err:
+        refused = err
+    exchange_signature(comm, kind, name, None if refused else output, op=int(op),
+                       wire=None if send is None else send.dtype, joinable=not codec,
+                       refused=refused)
+    assert send is not None  # (exchange_signature raised otherwise)
+    if codec:
+        return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)
+    if prescale != 1.0:
+        send = send.mul_(prescale)
+    if op in (Product, Adasum):
+        request = coll.allgather(comm, send.unsqueeze(0) if send.dim() else send.reshape(1))
+    else:
+        request = coll.allreduce(comm, send, _CORE_OPS[op])
+    size = comm.size
+
+    def finish(results: list[Any]) -> torch.Tensor:
+        reduced = results[0]
+        if op is Product:
+            reduced = reduced.prod(0, dtype=reduced.dtype).reshape(output.shape)
+        elif op is Adasum:
+            reduced = adasum_tree(reduced).reshape(output.shape)
+        reduced = compression.decompress(reduced, ctx)
+        scale = postscale / size if op is Average else postscale
+        if op is Average and not reduced.dtype.is_floating_point:
+            reduced = torch.div(reduced, size, rounding_mode="floor")
+        elif scale != 1.0:
+            reduced = reduced * scale
+        if reduced is not output:
+            output.copy_(reduced)
+        return output
+
+    return Pending(kind=kind, name=name, requests=[request], finish=finish)
+
+
+def _check_codec(op: ReduceOp, process_set: ProcessSet, kind: str) -> None:
+    if op not in (Average, Sum):
+        raise ValueError(f"{kind}: a scaleout codec compression reduces with hvd.Average or "
+                         f"hvd.Sum, got op={op.name}")
+    if process_set is not global_process_set:
+        raise ValueError(f"{kind}: a scaleout codec compression runs on the global process set "
+                         f"only, got {process_set}")
+
+
+def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, prescale: float,
+                 postscale: float, compression: CodecCompression, kind: str) -> Pending:
+    if prescale != 1.0:
+        output.mul_(prescale)
+    request = compressed_allreduce(compression.codec, output, compression.state(name),
+                                   rt.distribution, group=GroupType.GLOBAL, average=op is Average)
+
+    def finish(results: list[Any]) -> torch.Tensor:
+        if postscale != 1.0:
+            output.mul_(postscale)
+        return output
+
+    return Pending(kind=kind, name=name, requests=[request], finish=finish)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` in place; returns a handle for :func:`synchronize`.
+
+    Args:
+        tensor: the tensor, overwritten with the result.
+        average: Horovod's deprecated flag (True: Average, False: Sum).
+        name: the tensor's name; members must submit the same names in the same order.
+        op: ``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+        process_set: the ranks taking part.
+
+    Returns:
+        The handle.
+
+    Raises:
+        TypeError, ValueError, TensorMismatchError, NotImplementedError: see :func:`start_allreduce`.
+    """
+    rt = runtime()
+    op = resolve_op(op, average, "allreduce")
+    return submit(rt, start_allreduce(rt, tensor, name=name, op=op, prescale=prescale_factor,
+                                      postscale=postscale_factor, process_set=process_set))
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Like :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
+    output = copy_of(tensor)
+    return allreduce_async_(output, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over the process set and return it (no autograd)."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def _grouped(tensors: Sequence[torch.Tensor], start: Callable[[Runtime, torch.Tensor, str | None], Pending],
+             name: str | None) -> int:
+    rt = runtime()
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"grouped_allreduce: tensors must be a list of tensors, got "
+                        f"{type(tensors).__name__}")
+    parts = [start(rt, t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+
+    def finish(results: list[Any]) -> list[torch.Tensor]:
+        return [part.finish([result]) for part, result in zip(parts, results)]
+
+    requests = [part.requests[0] for part in parts]
+    return submit(rt, Pending(kind="grouped_allreduce", name=name or "grouped_allreduce",
+                              requests=requests, finish=finish))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: ReduceOp | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing every tensor of ``tensors`` in place; one handle for all of them."""
+    op = resolve_op(op, average, "grouped_allreduce")
+    return _grouped(tensors, lambda rt, t, n: start_allreduce(
+        rt, t, name=n, op=op, prescale=prescale_factor, postscale=postscale_factor,
+        process_set=process_set, kind="grouped_allreduce"), name)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: ReduceOp | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Like :func:`grouped_allreduce_async_`, into new tensors."""
+    copies = [copy_of(t) for t in tensors]
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: ReduceOp | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce every tensor of ``tensors`` in place and return them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))

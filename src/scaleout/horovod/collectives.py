@@ -1,0 +1,195 @@
+"""Horovod's other collectives, non-blocking: allgather, broadcast, alltoall, reducescatter;
+and the blocking ``barrier``.
+
+Each ``*_async`` call checks its signature with the process set, starts the core's
+collective and returns a handle for :func:`scaleout.horovod.synchronize`. The blocking,
+differentiable forms live in :mod:`scaleout.horovod.autograd`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from scaleout.core import collectives as coll
+from scaleout.core.checks import check_counts, check_tensor
+from scaleout.core.collectives import Communicator
+from scaleout.core.collectives import ReduceOp as CoreOp
+from scaleout.horovod.allreduce import copy_of, require_tensor
+from scaleout.horovod.context import runtime
+from scaleout.horovod.handles import Pending, submit
+from scaleout.horovod.join import gather_rows
+from scaleout.horovod.ops import Average, Max, Min, ReduceOp, Sum, resolve_op
+from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.signature import attempt, exchange_signature
+
+__all__ = [
+    "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
+    "reducescatter_async", "barrier", "root_index", "reducescatter_rows",
+]
+
+
+def root_index(comm: Communicator, root_rank: object, operation: str) -> int:
+    """The group index of global rank ``root_rank``; raise unless it is a member."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{operation}: root_rank must be an int, got {type(root_rank).__name__}")
+    if root_rank not in comm.ranks:
+        raise ValueError(f"{operation}: root_rank must be a rank of the process set "
+                         f"{list(comm.ranks)}, got {root_rank}")
+    return comm.ranks.index(root_rank)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every member's ``tensor`` along dim 0; returns a handle.
+
+    Members may pass different numbers of rows; the other dims and the dtype must agree.
+
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype.
+        TensorMismatchError: the members disagree on name, dtype or trailing shape.
+    """
+    kind = "allgather"
+    rt = runtime()
+    comm = process_set.communicator(kind)
+    name = rt.auto_name(kind, name)
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True,
+                                refused=refused)
+    request = gather_rows(comm, tensor.detach(), counts)
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """Start overwriting ``tensor`` with global rank ``root_rank``'s; returns a handle.
+
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype.
+        ValueError: ``root_rank`` is not a member of the process set.
+        TensorMismatchError: the members disagree on name, root, dtype or shape.
+    """
+    kind = "broadcast"
+    rt = runtime()
+    comm = process_set.communicator(kind)
+    name = rt.auto_name(kind, name)
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    root, refused_root = attempt(lambda: root_index(comm, root_rank, kind))
+    exchange_signature(comm, kind, name, tensor, root=root if root is not None else -1,
+                       refused=refused or refused_root)
+    request = coll.bcast(comm, tensor, root)
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Like :func:`broadcast_async_`, into a new tensor."""
+    output = copy_of(tensor)
+    return broadcast_async_(output, root_rank, name, process_set)
+
+
+def _splits(splits: object, comm: Communicator, tensor: torch.Tensor) -> list[int]:
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if splits is None:
+        if rows % comm.size:
+            raise ValueError(f"alltoall: without splits, dim 0 ({rows}) must be a multiple of "
+                             f"the process set size {comm.size}; pass splits=")
+        return [rows // comm.size] * comm.size
+    values = check_counts(splits, comm.size, "splits", "alltoall")
+    if sum(values) != rows:
+        raise ValueError(f"alltoall: splits must add up to dim 0 of the tensor ({rows}), "
+                         f"got {values} (sum {sum(values)})")
+    return values
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start sending ``splits[j]`` rows of ``tensor`` to member j; returns a handle.
+
+    ``synchronize`` returns ``(output, received_splits)``: the rows received, concatenated in
+    member order, and how many came from each member (an int32 tensor).
+
+    Raises:
+        TypeError: not a tensor, unsupported dtype, or splits that are not ints.
+        ValueError: splits of the wrong length or sum (or no splits and uneven rows).
+        TensorMismatchError: the members disagree on name, dtype or trailing shape.
+    """
+    kind = "alltoall"
+    rt = runtime()
+    comm = process_set.communicator(kind)
+    name = rt.auto_name(kind, name)
+    tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
+    send_counts, refused_splits = attempt(lambda: _splits(splits, comm, tensor)) \
+        if refused is None else (None, None)
+    exchange_signature(comm, kind, name, tensor, rows_may_differ=True,
+                       refused=refused or refused_splits)
+    received = coll.alltoall(comm, torch.tensor(send_counts, dtype=torch.int64)).wait()
+    recv_counts = [int(n) for n in received.tolist()]
+    request = coll.alltoallv(comm, tensor.detach(), send_counts, recv_counts)
+
+    def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return results[0], torch.tensor(recv_counts, dtype=torch.int32)
+
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish))
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's split of ``rows`` over ``size`` members: the first ``rows % size`` get one more."""
+    return [rows // size + (1 if i < rows % size else 0) for i in range(size)]
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start reducing ``tensor`` over the set; member i receives the i-th block of dim 0.
+
+    Blocks are as equal as can be, the first ``rows % size`` members getting one more row.
+
+    Raises:
+        TypeError: not a tensor, unsupported dtype, or scale factors on an integer tensor.
+        ValueError: an op other than Average, Sum, Min or Max.
+        TensorMismatchError: the members disagree on name, op, dtype or shape.
+    """
+    kind = "reducescatter"
+    rt = runtime()
+    comm = process_set.communicator(kind)
+    name = rt.auto_name(kind, name)
+
+    def check() -> tuple[torch.Tensor, ReduceOp]:
+        chosen = resolve_op(op, None, kind)
+        if chosen not in (Average, Sum, Min, Max):
+            raise ValueError(f"{kind}: op must be hvd.Average, Sum, Min or Max, got {chosen.name}")
+        checked = check_tensor(require_tensor(tensor, kind), kind)
+        if (prescale_factor != 1 or postscale_factor != 1) and not checked.is_floating_point():
+            raise TypeError(f"{kind}: scale factors need a floating tensor, got {checked.dtype}")
+        return checked, chosen
+
+    checked, refused = attempt(check)
+    tensor, op = checked if checked is not None else (None, Sum)
+    exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused)
+    send = tensor.detach() * prescale_factor if prescale_factor != 1 else tensor.detach()
+    core_op = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}[op]
+    rows = reducescatter_rows(send.shape[0] if send.dim() else 1, comm.size)
+    if len(set(rows)) == 1:
+        request = coll.reduce_scatter(comm, send, core_op)
+        block = None
+    else:  # uneven blocks: reduce everything, keep this member's rows
+        request = coll.allreduce(comm, send.clone(), core_op)
+        block = (sum(rows[:comm.rank]), rows[comm.rank])
+    scale = postscale_factor / comm.size if op is Average else postscale_factor
+
+    def finish(results: list[Any]) -> torch.Tensor:
+        out = results[0] if block is None else results[0].narrow(0, *block)
+        if op is Average and not out.is_floating_point():
+            return torch.div(out, comm.size, rounding_mode="floor")
+        return out * scale if scale != 1 else out
+
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish))
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of the process set arrives (bounded by the job's timeout)."""
+    coll.barrier(process_set.communicator("barrier"))

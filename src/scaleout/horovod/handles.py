@@ -1,0 +1,101 @@
+"""Horovod's handles: what ``*_async`` returns, ``synchronize(handle)`` and ``poll(handle)``.
+
+A handle is an int naming a pending operation: the core requests it waits on and the step
+that turns their results into Horovod's output (divide for Average, decompress, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaleout.horovod.context import Runtime, runtime
+from scaleout.horovod.timeline import record_span
+
+__all__ = ["submit", "synchronize", "poll", "Pending"]
+
+
+@dataclass
+class Pending:
+    """One submitted operation.
+
+    Attributes:
+        kind, name: the collective and the tensor name (for the timeline).
+        requests: objects with ``wait(timeout)`` and ``test()`` (core requests and the like).
+        finish: turns the requests' results into the operation's output.
+    """
+
+    kind: str
+    name: str
+    requests: Sequence[Any]
+    finish: Callable[[list[Any]], Any]
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Table:
+    pending: dict[int, Pending] = field(default_factory=dict)
+    ids: itertools.count = field(default_factory=itertools.count)
+
+
+def _table(rt: Runtime) -> _Table:
+    return rt.extras.setdefault("handles", _Table())
+
+
+def submit(rt: Runtime, pending: Pending) -> int:
+    """Register ``pending`` and return its handle."""
+    table = _table(rt)
+    handle = next(table.ids)
+    table.pending[handle] = pending
+    return handle
+
+
+def _take(handle: object, operation: str) -> tuple[Runtime, Pending]:
+    rt = runtime()
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"{operation}: handle must be an int from an *_async call, "
+                        f"got {type(handle).__name__}")
+    pending = _table(rt).pending.get(handle)
+    if pending is None:
+        raise ValueError(f"{operation}: handle {handle} is unknown (already synchronized, or "
+                         "not returned by an *_async call of this job)")
+    return rt, pending
+
+
+def poll(handle: int) -> bool:
+    """True when the operation of ``handle`` has completed (``synchronize`` then returns at once).
+
+    Raises:
+        ValueError: the handle is unknown.
+        CommunicationError: the operation failed (names rank, group and operation).
+    """
+    _rt, pending = _take(handle, "poll")
+    return all(request.test() for request in pending.requests)
+
+
+def synchronize(handle: int, timeout: float | None = None) -> Any:
+    """Wait for the operation of ``handle`` and return its output.
+
+    Args:
+        handle: what an ``*_async`` call returned.
+        timeout: seconds to wait at most (default: the job's timeout).
+
+    Returns:
+        The output tensor (a list for grouped operations; a tuple for alltoall with splits).
+
+    Raises:
+        ValueError: the handle is unknown.
+        CommunicationTimeout: not complete within the timeout (names rank, group, operation).
+        CommunicationError: the operation failed.
+    """
+    rt, pending = _take(handle, "synchronize")
+    try:
+        results = [request.wait(timeout) for request in pending.requests]
+        output = pending.finish(results)
+    finally:
+        del _table(rt).pending[handle]
+    record_span(rt, pending.kind, pending.name, pending.started, time.perf_counter())
+    return output

@@ -1,0 +1,86 @@
+"""``hvd.join()``: a rank out of data stands in for the others until every rank has joined.
+
+As in Horovod, a joined rank takes part in the allreduces and allgathers the other ranks still
+run, contributing a neutral tensor (zeros for Sum, Average and Adasum, ones for Product, the
+dtype's extreme for Min and Max; no rows for allgather), so ranks may train on different
+numbers of batches. Averages still divide by the set size (joined ranks count, with zeros).
+It learns what to stand in for from the signature every collective exchanges first.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from scaleout.core import collectives as coll
+from scaleout.core.collectives import Communicator
+from scaleout.core.collectives import ReduceOp as CoreOp
+from scaleout.core.request import Request
+from scaleout.horovod.context import runtime
+from scaleout.horovod.ops import Adasum, Max, Min, Product, ReduceOp
+from scaleout.horovod.signature import Signature, exchange_joined
+
+__all__ = ["join", "gather_rows", "neutral"]
+
+
+def gather_rows(comm: Communicator, tensor: torch.Tensor, counts: list[int]) -> Request:
+    """The core's allgather, or allgatherv when members send different numbers of rows."""
+    if len(set(counts)) == 1:
+        return coll.allgather(comm, tensor)
+    return coll.allgatherv(comm, tensor, counts)
+
+
+def neutral(op: ReduceOp, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor that leaves a reduction by ``op`` unchanged."""
+    if op is Product:
+        return torch.ones(shape, dtype=dtype)
+    if op in (Min, Max):
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        return torch.full(shape, info.max if op is Min else info.min, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _stand_in(comm: Communicator, call: Signature, counts: list[int], device: torch.device) -> None:
+    if call.kind == "allgather":
+        empty = torch.empty((0, *call.shape[1:]), dtype=call.wire, device=device)
+        gather_rows(comm, empty, counts).wait()
+        return
+    op = ReduceOp(call.op)
+    tensor = neutral(op, call.shape, call.wire).to(device)
+    if op in (Product, Adasum):
+        coll.allgather(comm, tensor.unsqueeze(0) if tensor.dim() else tensor.reshape(1)).wait()
+    else:
+        core = {Min: CoreOp.MIN, Max: CoreOp.MAX}.get(op, CoreOp.SUM)
+        coll.allreduce(comm, tensor, core).wait()
+
+
+def join(device: int = -1) -> int:
+    """Stand in for the other ranks' allreduces and allgathers until every rank has joined.
+
+    Args:
+        device: the CUDA device of the neutral tensors (``-1``: CPU, as Horovod's default).
+
+    Returns:
+        The global rank that joined last (by wall clock).
+
+    Example:
+        >>> for batch in my_batches:        # ranks may have different numbers of batches
+        ...     train_step(batch)
+        >>> hvd.join()
+    """
+    rt = runtime()
+    comm = rt.comm
+    place = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    joined_at = time.time()
+    while comm.size > 1:
+        seen = exchange_joined(comm)
+        if seen is None:
+            break
+        call, counts = seen
+        if call is not None:
+            _stand_in(comm, call, counts, place)
+    stamps = coll.allgather(comm, torch.tensor([joined_at], dtype=torch.float64)).wait()
+    return int(torch.argmax(stamps).item())
+
+

@@ -1,0 +1,202 @@
+"""Horovod's ``DistributedOptimizer``: gradients are averaged as backward produces them.
+
+A hook on each parameter (``register_post_accumulate_grad_hook``) starts the parameter's
+non-blocking allreduce as soon as its gradient is accumulated, so communication overlaps the
+rest of backward; ``step()`` (or ``synchronize()``) waits for all of them, then runs the
+wrapped optimizer. Unlike Horovod it wraps the optimizer instead of building a subclass at
+run time: it *is* a ``torch.optim.Optimizer`` (LR schedulers accept it) sharing the wrapped
+optimizer's ``param_groups`` and ``state``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from scaleout.horovod.allreduce import start_allreduce
+from scaleout.horovod.compression import Compression
+from scaleout.horovod.context import runtime
+from scaleout.horovod.handles import submit, synchronize
+from scaleout.horovod.ops import Average, ReduceOp, resolve_op
+from scaleout.horovod.process_sets import ProcessSet, global_process_set
+
+__all__ = ["DistributedOptimizer"]
+
+
+def _names(optimizer: torch.optim.Optimizer,
+           named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    pairs = list(named_parameters)
+    if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
+        raise ValueError("named_parameters must be (name, parameter) pairs, as "
+                         "model.named_parameters() gives")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"named_parameters holds duplicate names: {twice}")
+    by_param = {p: name for name, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if p not in by_param]
+    if unnamed:
+        raise ValueError(f"named_parameters does not name {len(unnamed)} of the optimizer's "
+                         "parameters: pass model.named_parameters() of the model the optimizer "
+                         "was built for")
+    return {p: by_param[p] for p in params}
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over the ranks.
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        named_parameters: ``model.named_parameters()``: names the allreduces (recommended).
+        compression: ``hvd.Compression.none``, ``.fp16`` or ``hvd.Compression.codec(spec)``.
+        backward_passes_per_step: backward passes whose gradients accumulate locally before
+            one allreduce (gradient accumulation).
+        op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum`` (Adasum of the gradients).
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size / factor`` after it.
+        num_groups, groups, sparse_as_dense: accepted for compatibility; no effect (each
+            gradient travels on its own; sparse gradients are always made dense, as
+            ``sparse_as_dense=True`` does in Horovod).
+        process_set: the ranks to average over.
+
+    Raises:
+        ValueError: bad names, ``backward_passes_per_step < 1``, a non-positive predivide
+            factor, or a predivide factor with an op other than Average.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                                named_parameters=model.named_parameters())
+        >>> loss.backward(); opt.step()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                 op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        op = resolve_op(op, None, "DistributedOptimizer")
+        if gradient_predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor needs op=hvd.Average, got "
+                             f"op={op.name}")
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer = optimizer
+        self._names = _names(optimizer, named_parameters)
+        self._compression = compression
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {p: backward_passes_per_step for p in self._names}
+        self._handles: dict[torch.Tensor, int | None] = {}
+        self._should_synchronize = True
+        self._synchronized = False
+        self._hooks: list[Any] = []  # the hook handles, kept alive with the optimizer
+        if runtime().env.world_size > 1:
+            for p in self._names:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def _start(self, p: torch.Tensor) -> int:
+        if p.grad is None:  # not used this step here, maybe elsewhere: contribute zeros
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:  # (an Embedding with sparse=True) averaged dense, as
+            p.grad = p.grad.to_dense()  # Horovod's sparse_as_dense=True does
+        rt = runtime()
+        pre, post = 1.0, 1.0
+        if self._op is Average:
+            pre, post = 1.0 / self._predivide, self._predivide
+        return submit(rt, start_allreduce(
+            rt, p.grad, name=self._names[p], op=self._op, prescale=pre, postscale=post,
+            compression=self._compression, process_set=self._process_set))
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._handles.get(p) is not None and self._delay[p] <= 0:
+            raise RuntimeError(
+                f"the gradient of {self._names[p]!r} was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
+                "raise backward_passes_per_step to accumulate gradients locally")
+        self._delay[p] -= 1
+        self._handles[p] = self._start(p) if self._delay[p] == 0 else None
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is averaged (starting the allreduce of any not started)."""
+        if runtime().env.world_size > 1:
+            for p in self._names:
+                if p.requires_grad and self._handles.get(p) is None:
+                    self._handles[p] = self._start(p)
+            for p, handle in list(self._handles.items()):
+                synchronize(handle)
+        self._handles.clear()
+        self._delay = {p: self.backward_passes_per_step for p in self._names}
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within it, ``step()`` does not synchronize (after an explicit ``synchronize()``).
+
+        Example:
+            >>> opt.synchronize()
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            >>> with opt.skip_synchronize():
+            ...     opt.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Synchronize (unless in :meth:`skip_synchronize`), then step the wrapped optimizer."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() outside "
+                              "optimizer.skip_synchronize(): the gradients are averaged again",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refuses while allreduces are in flight.
+
+        Raises:
+            RuntimeError: called between ``backward()`` and ``step()``/``synchronize()``.
+        """
+        if any(handle is not None for handle in self._handles.values()):
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are "
+                               "still being averaged")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer."""
+        self._optimizer.load_state_dict(state_dict)
+        self.param_groups = self._optimizer.param_groups
+        self.state = self._optimizer.state
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r})"

@@ -1,0 +1,79 @@
+"""``broadcast_parameters`` and ``broadcast_optimizer_state``: start every rank from rank 0's model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from scaleout.horovod.collectives import broadcast_async_
+from scaleout.horovod.handles import synchronize
+from scaleout.horovod.objects import broadcast_object
+from scaleout.horovod.process_sets import ProcessSet, global_process_set
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root_rank: int, process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite ``params`` in place with global rank ``root_rank``'s values.
+
+    Args:
+        params: ``model.state_dict()`` or ``model.named_parameters()`` (name, tensor pairs).
+        root_rank: the rank whose values win.
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``params`` is neither a mapping nor name-tensor pairs.
+        TensorMismatchError: the ranks' models differ in names, shapes or dtypes.
+
+    Example:
+        >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = list(params)
+        if not all(isinstance(i, tuple) and len(i) == 2 for i in items):
+            raise ValueError("broadcast_parameters: expected a state dict or (name, tensor) "
+                             f"pairs, got a list holding {type(items[0]).__name__ if items else '?'}")
+    else:
+        raise ValueError(f"broadcast_parameters: expected a state dict or (name, tensor) pairs, "
+                         f"got {type(params).__name__}")
+    handles = []
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
+                             "expected a tensor")
+        target = value.data if isinstance(value, torch.nn.Parameter) else value
+        handles.append(broadcast_async_(target, root_rank, f"parameter.{name}", process_set))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyper-parameters.
+
+    The root's ``optimizer.state_dict()`` travels as one object (tensors, numbers and
+    containers, loaded with ``weights_only=True``) and is loaded on the other ranks;
+    parameter groups must have the same layout on every rank.
+
+    Args:
+        optimizer: a torch optimizer, or a :class:`DistributedOptimizer`.
+        root_rank: the rank whose state wins.
+        process_set: the ranks taking part.
+
+    Raises:
+        TypeError: ``optimizer`` has no ``state_dict``/``load_state_dict``, or its state holds
+            a type that cannot travel safely.
+        ValueError: the loaded state does not fit this rank's parameter groups.
+    """
+    if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
+        raise TypeError(f"broadcast_optimizer_state: expected a torch optimizer, got "
+                        f"{type(optimizer).__name__}")
+    mine: Any = optimizer.state_dict()
+    state = broadcast_object(mine, root_rank, "optimizer_state", process_set)
+    if state is not mine:
+        optimizer.load_state_dict(state)

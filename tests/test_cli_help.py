@@ -1,0 +1,54 @@
+"""`scaleout --help` and `scaleout run --help` import no torch; help texts carry no RST markup."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+PROBE = """
+import sys
+from scaleout.cli.main import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print("TORCH" if "torch" in sys.modules else "NO-TORCH")
+"""
+
+
+def _run(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], []])
+def test_help_imports_no_torch(argv: list[str]) -> None:
+    out = _run(PROBE.format(argv=argv))
+    assert out.rstrip().endswith("NO-TORCH"), out
+    assert "usage: scaleout" in out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["bench", "--help"],
+                                  ["bench", "collectives", "--help"], ["bench", "train", "--help"],
+                                  ["testbed", "--help"], ["testbed", "up", "--help"]])
+def test_help_has_no_rst_markup(argv: list[str]) -> None:
+    out = _run(PROBE.format(argv=argv))
+    assert not re.search(r"``|:(func|class|mod|meth):", out), out
+
+
+def test_run_refuses_a_missing_script_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", "/no/such.py"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "scaleout run: error: no script '/no/such.py': give the path of a Python file, or -m module"]

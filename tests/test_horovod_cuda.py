@@ -12,7 +12,7 @@ from torch import nn
 import scaleout.horovod as hvd
 from harness import run_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # conftest: skip without CUDA, fail under SCALEOUT_REQUIRE_GPU=1
 
 
 def body(backend: str | None) -> dict[str, object]:

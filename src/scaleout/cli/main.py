@@ -21,6 +21,7 @@ _SUMMARIES = {
     "run": "start N ranks of a script",
     "bench": "benchmarks, scaleout vs its peers side by side",
     "testbed": "emulated cluster: hosts as network namespaces on a shaped switch",
+    "sim": "predict scale-out performance (simulator)",
 }
 
 

@@ -80,10 +80,20 @@ def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str
     assert "NO TESTBED" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(120)
+def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ddp-tuned (bucket view, static graph) at the default and a swept bucket size."""
+    assert main([*TINY, "--no-testbed", "--vs", "ddp-tuned,ddp-tuned:5"]) == 0
+    text = capsys.readouterr().out
+    assert "ddp-tuned:5" in text and "vs ddp-tuned" in text
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--workload", "resnet9000"], "unknown workload 'resnet9000'"),
     (["--vs", "ddp,horovod"], "peers: unknown 'horovod'"),
-    (["--ranks", "1"], "ranks: expected an integer >= 2, got 1"),
+    (["--ranks", "0"], "ranks: expected an integer >= 1, got 0"),
+    (["--vs", "ddp-tuned:0"], "peers: unknown 'ddp-tuned:0'"),
+    (["--vs", "single"], "peers: unknown 'single'"),
     (["--rounds", "0"], "rounds: expected an integer >= 1, got 0"),
     (["--iters", "0"], "iters: expected an integer >= 1"),
     (["--rate", "1gbps"], "rate"),

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from scaleout.bench.train_peers import PEERS
+from scaleout.bench.train_peers import PEERS, is_configuration
 from scaleout.bench.train_progress import ProgressBar
 from scaleout.bench.train_worker import PROGRESS_MARK
 from scaleout.launch.launcher import LaunchConfig, RankWrapper, launch
@@ -124,10 +124,11 @@ class TrainBenchConfig:
             raise ValueError(f"batch: expected samples per rank >= 1, got {self.batch!r}")
         if not self.peers:
             raise ValueError(f"peers: expected at least one of {', '.join(PEERS)}")
-        unknown = [p for p in self.peers if p not in PEERS]
+        unknown = [p for p in self.peers
+                   if p not in PEERS and not (p.startswith("ddp-tuned:") and is_configuration(p))]
         if unknown:
             raise ValueError(f"peers: unknown {', '.join(map(repr, unknown))}; choose from "
-                             f"{', '.join(PEERS)}")
+                             f"{', '.join(PEERS)} or ddp-tuned:MB (MB an int >= 1)")
         if len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
         if self.policy not in POLICIES:

@@ -16,6 +16,9 @@ Configurations:
 * ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
   from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults).
 * ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
+* ``ddp-tuned`` / ``ddp-tuned:MB`` — DDP as a careful user tunes it:
+  ``gradient_as_bucket_view=True``, ``static_graph=True`` and ``bucket_cap_mb`` MB
+  (default :data:`TUNED_BUCKET_MB`; sweep it with several ``ddp-tuned:MB`` peers in one run).
 * ``lockstep``, ``lockstep-traffic`` — the machine's ceilings, not trainers
   (:mod:`scaleout.bench.train_ceilings`).
 """
@@ -35,11 +38,11 @@ from torch import nn
 from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.workloads import Workload
 
-__all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "SetupOptions", "Setup",
-           "build_setup"]
+__all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
+           "SetupOptions", "Setup", "build_setup", "is_configuration"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "zero", *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -47,6 +50,9 @@ POWERSGD_RANK = 2
 #: PowerSGD's ``start_powerSGD_iter``: plain allreduce before it. torch requires > 1 with
 #: error feedback or warm start (both on by default), so 2 is the earliest.
 POWERSGD_START = 2
+
+#: ``ddp-tuned``'s bucket size when none is named (torch's default; ``ddp-tuned:MB`` sweeps).
+TUNED_BUCKET_MB = 25
 
 LR = 0.01
 MOMENTUM = 0.9
@@ -157,7 +163,8 @@ def _scaleout(options: SetupOptions) -> Setup:
                  close=close, details=details)
 
 
-def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> Setup:
+def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
+         tuned_mb: int | None = None) -> Setup:
     from torch.nn.parallel import DistributedDataParallel
 
     device = options.torch_device()
@@ -165,8 +172,15 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> 
     tdist.init_process_group(backend, init_method="env://",
                              timeout=timedelta(seconds=options.timeout_s))
     device_ids = [device.index] if device.type == "cuda" else None
-    model = DistributedDataParallel(options.build_model(), device_ids=device_ids)
-    details: dict[str, Any] = {"bucket_cap_mb": 25, "hook": hook, "backend": backend}
+    if tuned_mb is None:
+        model = DistributedDataParallel(options.build_model(), device_ids=device_ids)
+    else:
+        model = DistributedDataParallel(options.build_model(), device_ids=device_ids,
+                                        bucket_cap_mb=tuned_mb, gradient_as_bucket_view=True,
+                                        static_graph=True)
+    details: dict[str, Any] = {"bucket_cap_mb": tuned_mb or 25, "hook": hook, "backend": backend,
+                               "gradient_as_bucket_view": tuned_mb is not None,
+                               "static_graph": tuned_mb is not None}
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -221,6 +235,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "single": _single,
     "scaleout": _scaleout,
     "ddp": _ddp,
+    "ddp-tuned": lambda o: _ddp(o, tuned_mb=TUNED_BUCKET_MB),
     "ddp-fp16": lambda o: _ddp(o, hook="fp16"),
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
@@ -229,11 +244,25 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
 }
 
 
+def _tuned_mb(name: str) -> int | None:
+    """``MB`` of a ``ddp-tuned:MB`` name (an int >= 1), else ``None``."""
+    prefix = "ddp-tuned:"
+    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+        return None
+    mb = int(name[len(prefix):])
+    return mb if mb >= 1 else None
+
+
+def is_configuration(name: str) -> bool:
+    """Whether the worker can run ``name`` (one of :data:`CONFIGURATIONS` or ``ddp-tuned:MB``)."""
+    return name in _BUILDERS or _tuned_mb(name) is not None
+
+
 def build_setup(name: str, options: SetupOptions) -> Setup:
     """Build configuration ``name`` in this process (joins the job for all but ``single``).
 
     Args:
-        name: one of :data:`CONFIGURATIONS`.
+        name: one of :data:`CONFIGURATIONS`, or ``ddp-tuned:MB``.
         options: the shared options.
 
     Returns:
@@ -242,9 +271,12 @@ def build_setup(name: str, options: SetupOptions) -> Setup:
     Raises:
         ValueError: an unknown configuration name.
     """
+    mb = _tuned_mb(name)
+    if mb is not None:
+        return _ddp(options, tuned_mb=mb)
     try:
         builder = _BUILDERS[name]
     except KeyError:
         raise ValueError(f"unknown configuration {name!r}; choose from "
-                         f"{', '.join(CONFIGURATIONS)}") from None
+                         f"{', '.join(CONFIGURATIONS)} or ddp-tuned:MB") from None
     return builder(options)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup
+from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup, is_configuration
 from scaleout.workloads import get_workload
 
 __all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "main"]
@@ -33,9 +33,16 @@ PROGRESS_MARK = "@@progress"
 DISTINCT_BATCHES = 4
 
 
+
+def _configuration(name: str) -> str:
+    if not is_configuration(name):
+        raise argparse.ArgumentTypeError(f"unknown configuration {name!r}")
+    return name
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="per-rank worker of `scaleout bench train`")
-    parser.add_argument("--config", required=True, choices=CONFIGURATIONS)
+    parser.add_argument("--config", required=True, type=_configuration,
+                        help=f"one of {', '.join(CONFIGURATIONS)} or ddp-tuned:MB")
     parser.add_argument("--workload", required=True)
     parser.add_argument("--batch", type=int, required=True, help="samples per rank")
     parser.add_argument("--warmup", type=int, default=2)

@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rate", default="1gbit",
                         help="link rate per direction of each host (default 1gbit)")
     parser.add_argument("--vs", default="ddp",
-                        help=f"comma list of peers from {','.join(PEERS)} (default ddp)")
+                        help=f"comma list of peers from {','.join(PEERS)} or ddp-tuned:MB (default ddp)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as tdist
 
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
@@ -80,7 +81,8 @@ class GradBucket:
         self._clock = stopwatch_for(self._buffer.device)  # issue to result (comm time)
         total = sum(ps.local_count for ps in members)
         self._shares = [(ps.op_name, ps.local_count / total) for ps in members]
-        elementwise = getattr(hook, "elementwise", False) and comm.size > 1
+        elementwise = (getattr(hook, "elementwise", False) and comm.size > 1
+                       and _chunks_pay(comm, self._buffer.device))
         spans = list(chunks) if elementwise else [(0, numel)]
         self.job = Job(name=self.name, lane=lane, order=order,
                        chunks=[] if comm.size == 1 else
@@ -215,3 +217,12 @@ def _into(target: torch.Tensor, result: Any) -> torch.Tensor:
     if result.data_ptr() != target.data_ptr() or result.dtype != target.dtype:
         target[: result.numel()].copy_(result.reshape(-1))
     return target
+
+
+def _chunks_pay(comm: Communicator, device: torch.device) -> bool:
+    """Whether sending a bucket in chunks is worth it: not for CUDA tensors over gloo, where
+    every chunk is a round trip through host memory of its own (pre-emption at chunk
+    boundaries then costs more than it saves)."""
+    if device.type != "cuda" or comm.group is None:
+        return True
+    return "nccl" in str(tdist.get_backend(comm.group))

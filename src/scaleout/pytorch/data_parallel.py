@@ -100,6 +100,7 @@ class DataParallel(nn.Module):
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
+        self._sent_version: dict[int, int] = {}  # .grad's version when it left
         broadcast_tensors(self.comm, [*module.parameters(), *module.buffers()])
         self._float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self._buffer_comm = (distribution.duplicate(GroupType.DATA, "buffers")
@@ -160,6 +161,20 @@ class DataParallel(nn.Module):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = (state, hook)
+
+    def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
+        """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [names.get(id(p), "?") for layer in layers for p in layer.params
+                if p.grad is not None and id(p) in self._sent_version
+                and p.grad._version != self._sent_version[id(p)]]
+
+    def module_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's own ``state_dict`` (loads into the bare model, keys without
+        ``module.``), after finishing pending updates. Codec state travels separately:
+        ``state_dict()`` holds it under ``_extra_state``."""
+        self.synchronize()
+        return self.module.state_dict(*args, **kwargs)
 
     def synchronize(self) -> None:
         """Finish every pending communication and update; afterwards all ranks agree."""
@@ -338,6 +353,7 @@ class DataParallel(nn.Module):
                 "(two backward passes without a forward between them?); wrap all but the last "
                 "micro-batch in model.no_sync()")
         ps.start_gradient_comm(param.grad)
+        self._sent_version[id(param)] = param.grad._version
 
     def _end_backward(self) -> None:
         self._backward_queued = False

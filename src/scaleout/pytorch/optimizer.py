@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +37,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pre-hook of the next iteration (``.grad`` is consumed: it is ``None`` after
             ``step()``); ``"sync"`` — like DDP, averaged gradients are in ``.grad`` when
             ``backward()`` returns and ``step()`` updates everything.
+        max_grad_norm: clip the averaged gradients to this global norm (over every layer)
+            before the update, like ``clip_grad_norm_`` after DDP's backward; in overlap mode
+            that step then waits for all gradients (the norm needs them all). Clipping
+            ``.grad`` yourself works in sync mode only (in overlap mode the gradients have
+            left; scaleout warns once if ``.grad`` changes after it was sent).
 
     With ``DataParallel(distributed_update=True)`` the update is sharded: this rank keeps
     optimizer state only for its owned slice of every parameter (about 1/N of it), updates
@@ -42,13 +49,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel, *,
-                 mode: str = "overlap") -> None:
+                 mode: str = "overlap", max_grad_norm: float | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(model, DataParallel):
             raise TypeError(f"model must be a scaleout DataParallel, got {type(model).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+                    or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+                raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got "
+                                 f"{max_grad_norm!r}")
+            if model.distributed_update:
+                raise ValueError("max_grad_norm with DataParallel(distributed_update=True) is "
+                                 "not supported: the shards would need a global norm of their own")
         model_params = {id(p) for layer in model.layers for p in layer.params}
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -56,6 +71,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError("the optimizer holds a parameter that is not a trainable "
                                      "parameter of the DataParallel model")
         self.mode = mode
+        self.max_grad_norm = max_grad_norm
+        self._warned_late_change = False
         self.model = model
         self.sharded = model.distributed_update
         self._user_optimizer = optimizer
@@ -103,8 +120,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pending = self.model.updates.pending()
+        if pending and self.mode == "overlap" and not self.sharded:
+            self._warn_if_grads_changed(pending)
         if self.sharded:
             self._sharded_step(pending)
+        elif self.max_grad_norm is not None:
+            # The global norm needs every averaged gradient: this step waits for all of them.
+            if pending:
+                self.model.updates.gradients_to_grad()
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            self.inner.step()
         elif self.mode == "sync" or not pending:
             self.inner.step()
         else:
@@ -112,6 +138,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               for g in self.param_groups]
             self.model.updates.request(pending)
         return loss
+
+    def _warn_if_grads_changed(self, pending: list[Layer]) -> None:
+        """Warn once when ``.grad`` was changed after it left (clipping it does nothing then)."""
+        if self._warned_late_change:
+            return
+        changed = self.model.grads_changed_since_sent(pending)
+        if changed:
+            self._warned_late_change = True
+            warnings.warn(
+                f"the .grad of {changed[0]} (and {len(changed) - 1} more) was changed after its "
+                "communication started, so the change has no effect in overlap mode; clip with "
+                "DistributedOptimizer(..., max_grad_norm=...) or use mode='sync'",
+                RuntimeWarning, stacklevel=3)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for layer in self.model.layers:

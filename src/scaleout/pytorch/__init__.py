@@ -1,6 +1,15 @@
-"""The PyTorch front end: DataParallel and DistributedOptimizer."""
+"""The PyTorch front end: DataParallel, DistributedOptimizer and model-parallel layers."""
 
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
+from scaleout.pytorch.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    full_state_dict,
+    tensor_parallel,
+)
 
-__all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes"]
+__all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "tensor_parallel", "full_state_dict"]

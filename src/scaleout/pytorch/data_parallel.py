@@ -26,6 +26,7 @@ from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.core.request import Request
 from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
+from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
@@ -43,7 +44,11 @@ class DataParallel(nn.Module):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
-        module: the model. Its parameters and buffers are broadcast from data-group rank 0.
+        module: the model. Its parameters and buffers are broadcast from data-group rank 0
+            (on a grid with a model group, replicated ones first from model-group rank 0).
+            Tensor-parallel layers (``scaleout.pytorch.tensor_parallel``) keep their shards:
+            each is averaged over the data group only; tables marked local (sharded
+            embeddings) are left to their own optimizer.
         distribution: where to train; ``None`` uses every rank of an already initialised job.
         scheduler: fusion, chunking and priority options (default: the priority policy).
         distributed_update: shard the optimizer update over the data group (the optimizer
@@ -87,7 +92,11 @@ class DataParallel(nn.Module):
         # parsed here: a bad spec is a ValueError now, not at the first forward
         self._compression = None if compression is None else as_config(compression)
         self.comm = distribution.communicator(GroupType.DATA)
+        self._model_comm = distribution.communicator(GroupType.MODEL)
         self._layers = find_layers(module)
+        for layer in self._layers:  # a shard on another model group: a ValueError now
+            for param in layer.params:
+                registration(param, self._model_comm)
         params = [p for layer in self._layers for p in layer.params]
         self._device = params[0].device if params else torch.device("cpu")
         self.updates = LazyUpdates(distributed_update=self.distributed_update)
@@ -100,7 +109,11 @@ class DataParallel(nn.Module):
         self._no_sync = False
         self._backward_queued = False
         self._used: dict[int, bool] = {}
-        broadcast_tensors(self.comm, [*module.parameters(), *module.buffers()])
+        if self._model_comm.size > 1:
+            broadcast_tensors(self._model_comm, [
+                *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
+        broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
+                                      *module.buffers()])
         self._float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self._buffer_comm = (distribution.duplicate(GroupType.DATA, "buffers")
                              if broadcast_buffers and self._float_buffers else None)
@@ -259,16 +272,17 @@ class DataParallel(nn.Module):
             # Registered first, so it shares the bucket of the first layers' gradients (the
             # last to be ready in backward): knowing who used what costs no collective of its own.
             spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE,
-                                    device=params[0].device)
+                                    device=params[0].device, model_split=False)
             usage = session.add_operation(_USAGE, self.distribution,
                                           parameter_sets=[spec]).parameter_sets[0]
         names = {id(p): n for n, p in self.module.named_parameters()}
         for layer in self._forward_order:
-            specs = [ParameterSetSpec(count=p.numel(), dtype=p.dtype, name=names.get(id(p), ""),
+            specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
                                       distributed_update=self.distributed_update,
-                                      compression=self._compression, shape=tuple(p.shape),
-                                      device=p.device)
-                     for p in layer.params]
+                                      compression=self._compression, shape=shape,
+                                      device=p.device, model_split=split)
+                     for p in layer.params
+                     for count, shape, split in [registration(p, self._model_comm)]]
             layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
             layer.sets = layer.op.parameter_sets
         session.commit()

@@ -1,6 +1,13 @@
 """The PyTorch front end: DataParallel, DistributedOptimizer and model-parallel layers."""
 
 from scaleout.pytorch.data_parallel import DataParallel
+from scaleout.pytorch.embeddings import (
+    EmbeddingCollection,
+    RowWiseAdagrad,
+    ShardingPlan,
+    TableSpec,
+    plan_tables,
+)
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
 from scaleout.pytorch.tensor_parallel import (
     ColumnParallelLinear,
@@ -12,4 +19,5 @@ from scaleout.pytorch.tensor_parallel import (
 
 __all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "tensor_parallel", "full_state_dict"]
+           "tensor_parallel", "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
+           "ShardingPlan", "TableSpec", "plan_tables"]

@@ -127,8 +127,11 @@ class DLRM(nn.Module):
     def forward(self, inputs: DLRMInputs) -> torch.Tensor:
         dense, sparse = inputs
         x = self.bottom_mlp(dense)
-        vectors = [x] + [table(sparse[:, t]) for t, table in enumerate(self.embeddings)]
-        stacked = torch.stack(vectors, dim=1)  # (B, F, D)
+        if isinstance(self.embeddings, nn.ModuleList):
+            vectors = [x] + [table(sparse[:, t]) for t, table in enumerate(self.embeddings)]
+            stacked = torch.stack(vectors, dim=1)  # (B, F, D)
+        else:  # sharded (scaleout.pytorch.EmbeddingCollection): (B, F - 1, D) for my samples
+            stacked = torch.cat([x.unsqueeze(1), self.embeddings(sparse)], dim=1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # (B, F, F)
         pairs = dots[:, self._pair_rows, self._pair_cols]
         return self.top_mlp(torch.cat([x, pairs], dim=1)).squeeze(1)

@@ -163,10 +163,19 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
     :func:`tensor_parallel` converted (pass DataParallel's ``.module``; call its
     ``synchronize()`` first).
 
+    Modules with a ``full_state()`` method (an
+    :class:`~scaleout.pytorch.EmbeddingCollection`) contribute every table they shard.
+
     Returns:
         name -> tensor (detached copies for gathered entries).
     """
     state = module.state_dict()
+    for prefix, child in module.named_modules():
+        gather = getattr(child, "full_state", None)
+        if callable(gather):
+            for key in [k for k in state if k.startswith(f"{prefix}.") or not prefix]:
+                del state[key]
+            state.update({f"{prefix}.{k}" if prefix else k: v for k, v in gather().items()})
     for name, param in module.named_parameters():
         mark = placement_of(param)
         if mark is None or mark.kind is not Kind.SHARDED or name not in state:

@@ -1,0 +1,8 @@
+"""Sharded embedding tables (DLRM / TorchRec style): a planner, the collection, a row-wise
+sparse optimizer."""
+
+from scaleout.pytorch.embeddings.collection import EmbeddingCollection
+from scaleout.pytorch.embeddings.optim import RowWiseAdagrad
+from scaleout.pytorch.embeddings.planner import ShardingPlan, TableSpec, plan_tables
+
+__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables"]

@@ -1,0 +1,191 @@
+"""EmbeddingCollection: many tables sharded table-wise across the data group (DLRM / TorchRec).
+
+Forward, on every rank of the data group (each with its own samples):
+
+1. ids: an alltoallv sends each table's column of ids to the rank that holds the table;
+2. lookup: each rank looks up its tables for the samples of every rank;
+3. results: an alltoallv sends each sample's vectors back to the rank that owns the sample
+   (MLSL's model-parallel -> data-parallel transition, an all-to-all).
+
+Backward is the reverse alltoallv of the gradients (step 3 inverted), which reach the table
+weights as sparse row gradients, scaled like DataParallel's average over the data group; the
+tables are then updated by a row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad
+/ SparseAdam, which accept sparse gradients). The dense layers around stay data parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.embeddings.planner import ShardingPlan, TableSpec, plan_tables
+from scaleout.pytorch.placement import Kind, Placement, place
+
+__all__ = ["EmbeddingCollection"]
+
+
+class _Route:
+    """Who holds which table and how many samples each rank has this iteration."""
+
+    def __init__(self, comm: Communicator, plan: ShardingPlan, batches: list[int],
+                 divisor: int) -> None:
+        self.comm = comm
+        self.held = [plan.tables_of(r) for r in range(comm.size)]
+        self.mine = self.held[comm.rank]
+        self.batches = batches
+        self.divisor = divisor
+        self.order = [t for held in self.held for t in held]  # tables in owner order
+        self.inverse = torch.empty(len(self.order), dtype=torch.int64)
+        self.inverse[torch.tensor(self.order, dtype=torch.int64)] = torch.arange(len(self.order))
+
+    @property
+    def batch(self) -> int:
+        return self.batches[self.comm.rank]
+
+
+class _Results(torch.autograd.Function):
+    """Lookups of this rank's tables for every rank's samples -> every table for mine."""
+
+    @staticmethod
+    def forward(ctx: Any, looked: torch.Tensor, route: _Route) -> torch.Tensor:
+        ctx.route = route
+        dim = looked.shape[-1]
+        send = [b * len(route.mine) for b in route.batches]
+        recv = [route.batch * len(held) for held in route.held]
+        got = collectives.alltoallv(route.comm, looked.reshape(-1, dim), send, recv).wait()
+        blocks = [block.view(route.batch, len(held), dim)
+                  for block, held in zip(got.split(recv), route.held)]
+        return torch.cat(blocks, dim=1)[:, route.inverse]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        route = ctx.route
+        dim = grad.shape[-1]
+        by_owner = grad[:, route.order].contiguous()
+        parts = by_owner.split([len(h) for h in route.held], dim=1)
+        send = torch.cat([p.reshape(-1, dim) for p in parts])
+        recv = [b * len(route.mine) for b in route.batches]
+        got = collectives.alltoallv(route.comm, send, [p.numel() // dim for p in parts],
+                                    recv).wait()
+        got = got.view(sum(route.batches), len(route.mine), dim)
+        return got / route.divisor if route.divisor > 1 else got, None
+
+
+class EmbeddingCollection(nn.Module):
+    """Embedding tables sharded table-wise across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
+
+    Column ``t`` of the ids indexes table ``t`` (one id per table per sample, as in DLRM).
+    Each rank holds only its tables, registered as submodules named by the table index
+    (``"3"``), so an owner's state dict has the keys of an ``nn.ModuleList`` of
+    ``nn.Embedding``; :meth:`full_state` gathers every table on every rank.
+
+    Args:
+        tables: the tables (all with one ``dim``).
+        distribution: the grid; tables are spread over its DATA group (each rank of a model
+            group holds the same ones).
+        plan: who holds what; default :func:`plan_tables` (balanced, unlimited memory).
+        dtype: weight dtype.
+        init: ``init(table_index, weight)`` fills a new table in place (default: DLRM's
+            uniform +-rows^-0.5 from a generator seeded by the table index).
+
+    Raises:
+        ValueError: tables of different widths, or a plan for other tables or ranks.
+
+    Example (2 ranks; rank 0 holds tables 0 and 3, rank 1 tables 1 and 2):
+        >>> ec = EmbeddingCollection([TableSpec(rows=r, dim=8) for r in (9, 5, 4, 2)], dist)
+        >>> ec(torch.zeros(6, 4, dtype=torch.long)).shape   # this rank's 6 samples
+        torch.Size([6, 4, 8])
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], distribution: Distribution, *,
+                 plan: ShardingPlan | None = None, dtype: torch.dtype = torch.float32,
+                 init: Any = None) -> None:
+        super().__init__()
+        tables = tuple(tables)
+        if not tables:
+            raise ValueError("EmbeddingCollection needs at least one table")
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ValueError(f"EmbeddingCollection: every table must have one dim, got "
+                             f"{sorted(dims)}")
+        self.comm = distribution.communicator(GroupType.DATA)
+        self.divisor = distribution.size(GroupType.DATA)
+        self.plan = plan or plan_tables(tables, self.comm.size,
+                                        element_size=torch.empty((), dtype=dtype).element_size())
+        if self.plan.tables != tables or self.plan.ranks != self.comm.size:
+            raise ValueError(f"EmbeddingCollection: the plan is for {len(self.plan.tables)} "
+                             f"tables on {self.plan.ranks} ranks, got {len(tables)} tables on a "
+                             f"data group of {self.comm.size}")
+        self.tables = tables
+        self.dim = dims.pop()
+        self.dtype = dtype
+        for t in self.plan.tables_of(self.comm.rank):
+            table = nn.Embedding(tables[t].rows, self.dim, sparse=True, dtype=dtype)
+            with torch.no_grad():
+                (init or _dlrm_init)(t, table.weight)
+            place(table.weight, Placement(kind=Kind.LOCAL, layer=f"table {t}"))
+            self.add_module(str(t), table)
+
+    @classmethod
+    def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
+                        plan: ShardingPlan | None = None) -> EmbeddingCollection:
+        """Shard existing tables (every rank passes the same ones; each keeps its own)."""
+        specs = [TableSpec(rows=e.num_embeddings, dim=e.embedding_dim, name=str(i))
+                 for i, e in enumerate(embeddings)]
+        dtype = embeddings[0].weight.dtype if embeddings else torch.float32
+
+        def copy(index: int, weight: torch.Tensor) -> None:
+            weight.copy_(embeddings[index].weight)
+        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
+
+    def held(self) -> list[int]:
+        """The indices of the tables this rank holds."""
+        return self.plan.tables_of(self.comm.rank)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] != len(self.tables):
+            raise ValueError(f"EmbeddingCollection: expected ids of shape (batch, "
+                             f"{len(self.tables)}), got {tuple(ids.shape)}")
+        size = torch.tensor([ids.shape[0]], dtype=torch.int64)
+        batches = collectives.allgather(self.comm, size).wait().tolist()
+        route = _Route(self.comm, self.plan, batches, self.divisor)
+        columns = [ids[:, held].reshape(-1) for held in route.held]
+        recv = [b * len(route.mine) for b in batches]
+        mine = collectives.alltoallv(self.comm, torch.cat(columns),
+                                     [c.numel() for c in columns], recv).wait()
+        mine = mine.view(sum(batches), len(route.mine))
+        looked = (torch.stack([F.embedding(mine[:, j], self.get_submodule(str(t)).weight,
+                                           sparse=True) for j, t in enumerate(route.mine)],
+                              dim=1)
+                  if route.mine else torch.zeros(sum(batches), 0, self.dim, dtype=self.dtype))
+        return _Results.apply(looked, route)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every table's weight on every rank (a broadcast from each owner), keyed
+        ``"<t>.weight"`` like an ``nn.ModuleList`` of ``nn.Embedding``."""
+        out = {}
+        for t, (spec, owner) in enumerate(zip(self.tables, self.plan.owners)):
+            if owner == self.comm.rank:
+                buffer = self.get_submodule(str(t)).weight.detach().clone()
+            else:
+                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype)
+            out[f"{t}.weight"] = collectives.bcast(self.comm, buffer, owner).wait()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"
+
+
+def _dlrm_init(index: int, weight: torch.Tensor) -> None:
+    generator = torch.Generator().manual_seed(0x5EED + index)
+    bound = weight.shape[0] ** -0.5
+    weight.copy_(torch.rand(weight.shape, generator=generator, dtype=weight.dtype)
+                 .mul_(2 * bound).sub_(bound))

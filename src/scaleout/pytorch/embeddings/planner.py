@@ -1,0 +1,146 @@
+"""Which rank holds which embedding table: a planner that balances memory and lookup cost.
+
+Table-wise sharding (TorchRec's ``TABLE_WISE``): every table lives whole on one rank. The
+planner places the tables largest first, each on the rank whose load (its share of all
+table bytes plus its share of all lookup work) is lowest among those with room left under
+the memory budget (the longest-processing-time rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["TableSpec", "ShardingPlan", "plan_tables"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One embedding table.
+
+    Attributes:
+        rows: number of ids (>= 1). dim: width of a row (>= 1).
+        pooling: average ids looked up per sample (lookup cost), > 0.
+        name: for the plan's report.
+
+    Raises:
+        ValueError: a size is out of range.
+    """
+
+    rows: int
+    dim: int
+    pooling: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field, value in (("rows", self.rows), ("dim", self.dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TableSpec {self.name!r}: {field} must be an int >= 1, got "
+                                 f"{value!r}")
+        if not isinstance(self.pooling, (int, float)) or self.pooling <= 0:
+            raise ValueError(f"TableSpec {self.name!r}: pooling must be > 0, got {self.pooling!r}")
+
+    def nbytes(self, element_size: int) -> int:
+        """Bytes of its weights."""
+        return self.rows * self.dim * element_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """The result: ``owners[t]`` is the group rank holding table ``t``.
+
+    Attributes:
+        tables: the tables, in the model's order.
+        owners: one group rank per table.
+        ranks: the group size.
+        element_size: bytes per weight the plan was made for.
+    """
+
+    tables: tuple[TableSpec, ...]
+    owners: tuple[int, ...]
+    ranks: int
+    element_size: int = 4
+
+    def __post_init__(self) -> None:
+        if len(self.owners) != len(self.tables):
+            raise ValueError(f"ShardingPlan: {len(self.tables)} tables but {len(self.owners)} "
+                             "owners")
+        bad = [o for o in self.owners if not 0 <= o < self.ranks]
+        if bad:
+            raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1}, got {bad}")
+
+    def tables_of(self, rank: int) -> list[int]:
+        """Indices of the tables ``rank`` holds, ascending."""
+        return [t for t, owner in enumerate(self.owners) if owner == rank]
+
+    def memory_of(self, rank: int) -> int:
+        """Bytes of table weights on ``rank``."""
+        return sum(self.tables[t].nbytes(self.element_size) for t in self.tables_of(rank))
+
+    def lookups_of(self, rank: int) -> float:
+        """Rows looked up per sample on ``rank`` (times their width: values moved)."""
+        return sum(self.tables[t].pooling * self.tables[t].dim for t in self.tables_of(rank))
+
+    def describe(self) -> str:
+        """A table of which rank holds what (one line per rank)."""
+        lines = []
+        for rank in range(self.ranks):
+            held = self.tables_of(rank)
+            names = ", ".join(self.tables[t].name or str(t) for t in held) or "-"
+            lines.append(f"rank {rank}: {len(held)} tables, {self.memory_of(rank) / 2**20:.2f} "
+                         f"MiB, {self.lookups_of(rank):g} values/sample: {names}")
+        return "\n".join(lines)
+
+
+def plan_tables(tables: Sequence[TableSpec], ranks: int, *, memory_budget: int | None = None,
+                element_size: int = 4) -> ShardingPlan:
+    """Place every table on one of ``ranks`` ranks, balancing memory and lookup cost.
+
+    Args:
+        tables: the tables, in the model's order.
+        ranks: how many ranks share them (the data group's size).
+        memory_budget: bytes of table weights one rank may hold (``None``: unlimited).
+        element_size: bytes per weight (4 for float32).
+
+    Returns:
+        The plan (the same on every rank: it depends only on its arguments).
+
+    Raises:
+        ValueError: no rank has room for a table under ``memory_budget`` (the message names
+            the table, its size and the budget).
+
+    Example:
+        >>> plan_tables([TableSpec(rows=1000, dim=16), TableSpec(rows=10, dim=16)], 2).owners
+        (0, 1)
+    """
+    tables = tuple(tables)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    for t in tables:
+        if not isinstance(t, TableSpec):
+            raise TypeError(f"tables must hold TableSpec, got {type(t).__name__}")
+    total_bytes = sum(t.nbytes(element_size) for t in tables) or 1
+    total_lookups = sum(t.pooling * t.dim for t in tables) or 1.0
+    memory = [0] * ranks
+    load = [0.0] * ranks
+    owners = [0] * len(tables)
+
+    def cost(t: TableSpec) -> float:
+        return t.nbytes(element_size) / total_bytes + t.pooling * t.dim / total_lookups
+
+    for index in sorted(range(len(tables)), key=lambda i: (-cost(tables[i]), i)):
+        table = tables[index]
+        size = table.nbytes(element_size)
+        room = [r for r in range(ranks)
+                if memory_budget is None or memory[r] + size <= memory_budget]
+        if not room:
+            raise ValueError(
+                f"table {table.name or index} ({table.rows} x {table.dim}, {size} bytes) fits on "
+                f"no rank under the memory budget of {memory_budget} bytes per rank "
+                f"(ranks hold {memory} bytes already); raise the budget or use more ranks")
+        best = min(room, key=lambda r: (load[r], memory[r], r))
+        owners[index] = best
+        memory[best] += size
+        load[best] += cost(table)
+    return ShardingPlan(tables=tables, owners=tuple(owners), ranks=ranks,
+                        element_size=element_size)

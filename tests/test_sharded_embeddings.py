@@ -1,0 +1,144 @@
+"""Sharded embedding tables (DLRM): hybrid training equals single-process training.
+
+The tables are sharded table-wise over the data group (alltoallv of ids and of lookups,
+reverse alltoallv of gradients, row-wise sparse updates); the dense MLPs stay data parallel
+(and, on a 2 x 2 grid, tensor parallel too). Float64, tight tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scaleout
+from harness import run_ranks
+from scaleout import GroupType
+from scaleout.pytorch import (
+    DataParallel,
+    DistributedOptimizer,
+    EmbeddingCollection,
+    RowWiseAdagrad,
+    TableSpec,
+    full_state_dict,
+    plan_tables,
+    tensor_parallel,
+)
+from scaleout.workloads import DLRMConfig, DLRMInputs, DLRMWorkload
+
+CONFIG = DLRMConfig(num_dense=4, table_sizes=(50, 30, 20, 10, 7, 5), embedding_dim=4,
+                    bottom_mlp=(8,), top_mlp=(8,))
+WORKLOAD = DLRMWorkload(config=CONFIG)
+PER_RANK, STEPS = 4, 4
+
+
+def global_batch(step: int, data_parts: int) -> tuple[DLRMInputs, torch.Tensor]:
+    inputs, targets = WORKLOAD.make_batch(PER_RANK * data_parts, step, 3)
+    return DLRMInputs(inputs.dense.double(), inputs.sparse), targets.double()
+
+
+def shard(inputs: DLRMInputs, targets: torch.Tensor, d: int):
+    rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+    return DLRMInputs(inputs.dense[rows], inputs.sparse[rows]), targets[rows]
+
+
+def optimizers(net: torch.nn.Module) -> tuple[list, list]:
+    tables = [p for n, p in net.named_parameters() if n.startswith("embeddings.")]
+    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    return dense, tables
+
+
+def reference(data_parts: int) -> dict[str, torch.Tensor]:
+    net = WORKLOAD.build_model(0).double()
+    dense, tables = optimizers(net)
+    dense_opt = torch.optim.SGD(dense, lr=0.1, momentum=0.9)
+    table_opt = RowWiseAdagrad(tables, lr=0.05)
+    for step in range(STEPS):
+        inputs, targets = global_batch(step, data_parts)
+        for d in range(data_parts):
+            x, y = shard(inputs, targets, d)
+            (F.binary_cross_entropy_with_logits(net(x), y) / data_parts).backward()
+        dense_opt.step()
+        table_opt.step()
+        dense_opt.zero_grad()
+        table_opt.zero_grad()
+    return net.state_dict()
+
+
+def body_dlrm(data_parts: int, model_parts: int, mode: str) -> list[int]:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(data_parts, model_parts)
+    net = WORKLOAD.build_model(0).double()
+    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist)
+    if model_parts > 1:
+        tensor_parallel(net, dist)
+    dense, tables = optimizers(net)
+    model = DataParallel(net, dist)
+    dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
+                                     mode=mode)
+    table_opt = RowWiseAdagrad(tables, lr=0.05)
+    d = dist.rank(GroupType.DATA)
+    for step in range(STEPS):
+        x, y = shard(*global_batch(step, data_parts), d)
+        F.binary_cross_entropy_with_logits(model(x), y).backward()
+        assert all(p.grad is None or p.grad.is_sparse for p in tables)
+        dense_opt.step()
+        table_opt.step()
+        dense_opt.zero_grad()
+        table_opt.zero_grad()
+    model.synchronize()
+    state = full_state_dict(net)
+    expected = reference(data_parts)
+    assert set(state) == set(expected), (sorted(state), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
+    held = net.embeddings.held()
+    model.close()
+    env.finalize()
+    return held
+
+
+@pytest.mark.parametrize("data_parts,model_parts,mode", [(2, 1, "sync"), (3, 1, "overlap"),
+                                                         (2, 2, "overlap")])
+def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int,
+                                            mode: str) -> None:
+    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode,
+                     timeout=120)
+    by_data_rank = held[::model_parts]
+    assert sorted(t for h in by_data_rank for t in h) == list(range(len(CONFIG.table_sizes)))
+    for m in range(model_parts):  # every model rank holds the same tables as its column
+        assert held[m::model_parts] == by_data_rank
+
+
+def test_planner_balances_and_respects_the_budget() -> None:
+    tables = [TableSpec(rows=r, dim=16, name=f"t{i}") for i, r in enumerate(
+        (20000, 10000, 5000, 2000, 1000, 500, 200, 100) * 2)]
+    plan = plan_tables(tables, 4)
+    memory = [plan.memory_of(r) for r in range(4)]
+    assert max(memory) <= 1.05 * sum(memory) / 4 + tables[0].nbytes(4) / 2
+    assert "rank 3:" in plan.describe()
+    total = sum(t.nbytes(4) for t in tables)
+    budget = total // 4 + 200000
+    tight = plan_tables(tables, 4, memory_budget=budget)
+    assert max(tight.memory_of(r) for r in range(4)) <= budget
+    with pytest.raises(ValueError, match=r"table t0 \(20000 x 16, 1280000 bytes\) fits on no "
+                                         r"rank under the memory budget of 1000000"):
+        plan_tables(tables, 4, memory_budget=1_000_000)
+
+
+def test_rowwise_adagrad_sparse_equals_dense() -> None:
+    torch.manual_seed(0)
+    sparse = torch.nn.Embedding(10, 3, sparse=True).double()
+    dense = torch.nn.Embedding(10, 3).double()
+    dense.load_state_dict(sparse.state_dict())
+    opts = [RowWiseAdagrad(m.parameters(), lr=0.1) for m in (sparse, dense)]
+    for step in range(3):
+        ids = torch.tensor([step, 4, 4, 7])
+        for m, opt in zip((sparse, dense), opts):
+            m(ids).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(sparse.weight, dense.weight)
+    assert not torch.equal(sparse.weight[4], dense.weight.new_zeros(3))
+    assert opts[0].state[sparse.weight]["sum"].numel() == 10  # one value per row

@@ -1,6 +1,6 @@
 """Tensor parallelism on a data x model grid equals single-process training.
 
-Each grid trains the TP MLP and a TP attention block (float64) with DataParallel +
+Each grid trains the TP MLP and a TP attention block with a vocab-parallel embedding (float64) with DataParallel +
 DistributedOptimizer on the data group; the full state dict gathered from the shards must
 equal the plain model trained in one process on the concatenated batch.
 """
@@ -51,7 +51,9 @@ def reference(kind: str, data_parts: int, opt_name: str) -> dict[str, torch.Tens
 
 def train(env, dist, kind: str, opt_name: str, mode: str, sharded: bool) -> int:
     torch.manual_seed(0 if env.rank == 0 else 7 + env.rank)  # rank 0's init must win
-    net = tensor_parallel(MODELS[kind]().double(), dist)
+    net = tensor_parallel(MODELS[kind]().double(), dist, embeddings=kind == "block")
+    if dist.size(GroupType.MODEL) > 1 and kind == "block":
+        assert type(net.emb).__name__ == "VocabParallelEmbedding"
     model = DataParallel(net, dist, scheduler=TINY, distributed_update=sharded)
     opt = DistributedOptimizer(make_opt(opt_name, net.parameters()), model, mode=mode)
     data_parts, d = dist.size(GroupType.DATA), dist.rank(GroupType.DATA)

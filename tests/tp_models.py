@@ -30,10 +30,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block (attention, then an MLP) and a replicated head."""
+    """Token embedding, a pre-LN transformer block (attention, then an MLP), a replicated head."""
 
-    def __init__(self, width: int = 12, n_heads: int = 6) -> None:
+    def __init__(self, width: int = 12, n_heads: int = 6, vocab: int = 12) -> None:
         super().__init__()
+        self.emb = nn.Embedding(vocab, width)
         self.ln1 = nn.LayerNorm(width)
         self.attn = Attention(width, n_heads)
         self.ln2 = nn.LayerNorm(width)
@@ -41,7 +42,8 @@ class Block(nn.Module):
                                  nn.Linear(2 * width, width))
         self.head = nn.Linear(width, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))
         return self.head(x)
@@ -56,5 +58,5 @@ def batch(kind: str, step: int, samples: int) -> tuple[torch.Tensor, torch.Tenso
     if kind == "mlp":
         return (torch.randn(samples, 8, generator=g, dtype=torch.float64),
                 torch.randn(samples, 4, generator=g, dtype=torch.float64))
-    return (torch.randn(samples, 5, 12, generator=g, dtype=torch.float64),
+    return (torch.randint(0, 12, (samples, 5), generator=g),
             torch.randn(samples, 5, 3, generator=g, dtype=torch.float64))

@@ -62,6 +62,8 @@ class TrainBenchConfig:
         testbed: run on an emulated cluster (needs root, ``ip``, ``tc``); ``False`` runs
             over loopback with no rate limit.
         timeout_s: rendezvous and collective timeout of the ranks.
+        memory_budget: bytes of parameters one rank may hold: the ``hybrid`` configuration
+            plans its tables under it, every configuration reports whether it fits.
 
     Raises:
         ValueError: a field is out of range or names something unknown.
@@ -82,6 +84,7 @@ class TrainBenchConfig:
     seed: int = 0
     testbed: bool = True
     timeout_s: float = 300.0
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -121,6 +124,10 @@ class TrainBenchConfig:
             TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not
+                                               isinstance(self.memory_budget, int) or
+                                               self.memory_budget < 1):
+            raise ValueError(f"memory_budget: expected bytes >= 1, got {self.memory_budget!r}")
 
     @property
     def configurations(self) -> tuple[str, ...]:
@@ -234,6 +241,8 @@ def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
             "--timeout", str(config.timeout_s), "--json", path]
     if spec is not None:
         args += ["--compression", spec]
+    if config.memory_budget is not None:
+        args += ["--memory-budget", str(config.memory_budget)]
     return args
 
 

@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="overlap")
     parser.add_argument("--compression", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--memory-budget", type=int, default=None)
     parser.add_argument("--json", required=True, help="rank 0 writes its results here")
     return parser
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
                            mode=args.mode, compression=args.compression,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, memory_budget=args.memory_budget)
     started = time.perf_counter()
     setup = build_setup(args.config, options)
     batches = [workload.make_batch(args.batch * world, step, args.seed, rank=rank,

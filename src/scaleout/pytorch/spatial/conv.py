@@ -1,0 +1,148 @@
+"""Spatial parallelism: a sample's height split across the model group (MLPerf HPC, CosmoFlow).
+
+Rank ``r`` of a model group of ``p`` holds rows ``[r H/p, (r+1) H/p)`` of every ``(N, C, H, W)``
+activation. A ``SpatialConv2d`` first exchanges halos: the ``k // 2`` boundary rows go to
+the neighbours above and below (one alltoallv on the model group, counts zero elsewhere),
+then convolves its rows plus halos, giving exactly its rows of the unsplit convolution.
+Backward sends the halos' gradients back the same way and sums each rank's weight gradient
+over the group (``copy_to_model``). ``SpatialGlobalAvgPool`` sums each rank's block and
+allreduces, so what follows is replicated again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.tensor_parallel.exchanges import copy_to_model, reduce_from_model
+
+__all__ = ["SpatialConv2d", "SpatialGlobalAvgPool", "split_rows", "halo_exchange"]
+
+
+def _neighbours(comm: Communicator, halo: int) -> tuple[list[int], list[int]]:
+    counts = [0] * comm.size
+    if comm.rank > 0:
+        counts[comm.rank - 1] = halo
+    if comm.rank < comm.size - 1:
+        counts[comm.rank + 1] = halo
+    return counts, list(counts)
+
+
+class _Halo(torch.autograd.Function):
+    """``(N, C, h, W)`` -> ``(N, C, h + 2 halo, W)`` with the neighbours' rows (zeros at edges)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, halo: int) -> torch.Tensor:
+        ctx.comm, ctx.halo = comm, halo
+        rows = x.movedim(2, 0)  # (h, N, C, W): the core collectives split dim 0
+        send, recv = _neighbours(comm, halo)
+        parts = []
+        if comm.rank > 0:
+            parts.append(rows[:halo])  # my top rows: the bottom halo of the rank above
+        if comm.rank < comm.size - 1:
+            parts.append(rows[-halo:])
+        got = collectives.alltoallv(comm, torch.cat(parts), send, recv).wait()
+        zeros = rows.new_zeros((halo, *rows.shape[1:]))
+        above = got[:halo] if comm.rank > 0 else zeros
+        below = got[-halo:] if comm.rank < comm.size - 1 else zeros
+        return torch.cat([above, rows, below]).movedim(0, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        comm, halo = ctx.comm, ctx.halo
+        rows = grad.movedim(2, 0)
+        send, recv = _neighbours(comm, halo)
+        parts = []
+        if comm.rank > 0:
+            parts.append(rows[:halo])  # gradient of the rows the rank above sent me
+        if comm.rank < comm.size - 1:
+            parts.append(rows[-halo:])
+        got = collectives.alltoallv(comm, torch.cat(parts), send, recv).wait()
+        inner = rows[halo: rows.shape[0] - halo].clone()
+        if comm.rank > 0:
+            inner[:halo] += got[:halo]
+        if comm.rank < comm.size - 1:
+            inner[-halo:] += got[-halo:]
+        return inner.movedim(0, 2).contiguous(), None, None
+
+
+def halo_exchange(x: torch.Tensor, comm: Communicator, halo: int) -> torch.Tensor:
+    """``x`` (this rank's rows, dim 2) extended by ``halo`` rows of each neighbour."""
+    if halo == 0:
+        return x
+    if comm.size == 1:
+        return F.pad(x, (0, 0, halo, halo))
+    if x.shape[2] < halo:
+        raise ValueError(f"halo_exchange: each rank must hold at least {halo} rows, got "
+                         f"{x.shape[2]}")
+    return _Halo.apply(x, comm, halo)
+
+
+def split_rows(x: torch.Tensor, distribution: Distribution) -> torch.Tensor:
+    """This rank's block of ``x``'s height (dim 2) on the model group.
+
+    Raises:
+        ValueError: the height does not divide by the model group size.
+    """
+    comm = distribution.communicator(GroupType.MODEL)
+    height = x.shape[2]
+    if height % comm.size:
+        raise ValueError(f"split_rows: height {height} must be divisible by the model group "
+                         f"size {comm.size}")
+    part = height // comm.size
+    return x.narrow(2, comm.rank * part, part)
+
+
+class SpatialConv2d(nn.Module):
+    """A ``Conv2d`` (stride 1, odd square kernel, ``padding = k // 2``) on height-split input.
+
+    Args:
+        conv: the plain convolution whose weights it keeps (replicated on every rank).
+        distribution: the grid; the height is split across its MODEL group.
+        name: for errors.
+
+    Raises:
+        ValueError: a stride, dilation, kernel or padding it cannot split (named).
+    """
+
+    def __init__(self, conv: nn.Conv2d, *, distribution: Distribution, name: str = "") -> None:
+        super().__init__()
+        k = conv.kernel_size
+        if (conv.stride != (1, 1) or conv.dilation != (1, 1) or k[0] != k[1] or k[0] % 2 == 0
+                or conv.padding != (k[0] // 2, k[1] // 2) or conv.padding_mode != "zeros"):
+            raise ValueError(
+                f"SpatialConv2d {name or '(unnamed)'}: needs stride 1, dilation 1, an odd square "
+                f"kernel and zero padding k // 2; got stride {conv.stride}, dilation "
+                f"{conv.dilation}, kernel {k}, padding {conv.padding} ({conv.padding_mode})")
+        self.comm = distribution.communicator(GroupType.MODEL)
+        self.halo = k[0] // 2
+        self.layer_name = name
+        self.groups = conv.groups
+        self.weight = conv.weight
+        self.bias = conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extended = halo_exchange(x, self.comm, self.halo)
+        weight = copy_to_model(self.weight, self.comm)  # its gradient: summed over the rows
+        bias = copy_to_model(self.bias, self.comm) if self.bias is not None else None
+        return F.conv2d(extended, weight, bias, padding=(0, self.halo), groups=self.groups)
+
+
+class SpatialGlobalAvgPool(nn.Module):
+    """Mean over the full height and width of a height-split activation -> ``(N, C)``,
+    replicated on every rank of the model group."""
+
+    def __init__(self, *, distribution: Distribution) -> None:
+        super().__init__()
+        self.comm = distribution.communicator(GroupType.MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.shape[2] * self.comm.size * x.shape[3]
+        return reduce_from_model(x.sum(dim=(2, 3)), self.comm) / total

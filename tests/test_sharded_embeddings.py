@@ -87,6 +87,7 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str) -> list[int]:
         dense_opt.zero_grad()
         table_opt.zero_grad()
     model.synchronize()
+    assert model.statistics.operation("embeddings (activations)").bytes > 0
     state = full_state_dict(net)
     expected = reference(data_parts)
     assert set(state) == set(expected), (sorted(state), sorted(expected))

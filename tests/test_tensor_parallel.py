@@ -64,6 +64,10 @@ def train(env, dist, kind: str, opt_name: str, mode: str, sharded: bool) -> int:
         opt.step()
         opt.zero_grad()
     model.synchronize()
+    if kind == "mlp" and dist.size(GroupType.MODEL) > 1:  # Statistics report the exchanges
+        for layer in ("2", "4"):  # row: allreduce forward; column: allreduce backward
+            figures = model.statistics.operation(f"{layer} (activations)")
+            assert figures.bytes > 0 and figures.comm_s > 0, (layer, figures)
     state = full_state_dict(net)
     expected = reference(kind, data_parts, opt_name)
     assert list(state) == list(expected)

@@ -25,6 +25,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.core.request import Request
+from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.updates import LazyUpdates
@@ -299,6 +300,7 @@ class DataParallel(nn.Module):
             session.load_compression_state_dict(self._pending_compression_state)
             self._pending_compression_state = {}
         self._session = session
+        bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
 

@@ -27,6 +27,7 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.planner import ShardingPlan, TableSpec, plan_tables
+from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.placement import Kind, Placement, place
 
 __all__ = ["EmbeddingCollection"]
@@ -36,8 +37,9 @@ class _Route:
     """Who holds which table and how many samples each rank has this iteration."""
 
     def __init__(self, comm: Communicator, plan: ShardingPlan, batches: list[int],
-                 divisor: int) -> None:
+                 divisor: int, recorder: ExchangeRecorder) -> None:
         self.comm = comm
+        self.recorder = recorder
         self.held = [plan.tables_of(r) for r in range(comm.size)]
         self.mine = self.held[comm.rank]
         self.batches = batches
@@ -60,7 +62,9 @@ class _Results(torch.autograd.Function):
         dim = looked.shape[-1]
         send = [b * len(route.mine) for b in route.batches]
         recv = [route.batch * len(held) for held in route.held]
-        got = collectives.alltoallv(route.comm, looked.reshape(-1, dim), send, recv).wait()
+        flat = looked.reshape(-1, dim)
+        got = route.recorder.run(flat, lambda: collectives.alltoallv(
+            route.comm, flat, send, recv).wait())
         blocks = [block.view(route.batch, len(held), dim)
                   for block, held in zip(got.split(recv), route.held)]
         return torch.cat(blocks, dim=1)[:, route.inverse]
@@ -73,8 +77,8 @@ class _Results(torch.autograd.Function):
         parts = by_owner.split([len(h) for h in route.held], dim=1)
         send = torch.cat([p.reshape(-1, dim) for p in parts])
         recv = [b * len(route.mine) for b in route.batches]
-        got = collectives.alltoallv(route.comm, send, [p.numel() // dim for p in parts],
-                                    recv).wait()
+        got = route.recorder.run(send, lambda: collectives.alltoallv(
+            route.comm, send, [p.numel() // dim for p in parts], recv).wait())
         got = got.view(sum(route.batches), len(route.mine), dim)
         return got / route.divisor if route.divisor > 1 else got, None
 
@@ -125,6 +129,7 @@ class EmbeddingCollection(nn.Module):
                              f"tables on {self.plan.ranks} ranks, got {len(tables)} tables on a "
                              f"data group of {self.comm.size}")
         self.tables = tables
+        self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype = dtype
         for t in self.plan.tables_of(self.comm.rank):
@@ -154,13 +159,15 @@ class EmbeddingCollection(nn.Module):
         if ids.dim() != 2 or ids.shape[1] != len(self.tables):
             raise ValueError(f"EmbeddingCollection: expected ids of shape (batch, "
                              f"{len(self.tables)}), got {tuple(ids.shape)}")
+        rec = self.exchange_recorder
         size = torch.tensor([ids.shape[0]], dtype=torch.int64)
-        batches = collectives.allgather(self.comm, size).wait().tolist()
-        route = _Route(self.comm, self.plan, batches, self.divisor)
+        batches = rec.run(size, lambda: collectives.allgather(self.comm, size).wait()).tolist()
+        route = _Route(self.comm, self.plan, batches, self.divisor, rec)
         columns = [ids[:, held].reshape(-1) for held in route.held]
         recv = [b * len(route.mine) for b in batches]
-        mine = collectives.alltoallv(self.comm, torch.cat(columns),
-                                     [c.numel() for c in columns], recv).wait()
+        sent = torch.cat(columns)
+        mine = rec.run(sent, lambda: collectives.alltoallv(
+            self.comm, sent, [c.numel() for c in columns], recv).wait())
         mine = mine.view(sum(batches), len(route.mine))
         looked = (torch.stack([F.embedding(mine[:, j], self.get_submodule(str(t)).weight,
                                            sparse=True) for j, t in enumerate(route.mine)],

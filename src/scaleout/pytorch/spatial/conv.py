@@ -21,6 +21,7 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
+from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.tensor_parallel.exchanges import copy_to_model, reduce_from_model
 
 __all__ = ["SpatialConv2d", "SpatialGlobalAvgPool", "split_rows", "halo_exchange"]
@@ -39,8 +40,9 @@ class _Halo(torch.autograd.Function):
     """``(N, C, h, W)`` -> ``(N, C, h + 2 halo, W)`` with the neighbours' rows (zeros at edges)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, halo: int) -> torch.Tensor:
-        ctx.comm, ctx.halo = comm, halo
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, halo: int,
+                recorder: ExchangeRecorder) -> torch.Tensor:
+        ctx.comm, ctx.halo, ctx.recorder = comm, halo, recorder
         rows = x.movedim(2, 0)  # (h, N, C, W): the core collectives split dim 0
         send, recv = _neighbours(comm, halo)
         parts = []
@@ -48,14 +50,15 @@ class _Halo(torch.autograd.Function):
             parts.append(rows[:halo])  # my top rows: the bottom halo of the rank above
         if comm.rank < comm.size - 1:
             parts.append(rows[-halo:])
-        got = collectives.alltoallv(comm, torch.cat(parts), send, recv).wait()
+        sent = torch.cat(parts)
+        got = recorder.run(sent, lambda: collectives.alltoallv(comm, sent, send, recv).wait())
         zeros = rows.new_zeros((halo, *rows.shape[1:]))
         above = got[:halo] if comm.rank > 0 else zeros
         below = got[-halo:] if comm.rank < comm.size - 1 else zeros
         return torch.cat([above, rows, below]).movedim(0, 2).contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         comm, halo = ctx.comm, ctx.halo
         rows = grad.movedim(2, 0)
         send, recv = _neighbours(comm, halo)
@@ -64,16 +67,18 @@ class _Halo(torch.autograd.Function):
             parts.append(rows[:halo])  # gradient of the rows the rank above sent me
         if comm.rank < comm.size - 1:
             parts.append(rows[-halo:])
-        got = collectives.alltoallv(comm, torch.cat(parts), send, recv).wait()
+        sent = torch.cat(parts)
+        got = ctx.recorder.run(sent, lambda: collectives.alltoallv(comm, sent, send, recv).wait())
         inner = rows[halo: rows.shape[0] - halo].clone()
         if comm.rank > 0:
             inner[:halo] += got[:halo]
         if comm.rank < comm.size - 1:
             inner[-halo:] += got[-halo:]
-        return inner.movedim(0, 2).contiguous(), None, None
+        return inner.movedim(0, 2).contiguous(), None, None, None
 
 
-def halo_exchange(x: torch.Tensor, comm: Communicator, halo: int) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, comm: Communicator, halo: int,
+                  recorder: ExchangeRecorder | None = None) -> torch.Tensor:
     """``x`` (this rank's rows, dim 2) extended by ``halo`` rows of each neighbour."""
     if halo == 0:
         return x
@@ -82,7 +87,7 @@ def halo_exchange(x: torch.Tensor, comm: Communicator, halo: int) -> torch.Tenso
     if x.shape[2] < halo:
         raise ValueError(f"halo_exchange: each rank must hold at least {halo} rows, got "
                          f"{x.shape[2]}")
-    return _Halo.apply(x, comm, halo)
+    return _Halo.apply(x, comm, halo, recorder or ExchangeRecorder())
 
 
 def split_rows(x: torch.Tensor, distribution: Distribution) -> torch.Tensor:
@@ -124,14 +129,16 @@ class SpatialConv2d(nn.Module):
         self.comm = distribution.communicator(GroupType.MODEL)
         self.halo = k[0] // 2
         self.layer_name = name
+        self.exchange_recorder = ExchangeRecorder(name)
         self.groups = conv.groups
         self.weight = conv.weight
         self.bias = conv.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        extended = halo_exchange(x, self.comm, self.halo)
-        weight = copy_to_model(self.weight, self.comm)  # its gradient: summed over the rows
-        bias = copy_to_model(self.bias, self.comm) if self.bias is not None else None
+        rec = self.exchange_recorder
+        extended = halo_exchange(x, self.comm, self.halo, rec)
+        weight = copy_to_model(self.weight, self.comm, rec)  # its gradient: summed over the rows
+        bias = copy_to_model(self.bias, self.comm, rec) if self.bias is not None else None
         return F.conv2d(extended, weight, bias, padding=(0, self.halo), groups=self.groups)
 
 
@@ -142,7 +149,8 @@ class SpatialGlobalAvgPool(nn.Module):
     def __init__(self, *, distribution: Distribution) -> None:
         super().__init__()
         self.comm = distribution.communicator(GroupType.MODEL)
+        self.exchange_recorder = ExchangeRecorder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         total = x.shape[2] * self.comm.size * x.shape[3]
-        return reduce_from_model(x.sum(dim=(2, 3)), self.comm) / total
+        return reduce_from_model(x.sum(dim=(2, 3)), self.comm, self.exchange_recorder) / total

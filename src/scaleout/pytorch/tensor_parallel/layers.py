@@ -22,6 +22,7 @@ from torch import nn
 from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
+from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.modules import broadcast_tensors
 from scaleout.pytorch.placement import Kind, Placement, place
 from scaleout.pytorch.tensor_parallel.exchanges import (
@@ -60,6 +61,7 @@ class ModelParallelLayer(nn.Module):
                             f"scaleout.Distribution, got {type(distribution).__name__}")
         self.comm: Communicator = distribution.communicator(GroupType.MODEL)
         self.layer_name = name
+        self.exchange_recorder = ExchangeRecorder(name)
         self.parts = self.comm.size
         self.part = self.comm.rank
 
@@ -121,8 +123,9 @@ class ColumnParallelLinear(ModelParallelLayer):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(copy_to_model(x, self.comm), self.weight, self.bias)
-        return gather_from_model(out, self.comm) if self.gather_output else out
+        rec = self.exchange_recorder
+        out = F.linear(copy_to_model(x, self.comm, rec), self.weight, self.bias)
+        return gather_from_model(out, self.comm, rec) if self.gather_output else out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -176,12 +179,12 @@ class RowParallelLinear(ModelParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_model(x, self.comm)
+            x = scatter_to_model(x, self.comm, self.exchange_recorder)
         elif x.shape[-1] != self.local_in:
             raise ValueError(f"RowParallelLinear {self.layer_name}: expected this rank's block of "
                              f"{self.local_in} input features (of {self.in_features}), got "
                              f"{x.shape[-1]}")
-        out = reduce_from_model(F.linear(x, self.weight), self.comm)
+        out = reduce_from_model(F.linear(x, self.weight), self.comm, self.exchange_recorder)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:
@@ -233,7 +236,7 @@ class VocabParallelEmbedding(ModelParallelLayer):
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
         out = F.embedding(local, self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_model(out, self.comm)
+        return reduce_from_model(out, self.comm, self.exchange_recorder)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.start}.."

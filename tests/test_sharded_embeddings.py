@@ -1,6 +1,6 @@
 """Sharded embedding tables (DLRM): hybrid training equals single-process training.
 
-The tables are sharded table-wise over the data group (alltoallv of ids and of lookups,
+The tables are sharded table-wise (and, under a memory budget, row-wise) over the data group (alltoallv of ids and of lookups,
 reverse alltoallv of gradients, row-wise sparse updates); the dense MLPs stay data parallel
 (and, on a 2 x 2 grid, tensor parallel too). Float64, tight tolerance.
 """
@@ -15,10 +15,12 @@ import scaleout
 from harness import run_ranks
 from scaleout import GroupType
 from scaleout.pytorch import (
+    ROW_WISE,
     DataParallel,
     DistributedOptimizer,
     EmbeddingCollection,
     RowWiseAdagrad,
+    ShardingPlan,
     TableSpec,
     full_state_dict,
     plan_tables,
@@ -65,11 +67,21 @@ def reference(data_parts: int) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-def body_dlrm(data_parts: int, model_parts: int, mode: str) -> list[int]:
+def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list[int]:
     env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
-    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist)
+    specs = [TableSpec(rows=rows, dim=CONFIG.embedding_dim) for rows in CONFIG.table_sizes]
+    if layout == "budget":  # 8-byte weights: the 50-row table (1600 bytes) fits no rank
+        plan = plan_tables(specs, data_parts, memory_budget=1500, element_size=8)
+        assert plan.owners[0] == ROW_WISE and plan.owners[1] != ROW_WISE
+        assert max(map(plan.memory_of, range(data_parts))) <= 1500
+    elif layout == "explicit":  # row-wise tables of 50 and of 5 rows, the others whole
+        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, 0, 1, 0, 1, ROW_WISE),
+                            ranks=data_parts, element_size=8)
+    else:
+        plan = plan_tables(specs, data_parts, element_size=8)
+    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
     if model_parts > 1:
         tensor_parallel(net, dist)
     dense, tables = optimizers(net)
@@ -100,14 +112,15 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str) -> list[int]:
     return held
 
 
-@pytest.mark.parametrize("data_parts,model_parts,mode", [(2, 1, "sync"), (3, 1, "overlap"),
-                                                         (2, 2, "overlap")])
-def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int,
-                                            mode: str) -> None:
-    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode,
+@pytest.mark.parametrize("data_parts,model_parts,mode,layout", [
+    (2, 1, "sync", "planned"), (3, 1, "overlap", "planned"), (2, 2, "overlap", "planned"),
+    (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget")])
+def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
+                                            layout: str) -> None:
+    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
                      timeout=120)
     by_data_rank = held[::model_parts]
-    assert sorted(t for h in by_data_rank for t in h) == list(range(len(CONFIG.table_sizes)))
+    assert set(t for h in by_data_rank for t in h) == set(range(len(CONFIG.table_sizes)))
     for m in range(model_parts):  # every model rank holds the same tables as its column
         assert held[m::model_parts] == by_data_rank
 
@@ -123,9 +136,15 @@ def test_planner_balances_and_respects_the_budget() -> None:
     budget = total // 4 + 200000
     tight = plan_tables(tables, 4, memory_budget=budget)
     assert max(tight.memory_of(r) for r in range(4)) <= budget
-    with pytest.raises(ValueError, match=r"table t0 \(20000 x 16, 1280000 bytes\) fits on no "
-                                         r"rank under the memory budget of 1000000"):
-        plan_tables(tables, 4, memory_budget=1_000_000)
+    with pytest.raises(ValueError, match=r"table t\d+ \(\d+ x 16, \d+ bytes\) fits on no rank "
+                                         r"under the memory budget of 1000000 bytes per rank, "
+                                         r"whole or row-wise"):
+        plan_tables(tables, 4, memory_budget=1_000_000)  # 1.24 MB per rank at least
+    small = [TableSpec(rows=100, dim=1, name="big"), TableSpec(rows=10, dim=1),
+             TableSpec(rows=10, dim=1)]
+    split = plan_tables(small, 2, memory_budget=300)  # "big" (400 bytes) fits no rank whole
+    assert split.owners[0] == ROW_WISE and split.rows_of(0, 1) == (50, 50)
+    assert "big (rows 0+50)" in split.describe()
 
 
 def test_rowwise_adagrad_sparse_equals_dense() -> None:

@@ -2,6 +2,7 @@
 
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.embeddings import (
+    ROW_WISE,
     EmbeddingCollection,
     RowWiseAdagrad,
     ShardingPlan,
@@ -21,5 +22,5 @@ from scaleout.pytorch.tensor_parallel import (
 __all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "tensor_parallel", "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
-           "ShardingPlan", "TableSpec", "plan_tables", "SpatialConv2d", "SpatialGlobalAvgPool",
+           "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "SpatialConv2d", "SpatialGlobalAvgPool",
            "split_rows"]

@@ -3,6 +3,13 @@ sparse optimizer."""
 
 from scaleout.pytorch.embeddings.collection import EmbeddingCollection
 from scaleout.pytorch.embeddings.optim import RowWiseAdagrad
-from scaleout.pytorch.embeddings.planner import ShardingPlan, TableSpec, plan_tables
+from scaleout.pytorch.embeddings.planner import (
+    ROW_WISE,
+    ShardingPlan,
+    TableSpec,
+    plan_tables,
+    row_block,
+)
 
-__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables"]
+__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables",
+           "ROW_WISE", "row_block"]

@@ -26,7 +26,7 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
-from scaleout.pytorch.embeddings.planner import ShardingPlan, TableSpec, plan_tables
+from scaleout.pytorch.embeddings.planner import ROW_WISE, ShardingPlan, TableSpec, plan_tables
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.placement import Kind, Placement, place
 
@@ -44,9 +44,9 @@ class _Route:
         self.mine = self.held[comm.rank]
         self.batches = batches
         self.divisor = divisor
-        self.order = [t for held in self.held for t in held]  # tables in owner order
-        self.inverse = torch.empty(len(self.order), dtype=torch.int64)
-        self.inverse[torch.tensor(self.order, dtype=torch.int64)] = torch.arange(len(self.order))
+        self.tables = len(plan.tables)
+        # every rank's lookups side by side ("slots"): a row-wise table has one per rank
+        self.slots = torch.tensor([t for held in self.held for t in held], dtype=torch.int64)
 
     @property
     def batch(self) -> int:
@@ -67,13 +67,14 @@ class _Results(torch.autograd.Function):
             route.comm, flat, send, recv).wait())
         blocks = [block.view(route.batch, len(held), dim)
                   for block, held in zip(got.split(recv), route.held)]
-        return torch.cat(blocks, dim=1)[:, route.inverse]
+        out = looked.new_zeros(route.batch, route.tables, dim)  # row-wise blocks: summed
+        return out.index_add_(1, route.slots, torch.cat(blocks, dim=1))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         route = ctx.route
         dim = grad.shape[-1]
-        by_owner = grad[:, route.order].contiguous()
+        by_owner = grad[:, route.slots].contiguous()
         parts = by_owner.split([len(h) for h in route.held], dim=1)
         send = torch.cat([p.reshape(-1, dim) for p in parts])
         recv = [b * len(route.mine) for b in route.batches]
@@ -97,8 +98,9 @@ class EmbeddingCollection(nn.Module):
             group holds the same ones).
         plan: who holds what; default :func:`plan_tables` (balanced, unlimited memory).
         dtype: weight dtype.
-        init: ``init(table_index, weight)`` fills a new table in place (default: DLRM's
-            uniform +-rows^-0.5 from a generator seeded by the table index).
+        init: ``init(table_index, weight, first_row)`` fills this rank's rows of a table in
+            place (default: DLRM's uniform +-rows^-0.5 from a generator seeded by the table
+            index, the same values whichever rank holds them).
 
     Raises:
         ValueError: tables of different widths, or a plan for other tables or ranks.
@@ -124,18 +126,25 @@ class EmbeddingCollection(nn.Module):
         self.divisor = distribution.size(GroupType.DATA)
         self.plan = plan or plan_tables(tables, self.comm.size,
                                         element_size=torch.empty((), dtype=dtype).element_size())
-        if self.plan.tables != tables or self.plan.ranks != self.comm.size:
-            raise ValueError(f"EmbeddingCollection: the plan is for {len(self.plan.tables)} "
-                             f"tables on {self.plan.ranks} ranks, got {len(tables)} tables on a "
-                             f"data group of {self.comm.size}")
+        shapes = [(t.rows, t.dim) for t in tables]
+        planned = [(t.rows, t.dim) for t in self.plan.tables]
+        if planned != shapes or self.plan.ranks != self.comm.size:
+            raise ValueError(f"EmbeddingCollection: the plan is for tables {planned} on "
+                             f"{self.plan.ranks} ranks, got tables {shapes} on a data group of "
+                             f"{self.comm.size}")
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype = dtype
         for t in self.plan.tables_of(self.comm.rank):
-            table = nn.Embedding(tables[t].rows, self.dim, sparse=True, dtype=dtype)
+            first, count = self.plan.rows_of(t, self.comm.rank)
+            table = nn.Embedding(max(count, 1), self.dim, sparse=True, dtype=dtype)
+            table.weight.data = table.weight.data[:count]  # a rank may hold no row
             with torch.no_grad():
-                (init or _dlrm_init)(t, table.weight)
+                if init is not None:
+                    init(t, table.weight, first)
+                else:
+                    _dlrm_init(tables[t].rows, t, table.weight, first)
             place(table.weight, Placement(kind=Kind.LOCAL, layer=f"table {t}"))
             self.add_module(str(t), table)
 
@@ -147,8 +156,8 @@ class EmbeddingCollection(nn.Module):
                  for i, e in enumerate(embeddings)]
         dtype = embeddings[0].weight.dtype if embeddings else torch.float32
 
-        def copy(index: int, weight: torch.Tensor) -> None:
-            weight.copy_(embeddings[index].weight)
+        def copy(index: int, weight: torch.Tensor, first: int) -> None:
+            weight.copy_(embeddings[index].weight[first: first + weight.shape[0]])
         return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
 
     def held(self) -> list[int]:
@@ -169,17 +178,33 @@ class EmbeddingCollection(nn.Module):
         mine = rec.run(sent, lambda: collectives.alltoallv(
             self.comm, sent, [c.numel() for c in columns], recv).wait())
         mine = mine.view(sum(batches), len(route.mine))
-        looked = (torch.stack([F.embedding(mine[:, j], self.get_submodule(str(t)).weight,
-                                           sparse=True) for j, t in enumerate(route.mine)],
+        looked = (torch.stack([self._lookup(t, mine[:, j]) for j, t in enumerate(route.mine)],
                               dim=1)
                   if route.mine else torch.zeros(sum(batches), 0, self.dim, dtype=self.dtype))
         return _Results.apply(looked, route)
 
+    def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.get_submodule(str(table)).weight
+        if self.plan.owners[table] != ROW_WISE:
+            return F.embedding(ids, weight, sparse=True)
+        first, count = self.plan.rows_of(table, self.comm.rank)
+        outside = (ids < first) | (ids >= first + count)
+        if count == 0:
+            return weight.new_zeros(ids.shape[0], self.dim)
+        local = torch.where(outside, torch.zeros_like(ids), ids - first)
+        return F.embedding(local, weight, sparse=True).masked_fill(outside.unsqueeze(1), 0.0)
+
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every table's weight on every rank (a broadcast from each owner), keyed
-        ``"<t>.weight"`` like an ``nn.ModuleList`` of ``nn.Embedding``."""
+        """Every table's weight on every rank (a broadcast from each owner, an allgatherv of
+        a row-wise table's blocks), keyed ``"<t>.weight"`` like an ``nn.ModuleList`` of
+        ``nn.Embedding``."""
         out = {}
         for t, (spec, owner) in enumerate(zip(self.tables, self.plan.owners)):
+            if owner == ROW_WISE:
+                counts = [self.plan.rows_of(t, r)[1] for r in range(self.comm.size)]
+                mine = self.get_submodule(str(t)).weight.detach()
+                out[f"{t}.weight"] = collectives.allgatherv(self.comm, mine, counts).wait()
+                continue
             if owner == self.comm.rank:
                 buffer = self.get_submodule(str(t)).weight.detach().clone()
             else:
@@ -191,8 +216,9 @@ class EmbeddingCollection(nn.Module):
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"
 
 
-def _dlrm_init(index: int, weight: torch.Tensor) -> None:
+def _dlrm_init(rows: int, index: int, weight: torch.Tensor, first: int) -> None:
+    """DLRM's init of rows ``first..`` of table ``index`` (``rows`` rows; drawn whole once)."""
     generator = torch.Generator().manual_seed(0x5EED + index)
-    bound = weight.shape[0] ** -0.5
-    weight.copy_(torch.rand(weight.shape, generator=generator, dtype=weight.dtype)
-                 .mul_(2 * bound).sub_(bound))
+    bound = rows ** -0.5
+    full = torch.rand(rows, weight.shape[1], generator=generator, dtype=weight.dtype)
+    weight.copy_(full[first: first + weight.shape[0]].mul_(2 * bound).sub_(bound))

@@ -1,9 +1,10 @@
 """Which rank holds which embedding table: a planner that balances memory and lookup cost.
 
-Table-wise sharding (TorchRec's ``TABLE_WISE``): every table lives whole on one rank. The
+Table-wise sharding (TorchRec's ``TABLE_WISE``): a table lives whole on one rank. The
 planner places the tables largest first, each on the rank whose load (its share of all
 table bytes plus its share of all lookup work) is lowest among those with room left under
-the memory budget (the longest-processing-time rule).
+the memory budget (the longest-processing-time rule). A table that fits on no rank is
+sharded row-wise (``ROW_WISE``): every rank holds a contiguous block of its rows.
 """
 
 from __future__ import annotations
@@ -11,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TableSpec", "ShardingPlan", "plan_tables"]
+__all__ = ["TableSpec", "ShardingPlan", "plan_tables", "ROW_WISE", "row_block"]
+
+#: ``ShardingPlan.owners[t]`` of a table split by rows across every rank.
+ROW_WISE = -1
+
+
+def row_block(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """``(first row, count)`` of ``rank``'s block when ``rows`` are split over ``ranks``
+    (the first ``rows % ranks`` ranks hold one more)."""
+    base, extra = divmod(rows, ranks)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +58,7 @@ class TableSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
-    """The result: ``owners[t]`` is the group rank holding table ``t``.
+    """The result: ``owners[t]`` is the group rank holding table ``t`` (or :data:`ROW_WISE`).
 
     Attributes:
         tables: the tables, in the model's order.
@@ -65,17 +76,26 @@ class ShardingPlan:
         if len(self.owners) != len(self.tables):
             raise ValueError(f"ShardingPlan: {len(self.tables)} tables but {len(self.owners)} "
                              "owners")
-        bad = [o for o in self.owners if not 0 <= o < self.ranks]
+        bad = [o for o in self.owners if not (0 <= o < self.ranks or o == ROW_WISE)]
         if bad:
-            raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1}, got {bad}")
+            raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1} or "
+                             f"ROW_WISE, got {bad}")
 
     def tables_of(self, rank: int) -> list[int]:
-        """Indices of the tables ``rank`` holds, ascending."""
-        return [t for t, owner in enumerate(self.owners) if owner == rank]
+        """Indices of the tables ``rank`` holds whole or a block of, ascending."""
+        return [t for t, owner in enumerate(self.owners) if owner in (rank, ROW_WISE)]
+
+    def rows_of(self, table: int, rank: int) -> tuple[int, int]:
+        """``(first row, count)`` of ``table`` on ``rank`` (count 0: none)."""
+        rows, owner = self.tables[table].rows, self.owners[table]
+        if owner == ROW_WISE:
+            return row_block(rows, self.ranks, rank)
+        return (0, rows) if owner == rank else (0, 0)
 
     def memory_of(self, rank: int) -> int:
         """Bytes of table weights on ``rank``."""
-        return sum(self.tables[t].nbytes(self.element_size) for t in self.tables_of(rank))
+        return sum(self.rows_of(t, rank)[1] * self.tables[t].dim * self.element_size
+                   for t in self.tables_of(rank))
 
     def lookups_of(self, rank: int) -> float:
         """Rows looked up per sample on ``rank`` (times their width: values moved)."""
@@ -86,7 +106,9 @@ class ShardingPlan:
         lines = []
         for rank in range(self.ranks):
             held = self.tables_of(rank)
-            names = ", ".join(self.tables[t].name or str(t) for t in held) or "-"
+            names = ", ".join((self.tables[t].name or str(t)) + (
+                " (rows {}+{})".format(*self.rows_of(t, rank))
+                if self.owners[t] == ROW_WISE else "") for t in held) or "-"
             lines.append(f"rank {rank}: {len(held)} tables, {self.memory_of(rank) / 2**20:.2f} "
                          f"MiB, {self.lookups_of(rank):g} values/sample: {names}")
         return "\n".join(lines)
@@ -106,8 +128,8 @@ def plan_tables(tables: Sequence[TableSpec], ranks: int, *, memory_budget: int |
         The plan (the same on every rank: it depends only on its arguments).
 
     Raises:
-        ValueError: no rank has room for a table under ``memory_budget`` (the message names
-            the table, its size and the budget).
+        ValueError: a table fits neither whole on a rank nor row-wise across all of them
+            under ``memory_budget`` (the message names the table, its size and the budget).
 
     Example:
         >>> plan_tables([TableSpec(rows=1000, dim=16), TableSpec(rows=10, dim=16)], 2).owners
@@ -134,10 +156,20 @@ def plan_tables(tables: Sequence[TableSpec], ranks: int, *, memory_budget: int |
         room = [r for r in range(ranks)
                 if memory_budget is None or memory[r] + size <= memory_budget]
         if not room:
-            raise ValueError(
-                f"table {table.name or index} ({table.rows} x {table.dim}, {size} bytes) fits on "
-                f"no rank under the memory budget of {memory_budget} bytes per rank "
-                f"(ranks hold {memory} bytes already); raise the budget or use more ranks")
+            blocks = [row_block(table.rows, ranks, r)[1] * table.dim * element_size
+                      for r in range(ranks)]
+            if memory_budget is None or any(m + b > memory_budget
+                                            for m, b in zip(memory, blocks)):
+                raise ValueError(
+                    f"table {table.name or index} ({table.rows} x {table.dim}, {size} bytes) "
+                    f"fits on no rank under the memory budget of {memory_budget} bytes per "
+                    f"rank, whole or row-wise (ranks hold {memory} bytes already); raise the "
+                    "budget or use more ranks")
+            owners[index] = ROW_WISE
+            for r in range(ranks):
+                memory[r] += blocks[r]
+                load[r] += cost(table) / ranks
+            continue
         best = min(room, key=lambda r: (load[r], memory[r], r))
         owners[index] = best
         memory[best] += size

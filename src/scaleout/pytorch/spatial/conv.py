@@ -1,7 +1,9 @@
 """Spatial parallelism: a sample's height split across the model group (MLPerf HPC, CosmoFlow).
 
 Rank ``r`` of a model group of ``p`` holds rows ``[r H/p, (r+1) H/p)`` of every ``(N, C, H, W)``
-activation. A ``SpatialConv2d`` first exchanges halos: the ``k // 2`` boundary rows go to
+activation (for 3-D, ``(N, C, D, H, W)`` split along D). Pooling whose window tiles a rank's
+block (``nn.MaxPool2d(2)`` on an even block) needs no exchange and runs as is. A
+``SpatialConv`` first exchanges halos: the ``k // 2`` boundary rows go to
 the neighbours above and below (one alltoallv on the model group, counts zero elsewhere),
 then convolves its rows plus halos, giving exactly its rows of the unsplit convolution.
 Backward sends the halos' gradients back the same way and sums each rank's weight gradient
@@ -24,7 +26,7 @@ from scaleout.core.grid import GroupType
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.tensor_parallel.exchanges import copy_to_model, reduce_from_model
 
-__all__ = ["SpatialConv2d", "SpatialGlobalAvgPool", "split_rows", "halo_exchange"]
+__all__ = ["SpatialConv", "SpatialGlobalAvgPool", "split_rows", "halo_exchange"]
 
 
 def _neighbours(comm: Communicator, halo: int) -> tuple[list[int], list[int]]:
@@ -105,29 +107,37 @@ def split_rows(x: torch.Tensor, distribution: Distribution) -> torch.Tensor:
     return x.narrow(2, comm.rank * part, part)
 
 
-class SpatialConv2d(nn.Module):
-    """A ``Conv2d`` (stride 1, odd square kernel, ``padding = k // 2``) on height-split input.
+class SpatialConv(nn.Module):
+    """A ``Conv2d`` or ``Conv3d`` (stride 1, odd cubic kernel, ``padding = k // 2``) on input
+    split along its first spatial dimension (dim 2: height, or depth for 3-D).
 
     Args:
         conv: the plain convolution whose weights it keeps (replicated on every rank).
-        distribution: the grid; the height is split across its MODEL group.
+        distribution: the grid; dim 2 is split across its MODEL group.
         name: for errors.
 
     Raises:
+        TypeError: ``conv`` is neither an nn.Conv2d nor an nn.Conv3d.
         ValueError: a stride, dilation, kernel or padding it cannot split (named).
     """
 
-    def __init__(self, conv: nn.Conv2d, *, distribution: Distribution, name: str = "") -> None:
+    def __init__(self, conv: nn.Conv2d | nn.Conv3d, *, distribution: Distribution,
+                 name: str = "") -> None:
         super().__init__()
+        if not isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+            raise TypeError(f"SpatialConv {name or '(unnamed)'}: expected an nn.Conv2d or "
+                            f"nn.Conv3d, got {type(conv).__name__}")
         k = conv.kernel_size
-        if (conv.stride != (1, 1) or conv.dilation != (1, 1) or k[0] != k[1] or k[0] % 2 == 0
-                or conv.padding != (k[0] // 2, k[1] // 2) or conv.padding_mode != "zeros"):
+        ones = (1,) * len(k)
+        if (conv.stride != ones or conv.dilation != ones or len(set(k)) != 1 or k[0] % 2 == 0
+                or conv.padding != tuple(n // 2 for n in k) or conv.padding_mode != "zeros"):
             raise ValueError(
-                f"SpatialConv2d {name or '(unnamed)'}: needs stride 1, dilation 1, an odd square "
+                f"SpatialConv {name or '(unnamed)'}: needs stride 1, dilation 1, an odd cubic "
                 f"kernel and zero padding k // 2; got stride {conv.stride}, dilation "
                 f"{conv.dilation}, kernel {k}, padding {conv.padding} ({conv.padding_mode})")
         self.comm = distribution.communicator(GroupType.MODEL)
         self.halo = k[0] // 2
+        self.convolve = F.conv2d if len(k) == 2 else F.conv3d
         self.layer_name = name
         self.exchange_recorder = ExchangeRecorder(name)
         self.groups = conv.groups
@@ -139,11 +149,12 @@ class SpatialConv2d(nn.Module):
         extended = halo_exchange(x, self.comm, self.halo, rec)
         weight = copy_to_model(self.weight, self.comm, rec)  # its gradient: summed over the rows
         bias = copy_to_model(self.bias, self.comm, rec) if self.bias is not None else None
-        return F.conv2d(extended, weight, bias, padding=(0, self.halo), groups=self.groups)
+        padding = (0, *(self.halo,) * (extended.dim() - 3))  # dim 2 is padded by the halos
+        return self.convolve(extended, weight, bias, padding=padding, groups=self.groups)
 
 
 class SpatialGlobalAvgPool(nn.Module):
-    """Mean over the full height and width of a height-split activation -> ``(N, C)``,
+    """Mean over every spatial dimension of a dim-2-split activation -> ``(N, C)``,
     replicated on every rank of the model group."""
 
     def __init__(self, *, distribution: Distribution) -> None:
@@ -152,5 +163,6 @@ class SpatialGlobalAvgPool(nn.Module):
         self.exchange_recorder = ExchangeRecorder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = x.shape[2] * self.comm.size * x.shape[3]
-        return reduce_from_model(x.sum(dim=(2, 3)), self.comm, self.exchange_recorder) / total
+        dims = tuple(range(2, x.dim()))
+        total = x[0, 0].numel() * self.comm.size
+        return reduce_from_model(x.sum(dim=dims), self.comm, self.exchange_recorder) / total

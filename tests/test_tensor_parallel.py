@@ -128,8 +128,10 @@ def body_errors() -> None:
         ColumnParallelLinear(4, 7, distribution=grid12, name="fc")
     with pytest.raises(ValueError, match=r"RowParallelLinear proj: in_features = 5 .* 2"):
         RowParallelLinear(5, 4, distribution=grid12, name="proj")
+    block = MODELS["block"](width=12, n_heads=3)
     with pytest.raises(ValueError, match=r"attention attn: n_heads = 3 .* 2"):
-        tensor_parallel(MODELS["block"](width=12, n_heads=3), grid12)
+        tensor_parallel(block, grid12)
+    assert type(block.attn.q) is torch.nn.Linear  # nothing was converted
     with pytest.raises(ValueError, match=r"layer 'nope'"):
         tensor_parallel(MODELS["mlp"](), grid12, plan={"nope": "column"})
     net = tensor_parallel(MODELS["mlp"](), grid12)

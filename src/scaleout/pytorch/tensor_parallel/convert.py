@@ -73,14 +73,15 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
     return plan
 
 
-def _attention_heads(parent: nn.Module, name: str, parts: int) -> None:
+def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:
     for attr in _HEADS:
         heads = getattr(parent, attr, None)
         if isinstance(heads, int) and not isinstance(heads, bool):
             if heads % parts:
                 raise ValueError(f"attention {name or '<root>'}: {attr} = {heads} must be "
                                  f"divisible by the model group size {parts}")
-            setattr(parent, attr, heads // parts)
+            if apply:
+                setattr(parent, attr, heads // parts)
 
 
 def tensor_parallel(module: nn.Module, distribution: Distribution, *,
@@ -122,10 +123,12 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
                         f"{type(distribution).__name__}")
     plan = dict(plan_tensor_parallel(module, embeddings=embeddings) if plan is None else plan)
     comm = distribution.communicator(GroupType.MODEL)
-    if comm.size > 1:
-        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+    if comm.size > 1:  # (already-placed tensors, shards or local tables, are left alone)
+        broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
+                                 *module.buffers()])
     modules = dict(module.named_modules())
     attention: dict[str, nn.Module] = {}
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for name, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan for layer {name!r}: style must be one of {STYLES}, got "
@@ -147,11 +150,15 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
         else:
             new = VocabParallelEmbedding.from_embedding(layer, distribution=distribution,
                                                         name=name)
-        setattr(parent, child, new)
+        replacements.append((parent, child, new))
         if style == "column" and child in set().union(*_QKV):
             attention[parent_name] = parent
+    for name, parent in attention.items():  # every check passes before anything changes
+        _attention_heads(parent, name, comm.size, apply=False)
+    for parent, child, new in replacements:
+        setattr(parent, child, new)
     for name, parent in attention.items():
-        _attention_heads(parent, name, comm.size)
+        _attention_heads(parent, name, comm.size, apply=True)
     return module
 
 

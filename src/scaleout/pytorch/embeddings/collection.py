@@ -1,9 +1,11 @@
-"""EmbeddingCollection: many tables sharded table-wise across the data group (DLRM / TorchRec).
+"""EmbeddingCollection: many tables sharded across the data group (DLRM / TorchRec).
 
 Forward, on every rank of the data group (each with its own samples):
 
-1. ids: an alltoallv sends each table's column of ids to the rank that holds the table;
-2. lookup: each rank looks up its tables for the samples of every rank;
+1. ids: an alltoallv sends each table's column of ids to the rank that holds the table (a
+   row-wise table's column to every rank);
+2. lookup: each rank looks up its tables for the samples of every rank (a row-wise table:
+   the ids in its block of rows, zeros for the others, the blocks summed in step 3);
 3. results: an alltoallv sends each sample's vectors back to the rank that owns the sample
    (MLSL's model-parallel -> data-parallel transition, an all-to-all).
 
@@ -85,12 +87,13 @@ class _Results(torch.autograd.Function):
 
 
 class EmbeddingCollection(nn.Module):
-    """Embedding tables sharded table-wise across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
+    """Embedding tables sharded across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
 
     Column ``t`` of the ids indexes table ``t`` (one id per table per sample, as in DLRM).
-    Each rank holds only its tables, registered as submodules named by the table index
-    (``"3"``), so an owner's state dict has the keys of an ``nn.ModuleList`` of
-    ``nn.Embedding``; :meth:`full_state` gathers every table on every rank.
+    Each rank holds only its tables (whole, or its block of rows of a ``ROW_WISE`` table),
+    registered as submodules named by the table index (``"3"``), so an owner's state dict
+    has the keys of an ``nn.ModuleList`` of ``nn.Embedding``; :meth:`full_state` gathers
+    every table on every rank.
 
     Args:
         tables: the tables (all with one ``dim``).

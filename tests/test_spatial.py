@@ -72,6 +72,9 @@ def body(kind: str, data_parts: int, model_parts: int) -> None:
     with torch.no_grad():  # the forward alone equals the unsplit network's
         torch.testing.assert_close(net(split_rows(x, dist)), Net(kind).double()(x), rtol=1e-12,
                                    atol=1e-12)
+        # activation memory falls by the model degree: each rank holds 1/p of conv1's output
+        assert net.conv1(split_rows(x, dist)).numel() * model_parts == \
+            Net(kind).double().conv1(x).numel()
     model = DataParallel(net, dist)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9), model)
     d = dist.rank(GroupType.DATA)

@@ -106,18 +106,23 @@ def body_memory(model_parts: int) -> tuple[int, int]:
     plain = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.ReLU(),
                                 torch.nn.Linear(384, 64))
     full = sum(p.numel() * p.element_size() for p in plain.parameters())
+    x = torch.randn(5, 64)
+    full_hidden = plain[0](x).numel()
     net = tensor_parallel(plain, dist)
     local = sum(p.numel() * p.element_size() for p in net.parameters())
+    local_hidden = net[0](x).numel()  # the activation between the pair: this rank's block
     env.finalize()
-    return full, local
+    return full, local, full_hidden, local_hidden
 
 
 @pytest.mark.parametrize("model_parts", [2, 3])
-def test_parameter_memory_falls_by_model_degree(model_parts: int) -> None:
-    for full, local in run_ranks(model_parts, body_memory, model_parts):
+def test_parameter_and_activation_memory_fall_by_model_degree(model_parts: int) -> None:
+    for full, local, full_hidden, local_hidden in run_ranks(model_parts, body_memory,
+                                                            model_parts):
         # only the row layer's bias (64 values) stays replicated
         assert local <= full / model_parts + 64 * 4, (full, local)
         assert local >= full / model_parts
+        assert local_hidden * model_parts == full_hidden
 
 
 def body_errors() -> None:

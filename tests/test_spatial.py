@@ -12,7 +12,12 @@ import scaleout
 from harness import run_ranks
 from scaleout import GroupType
 from scaleout.pytorch import DataParallel, DistributedOptimizer
-from scaleout.pytorch.spatial import SpatialConv, SpatialGlobalAvgPool, split_rows
+from scaleout.pytorch.spatial import (
+    SpatialBatchNorm,
+    SpatialConv,
+    SpatialGlobalAvgPool,
+    split_rows,
+)
 
 PER_RANK, STEPS, HEIGHT = 2, 3, 12
 
@@ -23,7 +28,8 @@ class Net(nn.Module):
     def __init__(self, kind: str, distribution=None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        if kind == "2d":
+        self.norm: nn.Module = nn.BatchNorm2d(4) if kind == "2d-bn" else nn.Identity()
+        if kind.startswith("2d"):
             self.conv1: nn.Module = nn.Conv2d(2, 4, 3, padding=1)
             self.conv2: nn.Module = nn.Conv2d(4, 4, 5, padding=2)
             self.down: nn.Module = nn.MaxPool2d(2)
@@ -37,16 +43,18 @@ class Net(nn.Module):
         if distribution is not None:
             self.conv1 = SpatialConv(self.conv1, distribution=distribution, name="conv1")
             self.conv2 = SpatialConv(self.conv2, distribution=distribution, name="conv2")
+            if kind == "2d-bn":
+                self.norm = SpatialBatchNorm(self.norm, distribution=distribution, name="norm")
             self.pool = SpatialGlobalAvgPool(distribution=distribution)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.conv2(self.down(F.relu(self.conv1(x)))))
+        h = F.relu(self.conv2(self.down(F.relu(self.norm(self.conv1(x))))))
         return self.fc(self.pool(h).flatten(1))
 
 
 def batch(kind: str, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(50 + step)
-    shape = (samples, 2, HEIGHT, 6) if kind == "2d" else (samples, 2, HEIGHT, 3, 3)
+    shape = (samples, 2, HEIGHT, 6) if kind.startswith("2d") else (samples, 2, HEIGHT, 3, 3)
     return (torch.randn(*shape, generator=g, dtype=torch.float64),
             torch.randint(0, 3, (samples,), generator=g))
 
@@ -95,7 +103,8 @@ def body(kind: str, data_parts: int, model_parts: int) -> None:
 
 
 @pytest.mark.parametrize("kind,data_parts,model_parts", [
-    ("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2)])
+    ("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2), ("2d-bn", 1, 2),
+    ("2d-bn", 2, 2), ("2d-bn", 1, 3)])
 def test_spatial_cnn_matches_single_process(kind: str, data_parts: int, model_parts: int) -> None:
     run_ranks(data_parts * model_parts, body, kind, data_parts, model_parts, timeout=120)
 

@@ -10,7 +10,12 @@ from scaleout.pytorch.embeddings import (
     plan_tables,
 )
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
-from scaleout.pytorch.spatial import SpatialConv, SpatialGlobalAvgPool, split_rows
+from scaleout.pytorch.spatial import (
+    SpatialBatchNorm,
+    SpatialConv,
+    SpatialGlobalAvgPool,
+    split_rows,
+)
 from scaleout.pytorch.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -19,8 +24,10 @@ from scaleout.pytorch.tensor_parallel import (
     tensor_parallel,
 )
 
-__all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "tensor_parallel", "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
-           "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "SpatialConv", "SpatialGlobalAvgPool",
-           "split_rows"]
+__all__ = [
+    "DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
+    "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec",
+    "plan_tables", "ROW_WISE", "SpatialConv", "SpatialGlobalAvgPool", "SpatialBatchNorm",
+    "split_rows",
+]

@@ -1,10 +1,7 @@
-"""Spatial parallelism: activations split along the height across the model group."""
+"""Spatial parallelism: activations split along dim 2 (height, or depth) across the model group."""
 
-from scaleout.pytorch.spatial.conv import (
-    SpatialConv,
-    SpatialGlobalAvgPool,
-    halo_exchange,
-    split_rows,
-)
+from scaleout.pytorch.spatial.conv import SpatialConv, halo_exchange, split_rows
+from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 
-__all__ = ["SpatialConv", "SpatialGlobalAvgPool", "halo_exchange", "split_rows"]
+__all__ = ["SpatialBatchNorm", "SpatialConv", "SpatialGlobalAvgPool", "halo_exchange",
+           "split_rows"]

@@ -7,8 +7,8 @@ block (``nn.MaxPool2d(2)`` on an even block) needs no exchange and runs as is. A
 the neighbours above and below (one alltoallv on the model group, counts zero elsewhere),
 then convolves its rows plus halos, giving exactly its rows of the unsplit convolution.
 Backward sends the halos' gradients back the same way and sums each rank's weight gradient
-over the group (``copy_to_model``). ``SpatialGlobalAvgPool`` sums each rank's block and
-allreduces, so what follows is replicated again.
+over the group (``copy_to_model``). Pooling and normalisation that follow the split are in
+:mod:`scaleout.pytorch.spatial.norm`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
-from scaleout.pytorch.tensor_parallel.exchanges import copy_to_model, reduce_from_model
+from scaleout.pytorch.tensor_parallel.exchanges import copy_to_model
 
-__all__ = ["SpatialConv", "SpatialGlobalAvgPool", "split_rows", "halo_exchange"]
+__all__ = ["SpatialConv", "split_rows", "halo_exchange"]
 
 
 def _neighbours(comm: Communicator, halo: int) -> tuple[list[int], list[int]]:
@@ -151,18 +151,3 @@ class SpatialConv(nn.Module):
         bias = copy_to_model(self.bias, self.comm, rec) if self.bias is not None else None
         padding = (0, *(self.halo,) * (extended.dim() - 3))  # dim 2 is padded by the halos
         return self.convolve(extended, weight, bias, padding=padding, groups=self.groups)
-
-
-class SpatialGlobalAvgPool(nn.Module):
-    """Mean over every spatial dimension of a dim-2-split activation -> ``(N, C)``,
-    replicated on every rank of the model group."""
-
-    def __init__(self, *, distribution: Distribution) -> None:
-        super().__init__()
-        self.comm = distribution.communicator(GroupType.MODEL)
-        self.exchange_recorder = ExchangeRecorder()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dims = tuple(range(2, x.dim()))
-        total = x[0, 0].numel() * self.comm.size
-        return reduce_from_model(x.sum(dim=dims), self.comm, self.exchange_recorder) / total

@@ -16,6 +16,7 @@ from scaleout.pytorch.spatial import (
     SpatialBatchNorm,
     SpatialConv,
     SpatialGlobalAvgPool,
+    spatial_parallel,
     split_rows,
 )
 
@@ -40,7 +41,9 @@ class Net(nn.Module):
             self.down = nn.Identity()
             self.pool = nn.AdaptiveAvgPool3d(1)
         self.fc = nn.Linear(4, 3)
-        if distribution is not None:
+        if distribution is not None and kind == "3d":  # the converter does the same
+            spatial_parallel(self, distribution)
+        elif distribution is not None:
             self.conv1 = SpatialConv(self.conv1, distribution=distribution, name="conv1")
             self.conv2 = SpatialConv(self.conv2, distribution=distribution, name="conv2")
             if kind == "2d-bn":
@@ -116,3 +119,16 @@ def test_unsupported_convolution_is_named() -> None:
 
     with pytest.raises(ValueError, match=r"SpatialConv c: needs stride 1.*stride \(2, 2\)"):
         SpatialConv(nn.Conv2d(1, 1, 3, stride=2, padding=1), distribution=Fake(), name="c")
+
+
+def test_converter_names_a_convolution_it_cannot_split() -> None:
+    class Grid1:
+        def communicator(self, group):
+            class Comm:
+                size, rank = 1, 0
+            return Comm()
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Conv2d(2, 2, 4, padding=2))
+    with pytest.raises(ValueError, match=r"SpatialConv 1: needs .*kernel \(4, 4\)"):
+        spatial_parallel(net, Grid1())
+    assert type(net[0]) is nn.Conv2d  # nothing converted

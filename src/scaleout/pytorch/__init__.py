@@ -14,6 +14,7 @@ from scaleout.pytorch.spatial import (
     SpatialBatchNorm,
     SpatialConv,
     SpatialGlobalAvgPool,
+    spatial_parallel,
     split_rows,
 )
 from scaleout.pytorch.tensor_parallel import (
@@ -29,5 +30,5 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
     "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec",
     "plan_tables", "ROW_WISE", "SpatialConv", "SpatialGlobalAvgPool", "SpatialBatchNorm",
-    "split_rows",
+    "split_rows", "spatial_parallel",
 ]

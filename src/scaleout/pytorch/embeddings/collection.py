@@ -70,13 +70,13 @@ class _Results(torch.autograd.Function):
         blocks = [block.view(route.batch, len(held), dim)
                   for block, held in zip(got.split(recv), route.held)]
         out = looked.new_zeros(route.batch, route.tables, dim)  # row-wise blocks: summed
-        return out.index_add_(1, route.slots, torch.cat(blocks, dim=1))
+        return out.index_add_(1, route.slots.to(out.device), torch.cat(blocks, dim=1))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         route = ctx.route
         dim = grad.shape[-1]
-        by_owner = grad[:, route.slots].contiguous()
+        by_owner = grad[:, route.slots.to(grad.device)].contiguous()
         parts = by_owner.split([len(h) for h in route.held], dim=1)
         send = torch.cat([p.reshape(-1, dim) for p in parts])
         recv = [b * len(route.mine) for b in route.batches]
@@ -172,7 +172,7 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(f"EmbeddingCollection: expected ids of shape (batch, "
                              f"{len(self.tables)}), got {tuple(ids.shape)}")
         rec = self.exchange_recorder
-        size = torch.tensor([ids.shape[0]], dtype=torch.int64)
+        size = torch.tensor([ids.shape[0]], dtype=torch.int64, device=ids.device)
         batches = rec.run(size, lambda: collectives.allgather(self.comm, size).wait()).tolist()
         route = _Route(self.comm, self.plan, batches, self.divisor, rec)
         columns = [ids[:, held].reshape(-1) for held in route.held]
@@ -183,7 +183,8 @@ class EmbeddingCollection(nn.Module):
         mine = mine.view(sum(batches), len(route.mine))
         looked = (torch.stack([self._lookup(t, mine[:, j]) for j, t in enumerate(route.mine)],
                               dim=1)
-                  if route.mine else torch.zeros(sum(batches), 0, self.dim, dtype=self.dtype))
+                  if route.mine else torch.zeros(sum(batches), 0, self.dim, dtype=self.dtype,
+                                       device=ids.device))
         return _Results.apply(looked, route)
 
     def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,10 @@ Configurations:
 * ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
 * ``lockstep``, ``lockstep-traffic`` — the machine's ceilings, not trainers
   (:mod:`scaleout.bench.train_ceilings`).
-* ``hybrid`` — DLRM only: the embedding tables sharded table-wise across the ranks
-  (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget, sparse
-  SGD row updates), the dense MLPs data parallel through DataParallel.
+* ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
+  (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget: whole
+  tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
+  parallel through DataParallel.
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.

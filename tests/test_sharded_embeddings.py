@@ -23,6 +23,7 @@ from scaleout.pytorch import (
     ShardingPlan,
     TableSpec,
     full_state_dict,
+    load_full_state_dict,
     plan_tables,
     tensor_parallel,
 )
@@ -107,6 +108,13 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
                                    msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
     held = net.embeddings.held()
+    fresh = WORKLOAD.build_model(1).double()
+    fresh.embeddings = EmbeddingCollection.from_embeddings(list(fresh.embeddings), dist,
+                                                           plan=plan)
+    if model_parts > 1:
+        tensor_parallel(fresh, dist)
+    load_full_state_dict(fresh, expected)
+    assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
     model.close()
     env.finalize()
     return held

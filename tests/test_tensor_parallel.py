@@ -20,6 +20,7 @@ from scaleout.pytorch import (
     DistributedOptimizer,
     RowParallelLinear,
     full_state_dict,
+    load_full_state_dict,
     tensor_parallel,
 )
 from tp_models import MODELS, batch
@@ -74,6 +75,9 @@ def train(env, dist, kind: str, opt_name: str, mode: str, sharded: bool) -> int:
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
                                    msg=lambda m, n=name: f"rank {env.rank} {kind} {n}: {m}")
+    fresh = tensor_parallel(MODELS[kind]().double(), dist, embeddings=kind == "block")
+    load_full_state_dict(fresh, expected)  # a saved plain state dict loads into the shards
+    assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
     model.close()
     return sum(p.numel() for p in net.parameters())
 

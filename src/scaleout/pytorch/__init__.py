@@ -22,13 +22,14 @@ from scaleout.pytorch.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     full_state_dict,
+    load_full_state_dict,
     tensor_parallel,
 )
 
 __all__ = [
     "DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
-    "full_state_dict", "EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec",
-    "plan_tables", "ROW_WISE", "SpatialConv", "SpatialGlobalAvgPool", "SpatialBatchNorm",
-    "split_rows", "spatial_parallel",
+    "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
+    "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "SpatialConv",
+    "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
 ]

@@ -216,6 +216,16 @@ class EmbeddingCollection(nn.Module):
             out[f"{t}.weight"] = collectives.bcast(self.comm, buffer, owner).wait()
         return out
 
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of full tables keyed ``"<t>.weight"`` (what :meth:`full_state`
+        returns), ready for ``load_state_dict``: the tables it holds, its rows of row-wise
+        ones."""
+        mine = {}
+        for t in self.held():
+            first, count = self.plan.rows_of(t, self.comm.rank)
+            mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count]
+        return mine
+
     def extra_repr(self) -> str:
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"
 

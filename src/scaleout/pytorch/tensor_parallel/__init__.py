@@ -3,6 +3,7 @@
 from scaleout.pytorch.tensor_parallel.convert import (
     STYLES,
     full_state_dict,
+    load_full_state_dict,
     plan_tensor_parallel,
     tensor_parallel,
 )
@@ -21,6 +22,6 @@ from scaleout.pytorch.tensor_parallel.layers import (
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ModelParallelLayer",
-    "tensor_parallel", "full_state_dict", "plan_tensor_parallel", "STYLES", "copy_to_model",
-    "reduce_from_model", "gather_from_model", "scatter_to_model",
+    "tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
+    "STYLES", "copy_to_model", "reduce_from_model", "gather_from_model", "scatter_to_model",
 ]

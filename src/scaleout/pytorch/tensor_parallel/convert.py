@@ -18,7 +18,8 @@ from scaleout.pytorch.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 
-__all__ = ["tensor_parallel", "full_state_dict", "plan_tensor_parallel", "STYLES"]
+__all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
+           "STYLES"]
 
 #: What a plan may say of a layer.
 STYLES = ("column", "row", "vocab", "replicate")
@@ -192,3 +193,43 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
         gathered = collectives.allgather(mark.comm, block).wait()
         state[name] = gathered.movedim(0, mark.dim).contiguous()
     return state
+
+
+def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """Load a full, plain ``state_dict`` (from :func:`full_state_dict` or the original model)
+    into a tensor-parallel model: each rank takes its block of every sharded tensor, and
+    modules with a ``load_full_state()`` method (an EmbeddingCollection) their tables.
+    No communication.
+
+    Args:
+        module: the converted model (DataParallel's ``.module``).
+        state: the full state dict. strict: as for ``nn.Module.load_state_dict``.
+
+    Returns:
+        What ``load_state_dict`` returns (missing and unexpected keys).
+
+    Raises:
+        ValueError: a sharded entry's shape is not the full tensor's.
+    """
+    local = dict(state)
+    for prefix, child in module.named_modules():
+        take = getattr(child, "load_full_state", None)
+        if callable(take):
+            head = f"{prefix}." if prefix else ""
+            mine = take({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
+            for key in [k for k in local if k.startswith(head)]:
+                del local[key]
+            local.update({head + k: v for k, v in mine.items()})
+    for name, param in module.named_parameters():
+        mark = placement_of(param)
+        if mark is None or mark.kind is not Kind.SHARDED or name not in local:
+            continue
+        assert mark.comm is not None
+        full = local[name]
+        size = param.shape[mark.dim]
+        if full.shape[mark.dim] != size * mark.parts:
+            raise ValueError(f"load_full_state_dict: {name} (layer {mark.layer}) needs the full "
+                             f"tensor, {size * mark.parts} along dim {mark.dim}; got shape "
+                             f"{tuple(full.shape)}")
+        local[name] = full.narrow(mark.dim, mark.comm.rank * size, size)
+    return module.load_state_dict(local, strict=strict)

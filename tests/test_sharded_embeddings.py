@@ -148,6 +148,8 @@ def test_planner_balances_and_respects_the_budget() -> None:
                                          r"under the memory budget of 1000000 bytes per rank, "
                                          r"whole or row-wise"):
         plan_tables(tables, 4, memory_budget=1_000_000)  # 1.24 MB per rank at least
+    with pytest.raises(ValueError, match=r"memory_budget must be bytes, an int >= 1, got 0"):
+        plan_tables(tables, 4, memory_budget=0)
     small = [TableSpec(rows=100, dim=1, name="big"), TableSpec(rows=10, dim=1),
              TableSpec(rows=10, dim=1)]
     split = plan_tables(small, 2, memory_budget=300)  # "big" (400 bytes) fits no rank whole

@@ -239,6 +239,9 @@ def _hybrid(options: SetupOptions) -> Setup:
     dense_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
                       if not n.startswith("embeddings."))
     budget = None if options.memory_budget is None else options.memory_budget - dense_bytes
+    if budget is not None and budget < 1:
+        raise ValueError(f"hybrid: the memory budget of {options.memory_budget} bytes leaves no "
+                         f"room for tables beside the dense parameters' {dense_bytes} bytes")
     plan = plan_tables(specs, env.world_size, memory_budget=budget,
                        element_size=tables[0].weight.element_size())
     net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)

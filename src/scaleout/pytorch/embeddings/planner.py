@@ -138,6 +138,9 @@ def plan_tables(tables: Sequence[TableSpec], ranks: int, *, memory_budget: int |
     tables = tuple(tables)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or
+                                      not isinstance(memory_budget, int) or memory_budget < 1):
+        raise ValueError(f"memory_budget must be bytes, an int >= 1, got {memory_budget!r}")
     for t in tables:
         if not isinstance(t, TableSpec):
             raise TypeError(f"tables must hold TableSpec, got {type(t).__name__}")

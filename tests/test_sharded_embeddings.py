@@ -15,6 +15,7 @@ import scaleout
 from harness import run_ranks
 from scaleout import GroupType
 from scaleout.pytorch import (
+    COLUMN_WISE,
     ROW_WISE,
     DataParallel,
     DistributedOptimizer,
@@ -51,11 +52,18 @@ def optimizers(net: torch.nn.Module) -> tuple[list, list]:
     return dense, tables
 
 
-def reference(data_parts: int) -> dict[str, torch.Tensor]:
+def table_optimizer(layout: str, tables: list) -> torch.optim.Optimizer:
+    # RowWiseAdagrad's per-row statistic would cover each rank's columns only
+    if layout == "columns":
+        return torch.optim.SGD(tables, lr=0.5)
+    return RowWiseAdagrad(tables, lr=0.05)
+
+
+def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
     net = WORKLOAD.build_model(0).double()
     dense, tables = optimizers(net)
     dense_opt = torch.optim.SGD(dense, lr=0.1, momentum=0.9)
-    table_opt = RowWiseAdagrad(tables, lr=0.05)
+    table_opt = table_optimizer(layout, tables)
     for step in range(STEPS):
         inputs, targets = global_batch(step, data_parts)
         for d in range(data_parts):
@@ -80,6 +88,10 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     elif layout == "explicit":  # row-wise tables of 50 and of 5 rows, the others whole
         plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, 0, 1, 0, 1, ROW_WISE),
                             ranks=data_parts, element_size=8)
+    elif layout == "columns":  # tables 1 and 4 split by columns, 0 by rows
+        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, COLUMN_WISE, 0, 1, COLUMN_WISE,
+                                                         0), ranks=data_parts, element_size=8)
+        assert "(columns 2+2)" in plan.describe() or data_parts != 2
     else:
         plan = plan_tables(specs, data_parts, element_size=8)
     net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
@@ -89,7 +101,7 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     model = DataParallel(net, dist)
     dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
                                      mode=mode)
-    table_opt = RowWiseAdagrad(tables, lr=0.05)
+    table_opt = table_optimizer(layout, tables)
     d = dist.rank(GroupType.DATA)
     for step in range(STEPS):
         x, y = shard(*global_batch(step, data_parts), d)
@@ -102,7 +114,7 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     model.synchronize()
     assert model.statistics.operation("embeddings (activations)").bytes > 0
     state = full_state_dict(net)
-    expected = reference(data_parts)
+    expected = reference(data_parts, layout)
     assert set(state) == set(expected), (sorted(state), sorted(expected))
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
@@ -122,7 +134,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
 
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout", [
     (2, 1, "sync", "planned"), (3, 1, "overlap", "planned"), (2, 2, "overlap", "planned"),
-    (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget")])
+    (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget"), (2, 1, "sync", "columns"),
+    (3, 1, "overlap", "columns")])
 def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
                                             layout: str) -> None:
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,

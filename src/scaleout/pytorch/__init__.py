@@ -2,6 +2,7 @@
 
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.embeddings import (
+    COLUMN_WISE,
     ROW_WISE,
     EmbeddingCollection,
     RowWiseAdagrad,
@@ -30,6 +31,6 @@ __all__ = [
     "DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
     "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
-    "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "SpatialConv",
+    "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
     "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
 ]

@@ -4,6 +4,7 @@ sparse optimizer."""
 from scaleout.pytorch.embeddings.collection import EmbeddingCollection
 from scaleout.pytorch.embeddings.optim import RowWiseAdagrad
 from scaleout.pytorch.embeddings.planner import (
+    COLUMN_WISE,
     ROW_WISE,
     ShardingPlan,
     TableSpec,
@@ -12,4 +13,4 @@ from scaleout.pytorch.embeddings.planner import (
 )
 
 __all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables",
-           "ROW_WISE", "row_block"]
+           "ROW_WISE", "COLUMN_WISE", "row_block"]

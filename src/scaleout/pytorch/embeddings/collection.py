@@ -28,7 +28,13 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
-from scaleout.pytorch.embeddings.planner import ROW_WISE, ShardingPlan, TableSpec, plan_tables
+from scaleout.pytorch.embeddings.planner import (
+    COLUMN_WISE,
+    ROW_WISE,
+    ShardingPlan,
+    TableSpec,
+    plan_tables,
+)
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.placement import Kind, Placement, place
 
@@ -90,7 +96,8 @@ class EmbeddingCollection(nn.Module):
     """Embedding tables sharded across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
 
     Column ``t`` of the ids indexes table ``t`` (one id per table per sample, as in DLRM).
-    Each rank holds only its tables (whole, or its block of rows of a ``ROW_WISE`` table),
+    Each rank holds only its tables (whole, or its block of rows of a ``ROW_WISE`` table, or
+    of columns of a ``COLUMN_WISE`` one),
     registered as submodules named by the table index (``"3"``), so an owner's state dict
     has the keys of an ``nn.ModuleList`` of ``nn.Embedding``; :meth:`full_state` gathers
     every table on every rank.
@@ -101,9 +108,9 @@ class EmbeddingCollection(nn.Module):
             group holds the same ones).
         plan: who holds what; default :func:`plan_tables` (balanced, unlimited memory).
         dtype: weight dtype.
-        init: ``init(table_index, weight, first_row)`` fills this rank's rows of a table in
-            place (default: DLRM's uniform +-rows^-0.5 from a generator seeded by the table
-            index, the same values whichever rank holds them).
+        init: ``init(table_index, weight, first_row, first_column)`` fills this rank's block
+            of a table in place (default: DLRM's uniform +-rows^-0.5 from a generator seeded
+            by the table index, the same values whichever rank holds them).
 
     Raises:
         ValueError: tables of different widths, or a plan for other tables or ranks.
@@ -141,13 +148,14 @@ class EmbeddingCollection(nn.Module):
         self.dtype = dtype
         for t in self.plan.tables_of(self.comm.rank):
             first, count = self.plan.rows_of(t, self.comm.rank)
-            table = nn.Embedding(max(count, 1), self.dim, sparse=True, dtype=dtype)
-            table.weight.data = table.weight.data[:count]  # a rank may hold no row
+            column, width = self.plan.cols_of(t, self.comm.rank)
+            table = nn.Embedding(max(count, 1), max(width, 1), sparse=True, dtype=dtype)
+            table.weight.data = table.weight.data[:count, :width]  # a rank may hold nothing
             with torch.no_grad():
                 if init is not None:
-                    init(t, table.weight, first)
+                    init(t, table.weight, first, column)
                 else:
-                    _dlrm_init(tables[t].rows, t, table.weight, first)
+                    _dlrm_init(tables[t], t, table.weight, first, column)
             place(table.weight, Placement(kind=Kind.LOCAL, layer=f"table {t}"))
             self.add_module(str(t), table)
 
@@ -159,8 +167,9 @@ class EmbeddingCollection(nn.Module):
                  for i, e in enumerate(embeddings)]
         dtype = embeddings[0].weight.dtype if embeddings else torch.float32
 
-        def copy(index: int, weight: torch.Tensor, first: int) -> None:
-            weight.copy_(embeddings[index].weight[first: first + weight.shape[0]])
+        def copy(index: int, weight: torch.Tensor, first: int, column: int) -> None:
+            weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
+                                                  column: column + weight.shape[1]])
         return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
 
     def held(self) -> list[int]:
@@ -189,6 +198,12 @@ class EmbeddingCollection(nn.Module):
 
     def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         weight = self.get_submodule(str(table)).weight
+        if self.plan.owners[table] == COLUMN_WISE:  # my columns, zeros elsewhere: summed later
+            column, width = self.plan.cols_of(table, self.comm.rank)
+            if width == 0:
+                return weight.new_zeros(ids.shape[0], self.dim)
+            looked = F.embedding(ids, weight, sparse=True)
+            return F.pad(looked, (column, self.dim - column - width))
         if self.plan.owners[table] != ROW_WISE:
             return F.embedding(ids, weight, sparse=True)
         first, count = self.plan.rows_of(table, self.comm.rank)
@@ -204,10 +219,16 @@ class EmbeddingCollection(nn.Module):
         ``nn.Embedding``."""
         out = {}
         for t, (spec, owner) in enumerate(zip(self.tables, self.plan.owners)):
-            if owner == ROW_WISE:
-                counts = [self.plan.rows_of(t, r)[1] for r in range(self.comm.size)]
+            if owner in (ROW_WISE, COLUMN_WISE):
                 mine = self.get_submodule(str(t)).weight.detach()
-                out[f"{t}.weight"] = collectives.allgatherv(self.comm, mine, counts).wait()
+                if owner == COLUMN_WISE:  # gather the columns as rows of the transpose
+                    counts = [self.plan.cols_of(t, r)[1] for r in range(self.comm.size)]
+                    gathered = collectives.allgatherv(self.comm, mine.t().contiguous(),
+                                                      counts).wait()
+                    out[f"{t}.weight"] = gathered.t().contiguous()
+                else:
+                    counts = [self.plan.rows_of(t, r)[1] for r in range(self.comm.size)]
+                    out[f"{t}.weight"] = collectives.allgatherv(self.comm, mine, counts).wait()
                 continue
             if owner == self.comm.rank:
                 buffer = self.get_submodule(str(t)).weight.detach().clone()
@@ -223,16 +244,20 @@ class EmbeddingCollection(nn.Module):
         mine = {}
         for t in self.held():
             first, count = self.plan.rows_of(t, self.comm.rank)
-            mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count]
+            column, width = self.plan.cols_of(t, self.comm.rank)
+            mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count,
+                                                       column: column + width]
         return mine
 
     def extra_repr(self) -> str:
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"
 
 
-def _dlrm_init(rows: int, index: int, weight: torch.Tensor, first: int) -> None:
-    """DLRM's init of rows ``first..`` of table ``index`` (``rows`` rows; drawn whole once)."""
+def _dlrm_init(spec: TableSpec, index: int, weight: torch.Tensor, first: int,
+               column: int) -> None:
+    """DLRM's init of table ``index``'s block at ``(first, column)`` (drawn whole once)."""
     generator = torch.Generator().manual_seed(0x5EED + index)
-    bound = rows ** -0.5
-    full = torch.rand(rows, weight.shape[1], generator=generator, dtype=weight.dtype)
-    weight.copy_(full[first: first + weight.shape[0]].mul_(2 * bound).sub_(bound))
+    bound = spec.rows ** -0.5
+    full = torch.rand(spec.rows, spec.dim, generator=generator, dtype=weight.dtype)
+    block = full[first: first + weight.shape[0], column: column + weight.shape[1]]
+    weight.copy_(block.mul_(2 * bound).sub_(bound))

@@ -4,7 +4,9 @@ Table-wise sharding (TorchRec's ``TABLE_WISE``): a table lives whole on one rank
 planner places the tables largest first, each on the rank whose load (its share of all
 table bytes plus its share of all lookup work) is lowest among those with room left under
 the memory budget (the longest-processing-time rule). A table that fits on no rank is
-sharded row-wise (``ROW_WISE``): every rank holds a contiguous block of its rows.
+sharded row-wise (``ROW_WISE``): every rank holds a contiguous block of its rows. An explicit
+:class:`ShardingPlan` may also split a table column-wise (``COLUMN_WISE``): every rank holds
+all rows, a block of the columns.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TableSpec", "ShardingPlan", "plan_tables", "ROW_WISE", "row_block"]
+__all__ = ["TableSpec", "ShardingPlan", "plan_tables", "ROW_WISE", "COLUMN_WISE", "row_block"]
 
 #: ``ShardingPlan.owners[t]`` of a table split by rows across every rank.
 ROW_WISE = -1
+#: ``ShardingPlan.owners[t]`` of a table split by columns across every rank.
+COLUMN_WISE = -2
+_SPLIT = (ROW_WISE, COLUMN_WISE)
 
 
 def row_block(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -58,7 +63,8 @@ class TableSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
-    """The result: ``owners[t]`` is the group rank holding table ``t`` (or :data:`ROW_WISE`).
+    """The result: ``owners[t]`` is the group rank holding table ``t`` (or :data:`ROW_WISE`,
+    :data:`COLUMN_WISE`).
 
     Attributes:
         tables: the tables, in the model's order.
@@ -76,25 +82,32 @@ class ShardingPlan:
         if len(self.owners) != len(self.tables):
             raise ValueError(f"ShardingPlan: {len(self.tables)} tables but {len(self.owners)} "
                              "owners")
-        bad = [o for o in self.owners if not (0 <= o < self.ranks or o == ROW_WISE)]
+        bad = [o for o in self.owners if not (0 <= o < self.ranks or o in _SPLIT)]
         if bad:
-            raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1} or "
-                             f"ROW_WISE, got {bad}")
+            raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1}, ROW_WISE "
+                             f"or COLUMN_WISE, got {bad}")
 
     def tables_of(self, rank: int) -> list[int]:
         """Indices of the tables ``rank`` holds whole or a block of, ascending."""
-        return [t for t, owner in enumerate(self.owners) if owner in (rank, ROW_WISE)]
+        return [t for t, owner in enumerate(self.owners) if owner == rank or owner in _SPLIT]
 
     def rows_of(self, table: int, rank: int) -> tuple[int, int]:
         """``(first row, count)`` of ``table`` on ``rank`` (count 0: none)."""
         rows, owner = self.tables[table].rows, self.owners[table]
         if owner == ROW_WISE:
             return row_block(rows, self.ranks, rank)
-        return (0, rows) if owner == rank else (0, 0)
+        return (0, rows) if owner in (rank, COLUMN_WISE) else (0, 0)
+
+    def cols_of(self, table: int, rank: int) -> tuple[int, int]:
+        """``(first column, count)`` of ``table`` on ``rank`` (count 0: none)."""
+        dim, owner = self.tables[table].dim, self.owners[table]
+        if owner == COLUMN_WISE:
+            return row_block(dim, self.ranks, rank)
+        return (0, dim) if owner in (rank, ROW_WISE) else (0, 0)
 
     def memory_of(self, rank: int) -> int:
         """Bytes of table weights on ``rank``."""
-        return sum(self.rows_of(t, rank)[1] * self.tables[t].dim * self.element_size
+        return sum(self.rows_of(t, rank)[1] * self.cols_of(t, rank)[1] * self.element_size
                    for t in self.tables_of(rank))
 
     def lookups_of(self, rank: int) -> float:
@@ -107,8 +120,9 @@ class ShardingPlan:
         for rank in range(self.ranks):
             held = self.tables_of(rank)
             names = ", ".join((self.tables[t].name or str(t)) + (
-                " (rows {}+{})".format(*self.rows_of(t, rank))
-                if self.owners[t] == ROW_WISE else "") for t in held) or "-"
+                " (rows {}+{})".format(*self.rows_of(t, rank)) if self.owners[t] == ROW_WISE
+                else " (columns {}+{})".format(*self.cols_of(t, rank))
+                if self.owners[t] == COLUMN_WISE else "") for t in held) or "-"
             lines.append(f"rank {rank}: {len(held)} tables, {self.memory_of(rank) / 2**20:.2f} "
                          f"MiB, {self.lookups_of(rank):g} values/sample: {names}")
         return "\n".join(lines)

@@ -34,6 +34,7 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
     assert hybrid["param_bytes"] < 0.6 * ddp["param_bytes"]
     assert hybrid["fits_memory_budget"] and not ddp["fits_memory_budget"]
     assert "rank 1: 13 tables" in hybrid["tables"]
+    assert summary["hybrid"]["bytes_per_iter"] > 0  # its Statistics: gradients + activations
     assert "hybrid" in capsys.readouterr().out
 
 

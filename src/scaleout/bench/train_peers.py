@@ -129,6 +129,21 @@ def _scaleout(options: SetupOptions) -> Setup:
                          scheduler=scaleout.SchedulerConfig(policy=options.policy),
                          compression=options.compression)
     optimizer = DistributedOptimizer(_sgd(model.parameters()), model, mode=options.mode)
+    statistics, reset = _statistics_of(model)
+
+    def close() -> None:
+        model.close()
+        env.finalize()
+
+    details = {"policy": options.policy, "mode": options.mode,
+               "compression": options.compression}
+    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
+                 statistics=statistics,
+                 close=close, details=details)
+
+
+def _statistics_of(model: Any) -> tuple[Callable[[], dict[str, float]], Callable[[], None]]:
+    """A DataParallel model's per-iteration figures (rank 0's Statistics), and their reset."""
 
     def statistics() -> dict[str, float]:
         stats = model.statistics
@@ -142,15 +157,7 @@ def _scaleout(options: SetupOptions) -> Setup:
         if model.session is not None:
             model.statistics.reset()
 
-    def close() -> None:
-        model.close()
-        env.finalize()
-
-    details = {"policy": options.policy, "mode": options.mode,
-               "compression": options.compression}
-    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
-                 statistics=statistics,
-                 close=close, details=details)
+    return statistics, reset
 
 
 def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False) -> Setup:
@@ -257,9 +264,10 @@ def _hybrid(options: SetupOptions) -> Setup:
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
                "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget}
+    statistics, reset = _statistics_of(model)  # gradients and activation exchanges
     return Setup(model=model, optimizer=_Pair(dense_opt, table_opt),
-                 settle=model.synchronize, reset=_nothing,
-                 statistics=None, close=close, details=details)
+                 settle=model.synchronize, reset=reset,
+                 statistics=statistics, close=close, details=details)
 
 
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {

@@ -31,7 +31,7 @@ from scaleout.workloads import (
     zipf_cdf,
 )
 
-NAMES = ("resnet18", "resnet50", "transformer", "dlrm", "digits-mlp", "digits-cnn")
+NAMES = ("resnet18", "resnet50", "transformer", "dlrm", "dlrm-large", "digits-mlp", "digits-cnn")
 
 
 def _n_params(model: nn.Module) -> int:
@@ -76,7 +76,7 @@ def test_registry_names_and_metadata(workloads: dict) -> None:
 
 
 def test_registry_rejects_bad_names() -> None:
-    with pytest.raises(ValueError, match="resnet18, resnet50, transformer, dlrm, digits-mlp"):
+    with pytest.raises(ValueError, match="resnet18, resnet50, transformer, dlrm, dlrm-large"):
         get_workload("resnet34")
     with pytest.raises(TypeError, match="str"):
         get_workload(18)  # type: ignore[arg-type]
@@ -94,6 +94,7 @@ def test_forward_backward_shapes(workloads: dict, name: str) -> None:
     expected = {
         "transformer": (2, 128, 4096),
         "dlrm": (2,),
+        "dlrm-large": (2,),
     }.get(name, (2, 10))
     assert outputs.shape == expected
     loss = wl.loss_fn(outputs, targets)

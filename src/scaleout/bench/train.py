@@ -89,6 +89,8 @@ class TrainBenchConfig:
             hide CUDA from the ranks (``CUDA_VISIBLE_DEVICES=``): same backends as on a
             machine without a GPU, and torch's PowerSGD hook, which synchronises CUDA
             whenever it is available, works on CPU tensors.
+        memory_budget: bytes of parameters one rank may hold: the ``hybrid`` configuration
+            plans its tables under it, every configuration reports whether it fits.
 
     Raises:
         ValueError: a field is out of range or names something unknown.
@@ -110,6 +112,7 @@ class TrainBenchConfig:
     testbed: bool = True
     timeout_s: float = 300.0
     device: str = "cpu"
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -152,6 +155,10 @@ class TrainBenchConfig:
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not
+                                               isinstance(self.memory_budget, int) or
+                                               self.memory_budget < 1):
+            raise ValueError(f"memory_budget: expected bytes >= 1, got {self.memory_budget!r}")
 
     @property
     def configurations(self) -> tuple[str, ...]:
@@ -265,6 +272,8 @@ def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
             "--timeout", str(config.timeout_s), "--device", config.device, "--json", path]
     if spec is not None:
         args += ["--compression", spec]
+    if config.memory_budget is not None:
+        args += ["--memory-budget", str(config.memory_budget)]
     return args
 
 

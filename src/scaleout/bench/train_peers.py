@@ -21,6 +21,13 @@ Configurations:
   (default :data:`TUNED_BUCKET_MB`; sweep it with several ``ddp-tuned:MB`` peers in one run).
 * ``lockstep``, ``lockstep-traffic`` — the machine's ceilings, not trainers
   (:mod:`scaleout.bench.train_ceilings`).
+* ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
+  (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget: whole
+  tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
+  parallel through DataParallel.
+
+Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
+memory budget, whether they fit it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ __all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_
            "SetupOptions", "Setup", "build_setup", "is_configuration"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -70,6 +77,8 @@ class SetupOptions:
         compression: scaleout's codec spec, or ``None`` for exact gradients.
         timeout_s: rendezvous and collective timeout in seconds.
         device: where the model trains, ``"cpu"`` or ``"cuda"`` (this rank's GPU).
+        memory_budget: bytes of parameters one rank may hold (``hybrid`` plans its tables
+            under it); ``None``: unlimited.
     """
 
     workload: Workload
@@ -78,6 +87,7 @@ class SetupOptions:
     mode: str = "overlap"
     compression: str | None = None
     timeout_s: float = 300.0
+    memory_budget: int | None = None
     device: str = "cpu"
 
     def torch_device(self) -> torch.device:
@@ -139,6 +149,21 @@ def _scaleout(options: SetupOptions) -> Setup:
                          scheduler=scaleout.SchedulerConfig(policy=options.policy),
                          compression=options.compression)
     optimizer = DistributedOptimizer(_sgd(model.parameters()), model, mode=options.mode)
+    statistics, reset = _statistics_of(model)
+
+    def close() -> None:
+        model.close()
+        env.finalize()
+
+    details = {"policy": options.policy, "mode": options.mode,
+               "compression": options.compression, "backend": env.backend}
+    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
+                 statistics=statistics,
+                 close=close, details=details)
+
+
+def _statistics_of(model: Any) -> tuple[Callable[[], dict[str, float]], Callable[[], None]]:
+    """A DataParallel model's per-iteration figures (rank 0's Statistics), and their reset."""
 
     def statistics() -> dict[str, float]:
         stats = model.statistics
@@ -152,15 +177,7 @@ def _scaleout(options: SetupOptions) -> Setup:
         if model.session is not None:
             model.statistics.reset()
 
-    def close() -> None:
-        model.close()
-        env.finalize()
-
-    details = {"policy": options.policy, "mode": options.mode,
-               "compression": options.compression, "backend": env.backend}
-    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
-                 statistics=statistics,
-                 close=close, details=details)
+    return statistics, reset
 
 
 def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
@@ -231,6 +248,68 @@ def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
                  statistics=None, close=close, details={"exchange": exchange})
 
 
+class _Pair(torch.optim.Optimizer):
+    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together."""
+
+    def __init__(self, dense: torch.optim.Optimizer,
+                 tables: torch.optim.Optimizer | None) -> None:  # no param groups of its own
+        self.dense, self.tables = dense, tables
+        self.param_groups = dense.param_groups
+        self.defaults: dict[str, Any] = {}
+        self.state: Any = {}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.dense.step()
+        if self.tables is not None:
+            self.tables.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        if self.tables is not None:
+            self.tables.zero_grad(set_to_none=set_to_none)
+
+
+def _hybrid(options: SetupOptions) -> Setup:
+    import scaleout
+    from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
+                                  TableSpec, plan_tables)
+
+    net = options.workload.build_model(options.seed)
+    tables = getattr(net, "embeddings", None)
+    if not isinstance(tables, nn.ModuleList):
+        raise ValueError(f"hybrid: the workload {options.workload.name!r} has no embedding "
+                         "tables to shard (use --workload dlrm)")
+    env = scaleout.init(timeout=options.timeout_s)
+    dist = env.create_distribution()
+    specs = [TableSpec(rows=t.num_embeddings, dim=t.embedding_dim, name=str(i))
+             for i, t in enumerate(tables)]
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+                      if not n.startswith("embeddings."))
+    budget = None if options.memory_budget is None else options.memory_budget - dense_bytes
+    if budget is not None and budget < 1:
+        raise ValueError(f"hybrid: the memory budget of {options.memory_budget} bytes leaves no "
+                         f"room for tables beside the dense parameters' {dense_bytes} bytes")
+    plan = plan_tables(specs, env.world_size, memory_budget=budget,
+                       element_size=tables[0].weight.element_size())
+    net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)
+    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    sparse = list(net.embeddings.parameters())
+    model = DataParallel(net, dist, scheduler=scaleout.SchedulerConfig(policy=options.policy))
+    dense_opt = DistributedOptimizer(_sgd(dense), model, mode=options.mode)
+    table_opt = torch.optim.SGD(sparse, lr=LR) if sparse else None
+
+    def close() -> None:
+        model.close()
+        env.finalize()
+
+    details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
+               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget}
+    statistics, reset = _statistics_of(model)  # gradients and activation exchanges
+    return Setup(model=model, optimizer=_Pair(dense_opt, table_opt),
+                 settle=model.synchronize, reset=reset,
+                 statistics=statistics, close=close, details=details)
+
+
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "single": _single,
     "scaleout": _scaleout,
@@ -239,6 +318,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-fp16": lambda o: _ddp(o, hook="fp16"),
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
+    "hybrid": _hybrid,
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }
@@ -273,10 +353,19 @@ def build_setup(name: str, options: SetupOptions) -> Setup:
     """
     mb = _tuned_mb(name)
     if mb is not None:
-        return _ddp(options, tuned_mb=mb)
+        return _with_budget(_ddp(options, tuned_mb=mb), options)
     try:
         builder = _BUILDERS[name]
     except KeyError:
         raise ValueError(f"unknown configuration {name!r}; choose from "
                          f"{', '.join(CONFIGURATIONS)} or ddp-tuned:MB") from None
-    return builder(options)
+    return _with_budget(builder(options), options)
+
+
+def _with_budget(setup: Setup, options: SetupOptions) -> Setup:
+    """Record the parameter bytes this rank holds, and whether they fit the memory budget."""
+    held = sum(p.numel() * p.element_size() for p in setup.model.parameters())
+    setup.details["param_bytes"] = held
+    if options.memory_budget is not None:
+        setup.details["fits_memory_budget"] = held <= options.memory_budget
+    return setup

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup, is_configuration
-from scaleout.workloads import get_workload
+from scaleout.workloads import batch_to, get_workload
 
 __all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "main"]
 
@@ -54,15 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compression", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--memory-budget", type=int, default=None)
     parser.add_argument("--json", required=True, help="rank 0 writes its results here")
     return parser
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """A tensor, or a tuple/list of them (nested), moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return type(value)(_to(item, device) for item in value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,14 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
                            mode=args.mode, compression=args.compression,
-                           timeout_s=args.timeout, device=args.device)
+                           timeout_s=args.timeout, device=args.device,
+                           memory_budget=args.memory_budget)
     device = options.torch_device()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     started = time.perf_counter()
     setup = build_setup(args.config, options)
-    batches = [_to(workload.make_batch(args.batch * world, step, args.seed, rank=rank,
+    batches = [batch_to(workload.make_batch(args.batch * world, step, args.seed, rank=rank,
                                        world_size=world), device)
                for step in range(min(DISTINCT_BATCHES, args.warmup + args.iters))]
     total = args.warmup + args.iters

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 EXAMPLE = """examples:
   scaleout bench train --workload resnet18 --ranks 2 --rate 1gbit --vs ddp,ddp-fp16 --rounds 3
   scaleout bench train --workload digits-mlp --rounds 1 --iters 3 --warmup 1 --no-testbed
+  scaleout bench train --workload dlrm --parallel hybrid --vs ddp --memory-budget 4m
   scaleout bench train --workload digits-cnn --vs ddp,ddp-powersgd,zero --compression powersgd:2 \\
       --json out.json --plot out.png
 
@@ -26,7 +27,8 @@ Every round runs each configuration once, as fresh ranks, in a rotated order:
             that are not trainers: lockstep (ranks compute alone and meet once per
             iteration: the best any synchronous data-parallel run can do here) and
             lockstep-traffic (that, plus the exact gradients' bytes in flight, hidden
-            behind a whole iteration)
+            behind a whole iteration); hybrid (DLRM: tables sharded across the ranks,
+            dense MLPs data parallel; also --parallel hybrid)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
 tc; --no-testbed runs over loopback instead, with no rate limit. A configuration that
 fails is reported with its reason and not run again; the others go on (exit code 1).
@@ -77,6 +79,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="train on the CPU (CUDA hidden from the ranks) or on CUDA, rank r "
                              "on GPU r %% GPUs (default cpu)")
+    parser.add_argument("--parallel", default="data", choices=("data", "hybrid"),
+                        help="hybrid: also run the 'hybrid' peer (DLRM: tables sharded across "
+                             "the ranks, dense MLPs data parallel); default data")
+    parser.add_argument("--memory-budget", default=None, metavar="BYTES",
+                        help="parameter bytes one rank may hold (suffixes k, m, g: powers of "
+                             "1024): hybrid plans its tables under it, every configuration "
+                             "reports whether it fits")
     parser.add_argument("--no-testbed", action="store_true",
                         help="run over loopback without namespaces or shaping (no root needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -98,6 +107,17 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _bytes(text: str) -> int:
+    """``"64m"`` -> 67108864 (suffixes k, m, g are powers of 1024; an optional ``b``)."""
+    value = text.strip().lower().removesuffix("b")
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(value[-1:], 1)
+    try:
+        return int(float(value.rstrip("kmg")) * scale)
+    except ValueError:
+        raise ValueError(f"--memory-budget: expected bytes like 64m or 1048576, got "
+                         f"{text!r}") from None
+
+
 def _error(message: str) -> int:
     print(f"scaleout bench train: error: {message}", file=sys.stderr)
     return 2
@@ -109,10 +129,14 @@ def handler(args: argparse.Namespace) -> int:
     from scaleout.bench.train_report import build_report, format_report, machine_facts
     from scaleout.testbed import TestbedError, TestbedUnavailable, check_capabilities
 
+    peers = tuple(p.strip() for p in args.vs.split(",") if p.strip())
+    if getattr(args, "parallel", "data") == "hybrid" and "hybrid" not in peers:
+        peers = (*peers, "hybrid")
     try:
+        budget = _bytes(args.memory_budget) if getattr(args, "memory_budget", None) else None
         config = TrainBenchConfig(
-            workload=args.workload, ranks=args.ranks, rate=args.rate,
-            peers=tuple(p.strip() for p in args.vs.split(",") if p.strip()),
+            workload=args.workload, ranks=args.ranks, rate=args.rate, peers=peers,
+            memory_budget=budget,
             rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,

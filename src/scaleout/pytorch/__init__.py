@@ -1,6 +1,36 @@
-"""The PyTorch front end: DataParallel and DistributedOptimizer."""
+"""The PyTorch front end: DataParallel, DistributedOptimizer and model-parallel layers."""
 
 from scaleout.pytorch.data_parallel import DataParallel
+from scaleout.pytorch.embeddings import (
+    COLUMN_WISE,
+    ROW_WISE,
+    EmbeddingCollection,
+    RowWiseAdagrad,
+    ShardingPlan,
+    TableSpec,
+    plan_tables,
+)
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
+from scaleout.pytorch.spatial import (
+    SpatialBatchNorm,
+    SpatialConv,
+    SpatialGlobalAvgPool,
+    spatial_parallel,
+    split_rows,
+)
+from scaleout.pytorch.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    full_state_dict,
+    load_full_state_dict,
+    tensor_parallel,
+)
 
-__all__ = ["DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes"]
+__all__ = [
+    "DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
+    "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
+    "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
+    "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
+]

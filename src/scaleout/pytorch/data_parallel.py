@@ -20,12 +20,13 @@ from torch import nn
 
 from scaleout.compression import as_config
 from scaleout.core import collectives
-from scaleout.core.collectives import ReduceOp
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
-from scaleout.core.request import Request
+from scaleout.pytorch.buffers import BufferAverage
+from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
+from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
@@ -43,7 +44,11 @@ class DataParallel(nn.Module):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
-        module: the model. Its parameters and buffers are broadcast from data-group rank 0.
+        module: the model. Its parameters and buffers are broadcast from data-group rank 0
+            (on a grid with a model group, replicated ones first from model-group rank 0).
+            Tensor-parallel layers (``scaleout.pytorch.tensor_parallel``) keep their shards:
+            each is averaged over the data group only; tables marked local (sharded
+            embeddings) are left to their own optimizer.
         distribution: where to train; ``None`` uses every rank of an already initialised job.
         scheduler: fusion, chunking and priority options (default: the priority policy).
         distributed_update: shard the optimizer update over the data group (the optimizer
@@ -87,7 +92,11 @@ class DataParallel(nn.Module):
         # parsed here: a bad spec is a ValueError now, not at the first forward
         self._compression = None if compression is None else as_config(compression)
         self.comm = distribution.communicator(GroupType.DATA)
+        self._model_comm = distribution.communicator(GroupType.MODEL)
         self._layers = find_layers(module)
+        for layer in self._layers:  # a shard on another model group: a ValueError now
+            for param in layer.params:
+                registration(param, self._model_comm)
         params = [p for layer in self._layers for p in layer.params]
         self._device = params[0].device if params else torch.device("cpu")
         self.updates = LazyUpdates(distributed_update=self.distributed_update)
@@ -101,11 +110,15 @@ class DataParallel(nn.Module):
         self._backward_queued = False
         self._used: dict[int, bool] = {}
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
-        broadcast_tensors(self.comm, [*module.parameters(), *module.buffers()])
-        self._float_buffers = [b for b in module.buffers() if b.is_floating_point()]
-        self._buffer_comm = (distribution.duplicate(GroupType.DATA, "buffers")
-                             if broadcast_buffers and self._float_buffers else None)
-        self._buffer_request: Request | None = None
+        if self._model_comm.size > 1:
+            broadcast_tensors(self._model_comm, [
+                *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
+        broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
+                                      *module.buffers()])
+        floats = [b for b in module.buffers() if b.is_floating_point()]
+        self._buffer_average = (
+            BufferAverage(floats, distribution.duplicate(GroupType.DATA, "buffers"))
+            if broadcast_buffers and floats else None)
         self._handles = []
         self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
         for layer in self._layers:
@@ -206,9 +219,8 @@ class DataParallel(nn.Module):
             self._commit()
         for layer in self._forward_order:  # layers this forward did not run
             self.updates.complete(layer)
-        if self.training and self._buffer_comm is not None:
-            flat = torch.cat([b.detach().reshape(-1) for b in self._float_buffers])
-            self._buffer_request = collectives.allreduce(self._buffer_comm, flat, ReduceOp.AVG)
+        if self.training and self._buffer_average is not None:
+            self._buffer_average.start()
         if self._session is not None:
             self._stopwatch.flush(self._session.statistics)
             self._session.statistics.end_iteration()
@@ -287,16 +299,17 @@ class DataParallel(nn.Module):
             # Registered first, so it shares the bucket of the first layers' gradients (the
             # last to be ready in backward): knowing who used what costs no collective of its own.
             spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE,
-                                    device=params[0].device)
+                                    device=params[0].device, model_split=False)
             usage = session.add_operation(_USAGE, self.distribution,
                                           parameter_sets=[spec]).parameter_sets[0]
         names = {id(p): n for n, p in self.module.named_parameters()}
         for layer in self._forward_order:
-            specs = [ParameterSetSpec(count=p.numel(), dtype=p.dtype, name=names.get(id(p), ""),
+            specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
                                       distributed_update=self.distributed_update,
-                                      compression=self._compression, shape=tuple(p.shape),
-                                      device=p.device)
-                     for p in layer.params]
+                                      compression=self._compression, shape=shape,
+                                      device=p.device, model_split=split)
+                     for p in layer.params
+                     for count, shape, split in [registration(p, self._model_comm)]]
             layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
             layer.sets = layer.op.parameter_sets
         session.commit()
@@ -313,6 +326,7 @@ class DataParallel(nn.Module):
             session.load_compression_state_dict(self._pending_compression_state)
             self._pending_compression_state = {}
         self._session = session
+        bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
 
@@ -364,12 +378,12 @@ class DataParallel(nn.Module):
                     ps.start_gradient_comm(param.new_zeros(ps.local_count))
                 used.append(1.0 if self._used[id(param)] else 0.0)
                 self._used[id(param)] = False
-        usage = self._usage_set()
+        assert self._session is not None  # a gradient arrived, so the session exists
+        usage = self._session.operations[0].parameter_sets[0]  # registered first
         self.updates.all_used_here = all(used)
-        if self.updates.all_used_here:  # the usual case: no host-to-device copy
-            flags = torch.ones(len(used), dtype=usage.spec.dtype, device=usage.spec.device)
-        else:
-            flags = torch.tensor(used, dtype=usage.spec.dtype, device=usage.spec.device)
+        kind = dict(dtype=usage.spec.dtype, device=usage.spec.device)
+        # the usual case, every parameter used here, needs no host-to-device copy
+        flags = torch.ones(len(used), **kind) if all(used) else torch.tensor(used, **kind)
         usage.start_gradient_comm(flags)
         if self.distributed_update:
             if self.updates.updater is None:
@@ -378,20 +392,6 @@ class DataParallel(nn.Module):
         elif self.updates.mode == "sync":
             self.updates.gradients_to_grad()
 
-    def _usage_set(self) -> Any:
-        assert self._session is not None  # a gradient arrived, so the session exists
-        return self._session.operations[0].parameter_sets[0]
-
-    # -- buffers ------------------------------------------------------------------------
-
     def _finish_buffers(self) -> None:
-        if self._buffer_request is None:
-            return
-        flat = self._buffer_request.wait()
-        self._buffer_request = None
-        offset = 0
-        with torch.no_grad():
-            for buffer in self._float_buffers:
-                buffer.copy_(flat[offset: offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
-
+        if self._buffer_average is not None:
+            self._buffer_average.finish()

@@ -10,6 +10,7 @@ from torch import nn
 
 from scaleout.core.collectives import Communicator
 from scaleout.core import collectives
+from scaleout.pytorch.placement import is_local
 from scaleout.session import Operation, ParameterSet
 
 __all__ = ["Layer", "find_layers", "broadcast_tensors"]
@@ -40,7 +41,8 @@ class Layer:
 def find_layers(module: nn.Module) -> list[Layer]:
     """Every module with trainable parameters of its own, in registration order.
 
-    A parameter shared by several modules (tied weights) belongs to the first one.
+    A parameter shared by several modules (tied weights) belongs to the first one; one
+    marked local to this rank (``scaleout.pytorch.placement``) belongs to none.
 
     Raises:
         TypeError: a trainable parameter is sparse (not supported).
@@ -50,7 +52,7 @@ def find_layers(module: nn.Module) -> list[Layer]:
     for name, mod in module.named_modules():
         params = []
         for param in mod.parameters(recurse=False):
-            if not param.requires_grad or id(param) in seen:
+            if not param.requires_grad or id(param) in seen or is_local(param):
                 continue
             if param.is_sparse:
                 raise TypeError(f"parameter of {name or 'the root module'} is sparse; scaleout "

@@ -43,6 +43,10 @@ class ParameterSetSpec:
             product must equal ``count``.
         device: where its gradients live (the bucket's buffer is allocated there);
             ``None``: the CPU. DataParallel passes each parameter's device.
+        model_split: ``count`` is global and each rank of the model group holds
+            ``count / model parts`` of it (MLSL); ``False``: every rank of the model group
+            holds the whole tensor (a replicated parameter of a model-parallel network, such
+            as a row-parallel bias or a LayerNorm), so ``local_count == count``.
     """
 
     count: int
@@ -52,6 +56,7 @@ class ParameterSetSpec:
     name: str = ""
     shape: tuple[int, ...] | None = None
     device: torch.device | str | None = None
+    model_split: bool = True
 
     def __post_init__(self) -> None:
         if self.compression is not None:
@@ -85,7 +90,7 @@ class ParameterSet:
 
     def __init__(self, spec: ParameterSetSpec, *, op_name: str, op_index: int, index: int,
                  distribution: Distribution, statistics: Statistics) -> None:
-        model_parts = distribution.size(GroupType.MODEL)
+        model_parts = distribution.size(GroupType.MODEL) if spec.model_split else 1
         if spec.count % model_parts != 0:
             raise ValueError(
                 f"parameter set {spec.name or index} of {op_name}: count {spec.count} "

@@ -30,10 +30,12 @@ from torch import nn
 
 from scaleout.workloads.base import Batch, Workload, build_seeded, check_int, make_generator
 
-__all__ = ["DLRM", "DLRMConfig", "DLRMInputs", "DLRMWorkload", "zipf_cdf"]
+__all__ = ["DLRM", "DLRMConfig", "DLRMInputs", "DLRMWorkload", "LARGE_TABLE_SIZES", "zipf_cdf"]
 
 _RULE_SALT = 0xD12
 _CRITEO_LIKE_SIZES = (20000, 10000, 5000, 2000, 1000, 500, 200, 100, 50, 20, 10, 5, 3) * 2
+#: ``dlrm-large``: ten times the rows (12.5M embedding parameters, about 200x the dense ones).
+LARGE_TABLE_SIZES = tuple(10 * rows for rows in _CRITEO_LIKE_SIZES)
 
 
 def _check_int_tuple(name: str, values: tuple[int, ...], minimum: int) -> None:
@@ -127,8 +129,11 @@ class DLRM(nn.Module):
     def forward(self, inputs: DLRMInputs) -> torch.Tensor:
         dense, sparse = inputs
         x = self.bottom_mlp(dense)
-        vectors = [x] + [table(sparse[:, t]) for t, table in enumerate(self.embeddings)]
-        stacked = torch.stack(vectors, dim=1)  # (B, F, D)
+        if isinstance(self.embeddings, nn.ModuleList):
+            vectors = [x] + [table(sparse[:, t]) for t, table in enumerate(self.embeddings)]
+            stacked = torch.stack(vectors, dim=1)  # (B, F, D)
+        else:  # sharded (scaleout.pytorch.EmbeddingCollection): (B, F - 1, D) for my samples
+            stacked = torch.cat([x.unsqueeze(1), self.embeddings(sparse)], dim=1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # (B, F, F)
         pairs = dots[:, self._pair_rows, self._pair_cols]
         return self.top_mlp(torch.cat([x, pairs], dim=1)).squeeze(1)
@@ -148,6 +153,7 @@ class DLRMWorkload(Workload):
     Args:
         config: model and data shape.
         default_batch_size: per-rank batch size used by benchmarks.
+        variant: appended to the name (``"large"``: ``dlrm-large``).
 
     Raises:
         TypeError, ValueError: on construction, for invalid fields.
@@ -155,15 +161,18 @@ class DLRMWorkload(Workload):
 
     config: DLRMConfig = field(default_factory=DLRMConfig)
     default_batch_size: int = 256
+    variant: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, DLRMConfig):
             raise TypeError(f"config must be a DLRMConfig, got {type(self.config).__name__}")
         check_int("DLRMWorkload.default_batch_size", self.default_batch_size, 1)
+        if not isinstance(self.variant, str):
+            raise TypeError(f"variant must be a str, got {type(self.variant).__name__}")
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "dlrm"
+        return f"dlrm-{self.variant}" if self.variant else "dlrm"
 
     @property
     def description(self) -> str:  # type: ignore[override]

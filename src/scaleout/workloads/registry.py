@@ -3,7 +3,7 @@
 Example:
     >>> from scaleout.workloads import get_workload, workload_names
     >>> workload_names()
-    ('resnet18', 'resnet50', 'transformer', 'dlrm', 'digits-mlp', 'digits-cnn')
+    ('resnet18', 'resnet50', 'transformer', 'dlrm', 'dlrm-large', 'digits-mlp', 'digits-cnn')
     >>> get_workload("dlrm").default_batch_size
     256
 """
@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from scaleout.workloads.base import Workload
 from scaleout.workloads.digits import DigitsWorkload
-from scaleout.workloads.dlrm import DLRMWorkload
+from scaleout.workloads.dlrm import LARGE_TABLE_SIZES, DLRMConfig, DLRMWorkload
 from scaleout.workloads.resnet import ResNetWorkload
 from scaleout.workloads.transformer import TransformerWorkload
 
@@ -26,6 +26,8 @@ _FACTORIES: MappingProxyType[str, Callable[[], Workload]] = MappingProxyType({
     "resnet50": lambda: ResNetWorkload(depth=50),
     "transformer": TransformerWorkload,
     "dlrm": DLRMWorkload,
+    "dlrm-large": lambda: DLRMWorkload(config=DLRMConfig(table_sizes=LARGE_TABLE_SIZES),
+                                       variant="large"),
     "digits-mlp": lambda: DigitsWorkload(model="mlp"),
     "digits-cnn": lambda: DigitsWorkload(model="cnn"),
 })

@@ -1,0 +1,46 @@
+"""Floating buffers (BatchNorm running statistics) kept equal across the data group.
+
+After every training forward the buffers are averaged over the data group, without blocking:
+the result is installed before the next forward (or any synchronisation) reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator, ReduceOp
+from scaleout.core.request import Request
+
+__all__ = ["BufferAverage"]
+
+
+class BufferAverage:
+    """Averages ``buffers`` over ``comm`` (its own communicator: it never queues behind
+    gradients).
+
+    Args:
+        buffers: the module's floating buffers.
+        comm: a communicator of the data group.
+    """
+
+    def __init__(self, buffers: list[torch.Tensor], comm: Communicator) -> None:
+        self._buffers = buffers
+        self._comm = comm
+        self._request: Request | None = None
+
+    def start(self) -> None:
+        """Start averaging the buffers' current values (after a training forward)."""
+        flat = torch.cat([b.detach().reshape(-1) for b in self._buffers])
+        self._request = collectives.allreduce(self._comm, flat, ReduceOp.AVG)
+
+    def finish(self) -> None:
+        """Install the averaged values, if an average is in flight."""
+        if self._request is None:
+            return
+        flat, self._request = self._request.wait(), None
+        offset = 0
+        with torch.no_grad():
+            for buffer in self._buffers:
+                buffer.copy_(flat[offset: offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()

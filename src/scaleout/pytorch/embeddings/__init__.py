@@ -1,0 +1,16 @@
+"""Sharded embedding tables (DLRM / TorchRec style): a planner, the collection, a row-wise
+sparse optimizer."""
+
+from scaleout.pytorch.embeddings.collection import EmbeddingCollection
+from scaleout.pytorch.embeddings.optim import RowWiseAdagrad
+from scaleout.pytorch.embeddings.planner import (
+    COLUMN_WISE,
+    ROW_WISE,
+    ShardingPlan,
+    TableSpec,
+    plan_tables,
+    row_block,
+)
+
+__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables",
+           "ROW_WISE", "COLUMN_WISE", "row_block"]

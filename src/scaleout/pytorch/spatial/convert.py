@@ -1,0 +1,60 @@
+"""Turn a plain CNN into its spatially split form (dim 2 split across the model group)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.spatial.conv import SpatialConv
+from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
+
+__all__ = ["spatial_parallel"]
+
+
+def _global_pool(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+        return False
+    size = module.output_size
+    return all(s == 1 for s in (size if isinstance(size, tuple) else (size,)))
+
+
+def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module:
+    """Replace, in place, every ``nn.Conv2d``/``Conv3d`` by a :class:`SpatialConv`, every
+    ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm` and every global
+    ``nn.AdaptiveAvgPool2d/3d(1)`` by a :class:`SpatialGlobalAvgPool`, keeping the weights
+    (broadcast from model-group rank 0 first). Feed each rank its block of every sample
+    (:func:`split_rows`). Layers that work on each block unchanged (activations, pooling
+    whose window tiles the block) are left as they are.
+
+    Args:
+        module: the plain model (changed in place and returned).
+        distribution: the grid; dim 2 is split across its MODEL group.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a convolution that cannot be split (stride, dilation, even kernel,
+            padding), named; nothing is converted then.
+    """
+    comm = distribution.communicator(GroupType.MODEL)
+    if comm.size > 1:
+        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent_name, parent in module.named_modules():
+        for child_name, child in parent.named_children():
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, (nn.Conv2d, nn.Conv3d)):
+                new: nn.Module = SpatialConv(child, distribution=distribution, name=name)
+            elif isinstance(child, (nn.BatchNorm2d, nn.BatchNorm3d)):
+                new = SpatialBatchNorm(child, distribution=distribution, name=name)
+            elif _global_pool(child):
+                new = SpatialGlobalAvgPool(distribution=distribution)
+            else:
+                continue
+            replacements.append((parent, child_name, new))
+    for parent, child_name, new in replacements:
+        setattr(parent, child_name, new)
+    return module

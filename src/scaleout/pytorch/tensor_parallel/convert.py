@@ -1,0 +1,235 @@
+"""Turn a plain model into its tensor-parallel form, and gather it back for saving."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from scaleout.core import collectives
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.placement import Kind, placement_of
+from scaleout.pytorch.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+__all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
+           "STYLES"]
+
+#: What a plan may say of a layer.
+STYLES = ("column", "row", "vocab", "replicate")
+_QKV = ({"q", "query", "q_proj"}, {"k", "key", "k_proj"}, {"v", "value", "v_proj"})
+_OUT = ("out_proj", "o_proj", "out", "o", "proj", "c_proj", "dense")
+_HEADS = ("num_heads", "n_heads", "n_head", "heads")
+
+
+def _linears(parent: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in parent.named_children() if type(m) is nn.Linear]
+
+
+def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict[str, str]:
+    """The default plan: which ``nn.Linear`` (and ``nn.Embedding``) becomes which layer.
+
+    Rules, per module, on its direct ``nn.Linear`` children:
+    - attention: children named q/k/v (``q``, ``query``, ``q_proj``, ...) are column
+      parallel and the output projection (``out_proj``, ``o_proj``, ``out``, ``proj``, ...)
+      row parallel;
+    - otherwise consecutive children (registration order) are paired column then row when
+      the first's ``out_features`` equals the second's ``in_features`` (MLP stacks,
+      transformer MLPs); an unpaired layer stays replicated.
+    With ``embeddings``, every ``nn.Embedding`` becomes a VocabParallelEmbedding.
+
+    Returns:
+        qualified name -> one of :data:`STYLES` (layers not named stay replicated).
+    """
+    plan: dict[str, str] = {}
+    for prefix, parent in module.named_modules():
+        def full(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+        linears = _linears(parent)
+        names = {n for n, _ in linears}
+        qkv = [next((n for n in group if n in names), None) for group in _QKV]
+        out = next((n for n in _OUT if n in names), None)
+        if all(qkv) and out is not None:
+            plan.update({full(n): "column" for n in qkv if n is not None})
+            plan[full(out)] = "row"
+            linears = [(n, m) for n, m in linears if n not in {*qkv, out}]
+        i = 0
+        while i + 1 < len(linears):
+            (a, first), (b, second) = linears[i], linears[i + 1]
+            if first.out_features == second.in_features:
+                plan[full(a)], plan[full(b)] = "column", "row"
+                i += 2
+            else:
+                i += 1
+        if embeddings:
+            for n, child in parent.named_children():
+                if type(child) is nn.Embedding:
+                    plan[full(n)] = "vocab"
+    return plan
+
+
+def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:
+    for attr in _HEADS:
+        heads = getattr(parent, attr, None)
+        if isinstance(heads, int) and not isinstance(heads, bool):
+            if heads % parts:
+                raise ValueError(f"attention {name or '<root>'}: {attr} = {heads} must be "
+                                 f"divisible by the model group size {parts}")
+            if apply:
+                setattr(parent, attr, heads // parts)
+
+
+def tensor_parallel(module: nn.Module, distribution: Distribution, *,
+                    plan: Mapping[str, str] | None = None,
+                    embeddings: bool = False) -> nn.Module:
+    """Replace ``module``'s layers, in place, by their tensor-parallel form on the MODEL group.
+
+    Every rank of a model group must hold the same model: its parameters and buffers are
+    first broadcast from model-group rank 0, then each rank keeps its shard of each converted
+    layer, so the network computes exactly what the original did. An attention module
+    whose q/k/v become column parallel gets its head count (``num_heads``, ``n_heads``, ...)
+    divided by the model degree: its forward must reshape with it (or with ``-1`` heads).
+
+    Args:
+        module: the plain model (changed in place and returned).
+        distribution: the grid; layers are split across its MODEL group.
+        plan: qualified layer name -> ``"column"``, ``"row"``, ``"vocab"`` or
+            ``"replicate"``; default :func:`plan_tensor_parallel`.
+        embeddings: with the default plan, shard ``nn.Embedding`` tables by rows too.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a planned layer is missing or not an nn.Linear/nn.Embedding, a style is
+            unknown, or a split size does not divide by the model group size (the message
+            names the layer and the sizes).
+
+    Example (2 ranks, grid 1 x 2):
+        >>> net = tensor_parallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
+        ...                       env.create_distribution(1, 2))
+        >>> net[0].weight.shape   # rank 0: rows 0..15, rank 1: rows 16..31
+        torch.Size([16, 8])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(distribution, Distribution):
+        raise TypeError(f"distribution must be a scaleout.Distribution, got "
+                        f"{type(distribution).__name__}")
+    plan = dict(plan_tensor_parallel(module, embeddings=embeddings) if plan is None else plan)
+    comm = distribution.communicator(GroupType.MODEL)
+    if comm.size > 1:  # (already-placed tensors, shards or local tables, are left alone)
+        broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
+                                 *module.buffers()])
+    modules = dict(module.named_modules())
+    attention: dict[str, nn.Module] = {}
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan for layer {name!r}: style must be one of {STYLES}, got "
+                             f"{style!r}")
+        if style == "replicate":
+            continue
+        layer = modules.get(name)
+        wanted = nn.Embedding if style == "vocab" else nn.Linear
+        if type(layer) is not wanted:
+            raise ValueError(f"plan for layer {name!r}: expected an {wanted.__name__}, got "
+                             f"{'nothing' if layer is None else type(layer).__name__}")
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name]
+        if style == "column":
+            new: nn.Module = ColumnParallelLinear.from_linear(layer, distribution=distribution,
+                                                             name=name)
+        elif style == "row":
+            new = RowParallelLinear.from_linear(layer, distribution=distribution, name=name)
+        else:
+            new = VocabParallelEmbedding.from_embedding(layer, distribution=distribution,
+                                                        name=name)
+        replacements.append((parent, child, new))
+        if style == "column" and child in set().union(*_QKV):
+            attention[parent_name] = parent
+    for name, parent in attention.items():  # every check passes before anything changes
+        _attention_heads(parent, name, comm.size, apply=False)
+    for parent, child, new in replacements:
+        setattr(parent, child, new)
+    for name, parent in attention.items():
+        _attention_heads(parent, name, comm.size, apply=True)
+    return module
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The full, plain ``state_dict`` of a tensor-parallel model, on every rank.
+
+    Sharded parameters are all-gathered over their model group (every rank of the group
+    must call this); the keys are those of the original model when ``module`` is the model
+    :func:`tensor_parallel` converted (pass DataParallel's ``.module``; call its
+    ``synchronize()`` first).
+
+    Modules with a ``full_state()`` method (an
+    :class:`~scaleout.pytorch.EmbeddingCollection`) contribute every table they shard.
+
+    Returns:
+        name -> tensor (detached copies for gathered entries).
+    """
+    state = module.state_dict()
+    for prefix, child in module.named_modules():
+        gather = getattr(child, "full_state", None)
+        if callable(gather):
+            for key in [k for k in state if k.startswith(f"{prefix}.") or not prefix]:
+                del state[key]
+            state.update({f"{prefix}.{k}" if prefix else k: v for k, v in gather().items()})
+    for name, param in module.named_parameters():
+        mark = placement_of(param)
+        if mark is None or mark.kind is not Kind.SHARDED or name not in state:
+            continue
+        assert mark.comm is not None
+        block = param.detach().movedim(mark.dim, 0).contiguous()
+        gathered = collectives.allgather(mark.comm, block).wait()
+        state[name] = gathered.movedim(0, mark.dim).contiguous()
+    return state
+
+
+def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """Load a full, plain ``state_dict`` (from :func:`full_state_dict` or the original model)
+    into a tensor-parallel model: each rank takes its block of every sharded tensor, and
+    modules with a ``load_full_state()`` method (an EmbeddingCollection) their tables.
+    No communication.
+
+    Args:
+        module: the converted model (DataParallel's ``.module``).
+        state: the full state dict. strict: as for ``nn.Module.load_state_dict``.
+
+    Returns:
+        What ``load_state_dict`` returns (missing and unexpected keys).
+
+    Raises:
+        ValueError: a sharded entry's shape is not the full tensor's.
+    """
+    local = dict(state)
+    for prefix, child in module.named_modules():
+        take = getattr(child, "load_full_state", None)
+        if callable(take):
+            head = f"{prefix}." if prefix else ""
+            mine = take({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
+            for key in [k for k in local if k.startswith(head)]:
+                del local[key]
+            local.update({head + k: v for k, v in mine.items()})
+    for name, param in module.named_parameters():
+        mark = placement_of(param)
+        if mark is None or mark.kind is not Kind.SHARDED or name not in local:
+            continue
+        assert mark.comm is not None
+        full = local[name]
+        size = param.shape[mark.dim]
+        if full.shape[mark.dim] != size * mark.parts:
+            raise ValueError(f"load_full_state_dict: {name} (layer {mark.layer}) needs the full "
+                             f"tensor, {size * mark.parts} along dim {mark.dim}; got shape "
+                             f"{tuple(full.shape)}")
+        local[name] = full.narrow(mark.dim, mark.comm.rank * size, size)
+    return module.load_state_dict(local, strict=strict)

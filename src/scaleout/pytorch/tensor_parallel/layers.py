@@ -1,0 +1,243 @@
+"""Tensor-parallel layers on the MODEL group of a Distribution (Megatron-LM's pairing).
+
+``ColumnParallelLinear`` splits the output features (its weight's rows) across the model
+group; ``RowParallelLinear`` splits the input features (its weight's columns). A column layer
+followed by a row layer (an MLP block, or attention's q/k/v then output projection) costs one
+allreduce forward (after the row layer) and one backward (before the column layer).
+``VocabParallelEmbedding`` splits the rows of a table; each rank looks up the ids it holds
+and one allreduce assembles the result.
+
+Every sharded parameter is marked (``scaleout.pytorch.placement``) so that DataParallel
+registers it with its local size and ``full_state_dict`` can gather it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaleout.core.collectives import Communicator
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.exchange_stats import ExchangeRecorder
+from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.placement import Kind, Placement, place
+from scaleout.pytorch.tensor_parallel.exchanges import (
+    copy_to_model,
+    gather_from_model,
+    reduce_from_model,
+    scatter_to_model,
+)
+
+__all__ = ["ModelParallelLayer", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding"]
+
+
+def _split(size: int, parts: int, what: str, layer: str, kind: str) -> int:
+    if size % parts:
+        raise ValueError(f"{kind} {layer or '(unnamed)'}: {what} = {size} must be divisible by "
+                         f"the model group size {parts}")
+    return size // parts
+
+
+class ModelParallelLayer(nn.Module):
+    """What the tensor-parallel layers share: their model group and their name.
+
+    Args:
+        distribution: the grid; the layer is split across its MODEL group.
+        name: the layer's name in errors (``tensor_parallel`` passes its qualified name).
+
+    Raises:
+        TypeError: ``distribution`` is not a scaleout Distribution.
+    """
+
+    def __init__(self, distribution: Distribution, name: str) -> None:
+        super().__init__()
+        if not isinstance(distribution, Distribution):
+            raise TypeError(f"{type(self).__name__} {name}: distribution must be a "
+                            f"scaleout.Distribution, got {type(distribution).__name__}")
+        self.comm: Communicator = distribution.communicator(GroupType.MODEL)
+        self.layer_name = name
+        self.exchange_recorder = ExchangeRecorder(name)
+        self.parts = self.comm.size
+        self.part = self.comm.rank
+
+    def _shard(self, param: nn.Parameter, dim: int) -> nn.Parameter:
+        return place(param, Placement(kind=Kind.SHARDED, layer=self.layer_name, comm=self.comm,
+                                      dim=dim))
+
+    def _uniform(self, *shape: int, bound: float, dtype: torch.dtype | None) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape, dtype=dtype).uniform_(-bound, bound))
+
+
+class ColumnParallelLinear(ModelParallelLayer):
+    """``y = x W^T + b`` with ``W``'s rows (output features) split across the model group.
+
+    Args:
+        in_features / out_features: the full layer's sizes; ``out_features`` must divide by
+            the model group size.
+        distribution: the grid.
+        bias: learn a bias (split like the output).
+        gather_output: allgather the output blocks (the full ``out_features`` on every rank);
+            otherwise each rank returns its ``out_features / parts`` block, ready for a
+            :class:`RowParallelLinear`.
+        dtype: parameter dtype. name: for errors.
+
+    Raises:
+        ValueError: ``out_features`` does not divide by the model group size.
+
+    Example (model group of 2: rank 0 holds outputs 0..3, rank 1 outputs 4..7):
+        >>> layer = ColumnParallelLinear(16, 8, distribution=dist)
+        >>> layer(torch.randn(5, 16)).shape
+        torch.Size([5, 4])
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, distribution: Distribution,
+                 bias: bool = True, gather_output: bool = False,
+                 dtype: torch.dtype | None = None, name: str = "") -> None:
+        super().__init__(distribution, name)
+        self.in_features, self.out_features = in_features, out_features
+        self.local_out = _split(out_features, self.parts, "out_features", name, type(self).__name__)
+        self.gather_output = gather_output
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0  # nn.Linear's init
+        self.weight = self._shard(self._uniform(self.local_out, in_features, bound=bound,
+                                                dtype=dtype), 0)
+        self.bias = (self._shard(self._uniform(self.local_out, bound=bound, dtype=dtype), 0)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, distribution: Distribution, name: str = "",
+                    gather_output: bool = False) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (its initial weights kept)."""
+        layer = cls(linear.in_features, linear.out_features, distribution=distribution,
+                    bias=linear.bias is not None, gather_output=gather_output,
+                    dtype=linear.weight.dtype, name=name)
+        rows = slice(layer.part * layer.local_out, (layer.part + 1) * layer.local_out)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rec = self.exchange_recorder
+        out = F.linear(copy_to_model(x, self.comm, rec), self.weight, self.bias)
+        return gather_from_model(out, self.comm, rec) if self.gather_output else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.local_out} here, part {self.part}/{self.parts}), "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(ModelParallelLayer):
+    """``y = x W^T + b`` with ``W``'s columns (input features) split across the model group.
+
+    Args:
+        in_features / out_features: the full layer's sizes; ``in_features`` must divide by
+            the model group size.
+        distribution: the grid.
+        bias: learn a bias (replicated: added once, after the allreduce).
+        input_is_parallel: the input is already this rank's block of the features (the
+            output of a :class:`ColumnParallelLinear`); otherwise the layer takes its block.
+        dtype: parameter dtype. name: for errors.
+
+    Raises:
+        ValueError: ``in_features`` does not divide by the model group size.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, distribution: Distribution,
+                 bias: bool = True, input_is_parallel: bool = True,
+                 dtype: torch.dtype | None = None, name: str = "") -> None:
+        super().__init__(distribution, name)
+        self.in_features, self.out_features = in_features, out_features
+        self.local_in = _split(in_features, self.parts, "in_features", name, type(self).__name__)
+        self.input_is_parallel = input_is_parallel
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        self.weight = self._shard(self._uniform(out_features, self.local_in, bound=bound,
+                                                dtype=dtype), 1)
+        self.bias = self._uniform(out_features, bound=bound, dtype=dtype) if bias else None
+        if self.bias is not None:  # replicated: the same on every rank of the model group
+            broadcast_tensors(self.comm, [self.bias])
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, distribution: Distribution, name: str = "",
+                    input_is_parallel: bool = True) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (its initial weights kept)."""
+        layer = cls(linear.in_features, linear.out_features, distribution=distribution,
+                    bias=linear.bias is not None, input_is_parallel=input_is_parallel,
+                    dtype=linear.weight.dtype, name=name)
+        cols = slice(layer.part * layer.local_in, (layer.part + 1) * layer.local_in)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_model(x, self.comm, self.exchange_recorder)
+        elif x.shape[-1] != self.local_in:
+            raise ValueError(f"RowParallelLinear {self.layer_name}: expected this rank's block of "
+                             f"{self.local_in} input features (of {self.in_features}), got "
+                             f"{x.shape[-1]}")
+        out = reduce_from_model(F.linear(x, self.weight), self.comm, self.exchange_recorder)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.local_in} here, part "
+                f"{self.part}/{self.parts}), out_features={self.out_features}")
+
+
+class VocabParallelEmbedding(ModelParallelLayer):
+    """An embedding table whose rows (the vocabulary) are split across the model group.
+
+    Each rank looks up the ids in its row range (zeros elsewhere); one allreduce forward
+    sums the blocks, and the gradient (replicated) reaches only the rows a rank holds.
+
+    Args:
+        num_embeddings / embedding_dim: the full table's shape; ``num_embeddings`` must
+            divide by the model group size.
+        distribution: the grid. dtype: parameter dtype. name: for errors.
+
+    Raises:
+        ValueError: ``num_embeddings`` does not divide by the model group size.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, distribution: Distribution,
+                 dtype: torch.dtype | None = None, name: str = "") -> None:
+        super().__init__(distribution, name)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.local_rows = _split(num_embeddings, self.parts, "num_embeddings", name,
+                                 type(self).__name__)
+        self.start = self.part * self.local_rows
+        weight = torch.empty(self.local_rows, embedding_dim, dtype=dtype).normal_()
+        self.weight = self._shard(nn.Parameter(weight), 0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, *, distribution: Distribution,
+                       name: str = "") -> VocabParallelEmbedding:
+        """This rank's rows of ``embedding`` (its initial weights kept)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None \
+                or embedding.sparse:
+            raise ValueError(f"VocabParallelEmbedding {name}: padding_idx, max_norm and sparse "
+                             "embeddings are not supported")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim,
+                    distribution=distribution, dtype=embedding.weight.dtype, name=name)
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[layer.start: layer.start + layer.local_rows])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.local_rows)
+        local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
+        out = F.embedding(local, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_model(out, self.comm, self.exchange_recorder)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.start}.."
+                f"{self.start + self.local_rows - 1} here)")

@@ -1,0 +1,48 @@
+"""``scaleout bench train --parallel hybrid``: the sharded-table DLRM runs beside DDP, reports
+its parameter bytes per rank, and plans its tables under ``--memory-budget``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from scaleout.cli.main import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+BASE = ["bench", "train", "--workload", "dlrm", "--ranks", "2", "--rounds", "1", "--iters", "2",
+        "--warmup", "1", "--batch", "32", "--vs", "ddp", "--no-progress", "--no-testbed"]
+
+
+@pytest.fixture
+def rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", SRC if not path else f"{SRC}{os.pathsep}{path}")
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
+                 "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"single", "scaleout", "ddp", "hybrid"}
+    hybrid, ddp = summary["hybrid"]["details"], summary["ddp"]["details"]
+    assert hybrid["param_bytes"] < 0.6 * ddp["param_bytes"]
+    assert hybrid["fits_memory_budget"] and not ddp["fits_memory_budget"]
+    assert "rank 1: 13 tables" in hybrid["tables"]
+    assert summary["hybrid"]["bytes_per_iter"] > 0  # its Statistics: gradients + activations
+    assert "hybrid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--memory-budget", "lots"], "--memory-budget: expected bytes like 64m"),
+    (["--memory-budget", "0"], "memory_budget: expected bytes >= 1, got 0"),
+])
+def test_budget_errors(extra: list[str], message: str,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*BASE, "--parallel", "hybrid", *extra]) == 2
+    assert message in capsys.readouterr().err

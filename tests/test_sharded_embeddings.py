@@ -1,0 +1,187 @@
+"""Sharded embedding tables (DLRM): hybrid training equals single-process training.
+
+The tables are sharded table-wise (and, under a memory budget, row-wise) over the data group (alltoallv of ids and of lookups,
+reverse alltoallv of gradients, row-wise sparse updates); the dense MLPs stay data parallel
+(and, on a 2 x 2 grid, tensor parallel too). Float64, tight tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scaleout
+from harness import run_ranks
+from scaleout import GroupType
+from scaleout.pytorch import (
+    COLUMN_WISE,
+    ROW_WISE,
+    DataParallel,
+    DistributedOptimizer,
+    EmbeddingCollection,
+    RowWiseAdagrad,
+    ShardingPlan,
+    TableSpec,
+    full_state_dict,
+    load_full_state_dict,
+    plan_tables,
+    tensor_parallel,
+)
+from scaleout.workloads import DLRMConfig, DLRMInputs, DLRMWorkload
+
+CONFIG = DLRMConfig(num_dense=4, table_sizes=(50, 30, 20, 10, 7, 5), embedding_dim=4,
+                    bottom_mlp=(8,), top_mlp=(8,))
+WORKLOAD = DLRMWorkload(config=CONFIG)
+PER_RANK, STEPS = 4, 4
+
+
+def global_batch(step: int, data_parts: int) -> tuple[DLRMInputs, torch.Tensor]:
+    inputs, targets = WORKLOAD.make_batch(PER_RANK * data_parts, step, 3)
+    return DLRMInputs(inputs.dense.double(), inputs.sparse), targets.double()
+
+
+def shard(inputs: DLRMInputs, targets: torch.Tensor, d: int):
+    rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+    return DLRMInputs(inputs.dense[rows], inputs.sparse[rows]), targets[rows]
+
+
+def optimizers(net: torch.nn.Module) -> tuple[list, list]:
+    tables = [p for n, p in net.named_parameters() if n.startswith("embeddings.")]
+    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    return dense, tables
+
+
+def table_optimizer(layout: str, tables: list) -> torch.optim.Optimizer:
+    # RowWiseAdagrad's per-row statistic would cover each rank's columns only
+    if layout == "columns":
+        return torch.optim.SGD(tables, lr=0.5)
+    return RowWiseAdagrad(tables, lr=0.05)
+
+
+def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
+    net = WORKLOAD.build_model(0).double()
+    dense, tables = optimizers(net)
+    dense_opt = torch.optim.SGD(dense, lr=0.1, momentum=0.9)
+    table_opt = table_optimizer(layout, tables)
+    for step in range(STEPS):
+        inputs, targets = global_batch(step, data_parts)
+        for d in range(data_parts):
+            x, y = shard(inputs, targets, d)
+            (F.binary_cross_entropy_with_logits(net(x), y) / data_parts).backward()
+        dense_opt.step()
+        table_opt.step()
+        dense_opt.zero_grad()
+        table_opt.zero_grad()
+    return net.state_dict()
+
+
+def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list[int]:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(data_parts, model_parts)
+    net = WORKLOAD.build_model(0).double()
+    specs = [TableSpec(rows=rows, dim=CONFIG.embedding_dim) for rows in CONFIG.table_sizes]
+    if layout == "budget":  # 8-byte weights: the 50-row table (1600 bytes) fits no rank
+        plan = plan_tables(specs, data_parts, memory_budget=1500, element_size=8)
+        assert plan.owners[0] == ROW_WISE and plan.owners[1] != ROW_WISE
+        assert max(map(plan.memory_of, range(data_parts))) <= 1500
+    elif layout == "explicit":  # row-wise tables of 50 and of 5 rows, the others whole
+        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, 0, 1, 0, 1, ROW_WISE),
+                            ranks=data_parts, element_size=8)
+    elif layout == "columns":  # tables 1 and 4 split by columns, 0 by rows
+        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, COLUMN_WISE, 0, 1, COLUMN_WISE,
+                                                         0), ranks=data_parts, element_size=8)
+        assert "(columns 2+2)" in plan.describe() or data_parts != 2
+    else:
+        plan = plan_tables(specs, data_parts, element_size=8)
+    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
+    if model_parts > 1:
+        tensor_parallel(net, dist)
+    dense, tables = optimizers(net)
+    model = DataParallel(net, dist)
+    dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
+                                     mode=mode)
+    table_opt = table_optimizer(layout, tables)
+    d = dist.rank(GroupType.DATA)
+    for step in range(STEPS):
+        x, y = shard(*global_batch(step, data_parts), d)
+        F.binary_cross_entropy_with_logits(model(x), y).backward()
+        assert all(p.grad is None or p.grad.is_sparse for p in tables)
+        dense_opt.step()
+        table_opt.step()
+        dense_opt.zero_grad()
+        table_opt.zero_grad()
+    model.synchronize()
+    assert model.statistics.operation("embeddings (activations)").bytes > 0
+    state = full_state_dict(net)
+    expected = reference(data_parts, layout)
+    assert set(state) == set(expected), (sorted(state), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
+    held = net.embeddings.held()
+    fresh = WORKLOAD.build_model(1).double()
+    fresh.embeddings = EmbeddingCollection.from_embeddings(list(fresh.embeddings), dist,
+                                                           plan=plan)
+    if model_parts > 1:
+        tensor_parallel(fresh, dist)
+    load_full_state_dict(fresh, expected)
+    assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
+    model.close()
+    env.finalize()
+    return held
+
+
+@pytest.mark.parametrize("data_parts,model_parts,mode,layout", [
+    (2, 1, "sync", "planned"), (3, 1, "overlap", "planned"), (2, 2, "overlap", "planned"),
+    (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget"), (2, 1, "sync", "columns"),
+    (3, 1, "overlap", "columns")])
+def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
+                                            layout: str) -> None:
+    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
+                     timeout=120)
+    by_data_rank = held[::model_parts]
+    assert set(t for h in by_data_rank for t in h) == set(range(len(CONFIG.table_sizes)))
+    for m in range(model_parts):  # every model rank holds the same tables as its column
+        assert held[m::model_parts] == by_data_rank
+
+
+def test_planner_balances_and_respects_the_budget() -> None:
+    tables = [TableSpec(rows=r, dim=16, name=f"t{i}") for i, r in enumerate(
+        (20000, 10000, 5000, 2000, 1000, 500, 200, 100) * 2)]
+    plan = plan_tables(tables, 4)
+    memory = [plan.memory_of(r) for r in range(4)]
+    assert max(memory) <= 1.05 * sum(memory) / 4 + tables[0].nbytes(4) / 2
+    assert "rank 3:" in plan.describe()
+    total = sum(t.nbytes(4) for t in tables)
+    budget = total // 4 + 200000
+    tight = plan_tables(tables, 4, memory_budget=budget)
+    assert max(tight.memory_of(r) for r in range(4)) <= budget
+    with pytest.raises(ValueError, match=r"table t\d+ \(\d+ x 16, \d+ bytes\) fits on no rank "
+                                         r"under the memory budget of 1000000 bytes per rank, "
+                                         r"whole or row-wise"):
+        plan_tables(tables, 4, memory_budget=1_000_000)  # 1.24 MB per rank at least
+    with pytest.raises(ValueError, match=r"memory_budget must be bytes, an int >= 1, got 0"):
+        plan_tables(tables, 4, memory_budget=0)
+    small = [TableSpec(rows=100, dim=1, name="big"), TableSpec(rows=10, dim=1),
+             TableSpec(rows=10, dim=1)]
+    split = plan_tables(small, 2, memory_budget=300)  # "big" (400 bytes) fits no rank whole
+    assert split.owners[0] == ROW_WISE and split.rows_of(0, 1) == (50, 50)
+    assert "big (rows 0+50)" in split.describe()
+
+
+def test_rowwise_adagrad_sparse_equals_dense() -> None:
+    torch.manual_seed(0)
+    sparse = torch.nn.Embedding(10, 3, sparse=True).double()
+    dense = torch.nn.Embedding(10, 3).double()
+    dense.load_state_dict(sparse.state_dict())
+    opts = [RowWiseAdagrad(m.parameters(), lr=0.1) for m in (sparse, dense)]
+    for step in range(3):
+        ids = torch.tensor([step, 4, 4, 7])
+        for m, opt in zip((sparse, dense), opts):
+            m(ids).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(sparse.weight, dense.weight)
+    assert not torch.equal(sparse.weight[4], dense.weight.new_zeros(3))
+    assert opts[0].state[sparse.weight]["sum"].numel() == 10  # one value per row

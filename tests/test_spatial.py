@@ -1,0 +1,134 @@
+"""Spatial parallelism: a 2-D and a 3-D CNN on height- (depth-) split samples equal the
+unsplit CNNs, and train to the same weights on a data x model grid (float64, tight tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout import GroupType
+from scaleout.pytorch import DataParallel, DistributedOptimizer
+from scaleout.pytorch.spatial import (
+    SpatialBatchNorm,
+    SpatialConv,
+    SpatialGlobalAvgPool,
+    spatial_parallel,
+    split_rows,
+)
+
+PER_RANK, STEPS, HEIGHT = 2, 3, 12
+
+
+class Net(nn.Module):
+    """2-D: conv 3x3, max-pool 2 (local on each block), conv 5x5; 3-D: two 3x3x3 convs."""
+
+    def __init__(self, kind: str, distribution=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm: nn.Module = nn.BatchNorm2d(4) if kind == "2d-bn" else nn.Identity()
+        if kind.startswith("2d"):
+            self.conv1: nn.Module = nn.Conv2d(2, 4, 3, padding=1)
+            self.conv2: nn.Module = nn.Conv2d(4, 4, 5, padding=2)
+            self.down: nn.Module = nn.MaxPool2d(2)
+            self.pool: nn.Module = nn.AdaptiveAvgPool2d(1)
+        else:
+            self.conv1 = nn.Conv3d(2, 4, 3, padding=1)
+            self.conv2 = nn.Conv3d(4, 4, 3, padding=1)
+            self.down = nn.Identity()
+            self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(4, 3)
+        if distribution is not None and kind == "3d":  # the converter does the same
+            spatial_parallel(self, distribution)
+        elif distribution is not None:
+            self.conv1 = SpatialConv(self.conv1, distribution=distribution, name="conv1")
+            self.conv2 = SpatialConv(self.conv2, distribution=distribution, name="conv2")
+            if kind == "2d-bn":
+                self.norm = SpatialBatchNorm(self.norm, distribution=distribution, name="norm")
+            self.pool = SpatialGlobalAvgPool(distribution=distribution)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv2(self.down(F.relu(self.norm(self.conv1(x))))))
+        return self.fc(self.pool(h).flatten(1))
+
+
+def batch(kind: str, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    shape = (samples, 2, HEIGHT, 6) if kind.startswith("2d") else (samples, 2, HEIGHT, 3, 3)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (samples,), generator=g))
+
+
+def reference(kind: str, data_parts: int) -> dict[str, torch.Tensor]:
+    net = Net(kind).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(kind, step, PER_RANK * data_parts)
+        for d in range(data_parts):
+            rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+            (F.cross_entropy(net(x[rows]), y[rows]) / data_parts).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in net.named_parameters()}
+
+
+def body(kind: str, data_parts: int, model_parts: int) -> None:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(data_parts, model_parts)
+    net = Net(kind, dist).double()
+    x, _ = batch(kind, 0, 2)
+    with torch.no_grad():  # the forward alone equals the unsplit network's
+        torch.testing.assert_close(net(split_rows(x, dist)), Net(kind).double()(x), rtol=1e-12,
+                                   atol=1e-12)
+        # activation memory falls by the model degree: each rank holds 1/p of conv1's output
+        assert net.conv1(split_rows(x, dist)).numel() * model_parts == \
+            Net(kind).double().conv1(x).numel()
+    model = DataParallel(net, dist)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9), model)
+    d = dist.rank(GroupType.DATA)
+    for step in range(STEPS):
+        x, y = batch(kind, step, PER_RANK * data_parts)
+        rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+        F.cross_entropy(model(split_rows(x[rows], dist)), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    assert model.statistics.operation("conv2 (activations)").bytes > 0  # halos, reported
+    for name, value in reference(kind, data_parts).items():
+        torch.testing.assert_close(dict(net.named_parameters())[name].detach(), value,
+                                   rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
+    model.close()
+    env.finalize()
+
+
+@pytest.mark.parametrize("kind,data_parts,model_parts", [
+    ("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2), ("2d-bn", 1, 2),
+    ("2d-bn", 2, 2), ("2d-bn", 1, 3)])
+def test_spatial_cnn_matches_single_process(kind: str, data_parts: int, model_parts: int) -> None:
+    run_ranks(data_parts * model_parts, body, kind, data_parts, model_parts, timeout=120)
+
+
+def test_unsupported_convolution_is_named() -> None:
+    class Fake:
+        def communicator(self, group):  # never reached: the check comes first
+            raise AssertionError
+
+    with pytest.raises(ValueError, match=r"SpatialConv c: needs stride 1.*stride \(2, 2\)"):
+        SpatialConv(nn.Conv2d(1, 1, 3, stride=2, padding=1), distribution=Fake(), name="c")
+
+
+def test_converter_names_a_convolution_it_cannot_split() -> None:
+    class Grid1:
+        def communicator(self, group):
+            class Comm:
+                size, rank = 1, 0
+            return Comm()
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Conv2d(2, 2, 4, padding=2))
+    with pytest.raises(ValueError, match=r"SpatialConv 1: needs .*kernel \(4, 4\)"):
+        spatial_parallel(net, Grid1())
+    assert type(net[0]) is nn.Conv2d  # nothing converted

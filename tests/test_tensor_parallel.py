@@ -1,0 +1,156 @@
+"""Tensor parallelism on a data x model grid equals single-process training.
+
+Each grid trains the TP MLP and a TP attention block with a vocab-parallel embedding (float64) with DataParallel +
+DistributedOptimizer on the data group; the full state dict gathered from the shards must
+equal the plain model trained in one process on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scaleout
+from harness import run_ranks
+from scaleout import GroupType, SchedulerConfig
+from scaleout.pytorch import (
+    ColumnParallelLinear,
+    DataParallel,
+    DistributedOptimizer,
+    RowParallelLinear,
+    full_state_dict,
+    load_full_state_dict,
+    tensor_parallel,
+)
+from tp_models import MODELS, batch
+
+PER_RANK, STEPS = 3, 4
+TINY = SchedulerConfig(bucket_bytes=2048, first_bucket_bytes=512, partition_bytes=512,
+                       credit_bytes=2048, urgent_bytes=300)
+
+
+def make_opt(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
+
+
+def reference(kind: str, data_parts: int, opt_name: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    net = MODELS[kind]().double()
+    opt = make_opt(opt_name, net.parameters())
+    for step in range(STEPS):
+        x, y = batch(kind, step, PER_RANK * data_parts)
+        for d in range(data_parts):
+            rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+            (F.mse_loss(net(x[rows]), y[rows]) / data_parts).backward()
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
+
+def train(env, dist, kind: str, opt_name: str, mode: str, sharded: bool) -> int:
+    torch.manual_seed(0 if env.rank == 0 else 7 + env.rank)  # rank 0's init must win
+    net = tensor_parallel(MODELS[kind]().double(), dist, embeddings=kind == "block")
+    if dist.size(GroupType.MODEL) > 1 and kind == "block":
+        assert type(net.emb).__name__ == "VocabParallelEmbedding"
+    model = DataParallel(net, dist, scheduler=TINY, distributed_update=sharded)
+    opt = DistributedOptimizer(make_opt(opt_name, net.parameters()), model, mode=mode)
+    data_parts, d = dist.size(GroupType.DATA), dist.rank(GroupType.DATA)
+    for step in range(STEPS):
+        x, y = batch(kind, step, PER_RANK * data_parts)
+        rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    if kind == "mlp" and dist.size(GroupType.MODEL) > 1:  # Statistics report the exchanges
+        for layer in ("2", "4"):  # row: allreduce forward; column: allreduce backward
+            figures = model.statistics.operation(f"{layer} (activations)")
+            assert figures.bytes > 0 and figures.comm_s > 0, (layer, figures)
+    state = full_state_dict(net)
+    expected = reference(kind, data_parts, opt_name)
+    assert list(state) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {kind} {n}: {m}")
+    fresh = tensor_parallel(MODELS[kind]().double(), dist, embeddings=kind == "block")
+    load_full_state_dict(fresh, expected)  # a saved plain state dict loads into the shards
+    assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
+    model.close()
+    return sum(p.numel() for p in net.parameters())
+
+
+def body_grid(data_parts: int, model_parts: int, opt_name: str, mode: str,
+              sharded: bool) -> None:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(data_parts, model_parts)
+    for kind in MODELS:
+        train(env, dist, kind, opt_name, mode, sharded)
+    env.finalize()
+
+
+GRIDS = [(1, 2, "sgd", "sync", False), (2, 1, "adamw", "overlap", False),
+         (2, 2, "adamw", "overlap", False), (2, 2, "sgd", "sync", True),
+         (1, 3, "sgd", "overlap", False), (3, 1, "adamw", "sync", False)]
+
+
+@pytest.mark.parametrize("data_parts,model_parts,opt_name,mode,sharded", GRIDS)
+def test_grid_matches_single_process(data_parts: int, model_parts: int, opt_name: str,
+                                     mode: str, sharded: bool) -> None:
+    run_ranks(data_parts * model_parts, body_grid, data_parts, model_parts, opt_name, mode,
+              sharded, timeout=120)
+
+
+def body_memory(model_parts: int) -> tuple[int, int]:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(1, model_parts)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 384), torch.nn.ReLU(),
+                                torch.nn.Linear(384, 64))
+    full = sum(p.numel() * p.element_size() for p in plain.parameters())
+    x = torch.randn(5, 64)
+    full_hidden = plain[0](x).numel()
+    net = tensor_parallel(plain, dist)
+    local = sum(p.numel() * p.element_size() for p in net.parameters())
+    local_hidden = net[0](x).numel()  # the activation between the pair: this rank's block
+    env.finalize()
+    return full, local, full_hidden, local_hidden
+
+
+@pytest.mark.parametrize("model_parts", [2, 3])
+def test_parameter_and_activation_memory_fall_by_model_degree(model_parts: int) -> None:
+    for full, local, full_hidden, local_hidden in run_ranks(model_parts, body_memory,
+                                                            model_parts):
+        # only the row layer's bias (64 values) stays replicated
+        assert local <= full / model_parts + 64 * 4, (full, local)
+        assert local >= full / model_parts
+        assert local_hidden * model_parts == full_hidden
+
+
+def body_errors() -> None:
+    env = scaleout.init(timeout=30)
+    grid12 = env.create_distribution(1, 2)
+    grid21 = env.create_distribution(2, 1)
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear fc: out_features = 7 .* 2"):
+        ColumnParallelLinear(4, 7, distribution=grid12, name="fc")
+    with pytest.raises(ValueError, match=r"RowParallelLinear proj: in_features = 5 .* 2"):
+        RowParallelLinear(5, 4, distribution=grid12, name="proj")
+    block = MODELS["block"](width=12, n_heads=3)
+    with pytest.raises(ValueError, match=r"attention attn: n_heads = 3 .* 2"):
+        tensor_parallel(block, grid12)
+    assert type(block.attn.q) is torch.nn.Linear  # nothing was converted
+    with pytest.raises(ValueError, match=r"layer 'nope'"):
+        tensor_parallel(MODELS["mlp"](), grid12, plan={"nope": "column"})
+    net = tensor_parallel(MODELS["mlp"](), grid12)
+    with pytest.raises(ValueError, match=r"layer 0 is split across the model group of ranks "
+                                         r"\[0, 1\] \(2 parts\).*ranks \[\d\] \(1 parts\)"):
+        DataParallel(net, grid21)
+    with pytest.raises(ValueError, match="must divide the world size"):
+        env.create_distribution(2, 2)
+    env.finalize()
+
+
+def test_errors_name_the_layer_and_sizes() -> None:
+    run_ranks(2, body_errors)

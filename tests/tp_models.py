@@ -1,0 +1,62 @@
+"""Small plain models for the model-parallel tests (built identically by the reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    """Two column/row pairs: 8 -> 12 -> 6 -> 12 -> 4."""
+    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6), nn.Tanh(),
+                         nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 4))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with separate q/k/v and output projections."""
+
+    def __init__(self, width: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (f(x).view(batch, seq, self.n_heads, -1).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return self.out((att @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    """Token embedding, a pre-LN transformer block (attention, then an MLP), a replicated head."""
+
+    def __init__(self, width: int = 12, n_heads: int = 6, vocab: int = 12) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = Attention(width, n_heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x)
+
+
+MODELS = {"mlp": mlp, "block": Block}
+
+
+def batch(kind: str, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and regression targets of one global batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        return (torch.randn(samples, 8, generator=g, dtype=torch.float64),
+                torch.randn(samples, 4, generator=g, dtype=torch.float64))
+    return (torch.randint(0, 12, (samples, 5), generator=g),
+            torch.randn(samples, 5, 3, generator=g, dtype=torch.float64))

@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 

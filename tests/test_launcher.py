@@ -59,7 +59,7 @@ def test_failing_rank_stops_the_others_fast(tmp_path: Path) -> None:
     result = scaleout_run("-n", "3", str(script))
     assert time.monotonic() - started < 30
     assert result.returncode == 1
-    assert "scaleout run: rank 1 failed with exit code 1" in result.stdout
+    assert "scaleout run: rank 1 failed first, with exit code 1" in result.stdout
     assert "ValueError: rank one fails on purpose" in result.stdout
 
 

@@ -14,6 +14,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
+from scaleout.launch.lifeline import watch_parent
 
 __all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
 
@@ -182,6 +183,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     chosen = _choose_backend(backend)
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
+    watch_parent(environ)  # leave if the launcher dies (a fallback for its parent-death signal)
     if check_consistency is None:
         check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
     if tdist.is_initialized():

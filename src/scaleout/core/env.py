@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core.checks import check_seconds
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
@@ -20,16 +21,6 @@ __all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
-
-
-def _seconds(timeout: float | timedelta) -> float:
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return float(timeout)
 
 
 def _choose_backend(backend: str | None) -> str:
@@ -179,7 +170,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         >>> env.rank, env.world_size
         (0, 2)                             # rank 1 prints (1, 2)
     """
-    seconds = _seconds(timeout)
+    limit = check_seconds(timeout, "timeout")
     chosen = _choose_backend(backend)
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
@@ -196,15 +187,15 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     try:
         if info.world_size == 1:
             tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
-                                     timeout=timedelta(seconds=seconds))
+                                     timeout=timedelta(seconds=limit))
         else:
             tdist.init_process_group(
                 chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=seconds),
+                rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=limit),
             )
     except (RuntimeError, ValueError) as err:
         raise ScaleoutError(
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
             f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): {err}"
         ) from err
-    return Environment(info, chosen, seconds, check_consistency)
+    return Environment(info, chosen, limit, check_consistency)

@@ -100,6 +100,7 @@ class DataParallel(nn.Module):
         self._scheduler = scheduler or SchedulerConfig()
         self._distributed_update = bool(distributed_update)
         self._compression = compression
+        self._compression_config()  # parse the specs now: a bad one fails at construction
         self._comm = distribution.communicator(GroupType.DATA)
         self._layers = find_layers(module)
         self._optimizer: DistributedOptimizer | None = None

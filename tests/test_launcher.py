@@ -91,7 +91,8 @@ def test_two_nodes_rendezvous(tmp_path: Path) -> None:
         os._exit(0)  # see _TEARDOWN
     """))
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "SCALEOUT_JOB_TOKEN": "the same secret on every node"}
     nodes = [subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "1", "--nnodes", "2",
                                "--node-rank", str(i), "--master-port", port, str(script)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,8 @@ from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
 from scaleout.launch.lifeline import watch_parent
+from scaleout.launch.rendezvous import Rendezvous, rendezvous
+from scaleout.launch.secret import TOKEN_VAR, job_token
 
 __all__ = ["Environment", "init", "attach", "DEFAULT_TIMEOUT"]
 
@@ -45,11 +48,13 @@ class Environment:
         backend: the torch.distributed backend string.
         timeout: seconds any collective may wait before raising.
         check_consistency: verify before each collective that every rank called the same one.
+        rendezvous: the job's authenticated store (``None`` for one process or when attached).
     """
 
     def __init__(self, info: LaunchInfo, backend: str, timeout: float,
-                 check_consistency: bool) -> None:
+                 check_consistency: bool, rendezvous: Rendezvous | None = None) -> None:
         self._info = info
+        self.rendezvous = rendezvous
         self.backend = backend
         self.timeout = timeout
         self.check_consistency = check_consistency
@@ -184,18 +189,29 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         )
     if "nccl" in chosen and torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    token = job_token(environ)
+    if not token and info.world_size > 1 and not _loopback(info.master_addr):
+        warnings.warn(f"{TOKEN_VAR} is not set: any process that reaches "
+                      f"{info.master_addr}:{info.master_port} can join this job; set the same "
+                      "secret on every node (scaleout run sets one for single-node jobs)",
+                      stacklevel=2)
+    job = None
     try:
         if info.world_size == 1:
             tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
                                      timeout=timedelta(seconds=limit))
         else:
-            tdist.init_process_group(
-                chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=limit),
-            )
+            job = rendezvous(info, token, limit)
+            tdist.init_process_group(chosen, store=job.store, rank=info.rank,
+                                     world_size=info.world_size, timeout=timedelta(seconds=limit))
     except (RuntimeError, ValueError) as err:
+        hint = f" (is {TOKEN_VAR} the same on every rank?)" if "Timeout" in str(err) else ""
         raise ScaleoutError(
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
-            f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): {err}"
-        ) from err
-    return Environment(info, chosen, limit, check_consistency)
+            f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): "
+            f"{err}{hint}") from err
+    return Environment(info, chosen, limit, check_consistency, job)
+
+
+def _loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")

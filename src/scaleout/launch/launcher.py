@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from scaleout.launch.lifeline import LAUNCHER_PID_VAR, die_with_parent
+from scaleout.launch.secret import TOKEN_VAR, new_token
 
 __all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for"]
 
@@ -76,6 +77,9 @@ class LaunchConfig:
         prefix_output: prefix every output line with ``[rank R]``.
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         env: extra environment for every rank.
+
+    The ranks get the job secret ``SCALEOUT_JOB_TOKEN`` (from ``env`` or this process's
+    environment; a fresh one for a single-node job; a multi-node job must be given one).
     """
 
     nprocs: int
@@ -98,6 +102,10 @@ class LaunchConfig:
             raise ValueError("a multi-node launch needs --master-port (the same on every node)")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.nnodes > 1 and not os.environ.get(TOKEN_VAR) and not self.env.get(TOKEN_VAR):
+            raise ValueError(f"a multi-node launch needs the job secret {TOKEN_VAR}, the same on "
+                             f"every node: export {TOKEN_VAR}=$(python3 -c 'import secrets; "
+                             "print(secrets.token_hex(32))') and pass it to every node")
 
 
 class _Ranks:
@@ -215,6 +223,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
     argv = command_for(target)
     port = config.master_port if config.master_port is not None else free_port()
     world = config.nprocs * config.nnodes
+    token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
     ranks = _Ranks(out)
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
     in_main = threading.current_thread() is threading.main_thread()
@@ -229,7 +238,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                LAUNCHER_PID_VAR: str(os.getpid()), **extra,
+                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token, **extra,
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)

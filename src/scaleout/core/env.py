@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core import watchdog
 from scaleout.core.checks import check_seconds
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
@@ -113,6 +114,8 @@ class Environment:
     def _teardown(self, *, meet: bool) -> None:
         self.require_alive()
         self._alive = False
+        if meet:
+            watchdog.stop()  # marks this rank as left: finishing is not failing
         if tdist.is_initialized():
             if meet and self.world_size > 1:
                 tdist.barrier()
@@ -190,6 +193,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     if "nccl" in chosen and torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     token = job_token(environ)
+    limit_silence = watchdog.heartbeat_limit(environ)
     if not token and info.world_size > 1 and not _loopback(info.master_addr):
         warnings.warn(f"{TOKEN_VAR} is not set: any process that reaches "
                       f"{info.master_addr}:{info.master_port} can join this job; set the same "
@@ -204,6 +208,8 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             job = rendezvous(info, token, limit)
             tdist.init_process_group(chosen, store=job.store, rank=info.rank,
                                      world_size=info.world_size, timeout=timedelta(seconds=limit))
+            if limit_silence is not None:
+                watchdog.start(job, info.rank, info.world_size, limit_silence)
     except (RuntimeError, ValueError) as err:
         hint = f" (is {TOKEN_VAR} the same on every rank?)" if "Timeout" in str(err) else ""
         raise ScaleoutError(

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from scaleout.core.errors import CommunicationError, CommunicationTimeout
+from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
+from scaleout.core.watchdog import wait_work
 
 __all__ = ["Request", "completed_request", "countdown"]
 
@@ -82,7 +83,9 @@ class Request:
         for work in self._works:
             remaining = max(deadline - time.monotonic(), 1e-3)
             try:
-                work.wait(timeout=timedelta(seconds=remaining))
+                wait_work(work, remaining, self._rank, self._group, self._operation)
+            except PeerFailedError:
+                raise
             except RuntimeError as err:
                 if "timed out" in str(err).lower() or time.monotonic() >= deadline:
                     raise self._error(

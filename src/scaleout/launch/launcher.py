@@ -21,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from scaleout.launch.lifeline import LAUNCHER_PID_VAR, die_with_parent
+from scaleout.launch.lifeline import LAUNCHER_PID_VAR, REPORT_DIR_VAR, blamed, die_with_parent
 from scaleout.launch.secret import TOKEN_VAR, new_token
 
 __all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for"]
@@ -226,6 +227,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
     token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
     ranks = _Ranks(out)
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
+    reports = tempfile.TemporaryDirectory(prefix="scaleout-run-")
     in_main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, ranks.on_signal) for sig in _STOP_SIGNALS} if in_main else {}
     try:
@@ -238,7 +240,8 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token, **extra,
+                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token,
+                REPORT_DIR_VAR: reports.name, **extra,
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)
@@ -247,10 +250,11 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         ranks.stop(config.grace)  # every rank, also after an exception
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _report(ranks, out)
+    with reports:
+        return _report(ranks, out, blamed(reports.name))
 
 
-def _report(ranks: _Ranks, out: IO[str]) -> int:
+def _report(ranks: _Ranks, out: IO[str], blame: Mapping[str, object] | None) -> int:
     """Say why the job ended and return the launcher's exit code."""
     if ranks.signal is not None:
         name = signal.Signals(ranks.signal).name
@@ -263,7 +267,12 @@ def _report(ranks: _Ranks, out: IO[str]) -> int:
     rank, code = failed
     how = f"exit code {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
     tail = "\n".join(f"    {line}" for line in ranks.tails[rank])
-    out.write(f"scaleout run: rank {rank} failed first, with {how}; stopped the other "
-              f"ranks. Last output of rank {rank}:\n{tail}\n")
+    if blame is not None and blame.get("rank") != rank:  # rank exited because a peer failed
+        out.write(f"scaleout run: rank {blame['rank']} failed first: {blame['reason']} (noticed "
+                  f"by rank {blame['detected_by']}); rank {rank} then exited with {how}; stopped "
+                  f"the other ranks. Last output of rank {rank}:\n{tail}\n")
+    else:
+        out.write(f"scaleout run: rank {rank} failed first, with {how}; stopped the other "
+                  f"ranks. Last output of rank {rank}:\n{tail}\n")
     out.flush()
     return code if code > 0 else 128 - code  # a signal -N becomes 128+N

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
+import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["LAUNCHER_PID_VAR", "die_with_parent", "watch_parent"]
+__all__ = ["LAUNCHER_PID_VAR", "REPORT_DIR_VAR", "die_with_parent", "watch_parent", "blamed"]
 
 LAUNCHER_PID_VAR = "SCALEOUT_LAUNCHER_PID"
+#: A directory where a rank's watchdog writes ``failure-<rank>.json`` naming a failed peer.
+REPORT_DIR_VAR = "SCALEOUT_REPORT_DIR"
 _PR_SET_PDEATHSIG = 1
 _THREAD = "scaleout-parent-watch"
 
@@ -69,3 +73,15 @@ def watch_parent(environ: Mapping[str, str], period: float = 1.0) -> threading.E
     threading.Thread(target=_watch, args=(int(value), period, stop), daemon=True,
                      name=_THREAD).start()
     return stop
+
+
+def blamed(directory: str) -> dict[str, object] | None:
+    """The failed peer that ranks' watchdogs reported in ``directory`` (the earliest), if any."""
+    reports = []
+    for path in glob.glob(os.path.join(directory, "failure-*.json")):
+        try:
+            with open(path) as report:
+                reports.append((os.path.getmtime(path), json.load(report)))
+        except (OSError, ValueError):
+            continue
+    return min(reports, key=lambda item: item[0])[1] if reports else None

@@ -28,7 +28,7 @@ from scaleout.core.errors import ScaleoutError
 from scaleout.launch.environment import LaunchInfo
 from scaleout.launch.secret import ForgedValue, Sealer, namespace
 
-__all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store"]
+__all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 
 _SALT = 16
 
@@ -69,6 +69,10 @@ class AuthStore(tdist.Store):
         self._raw = raw
         self._sealer = sealer
 
+    @property
+    def sealer(self) -> Sealer:
+        return self._sealer
+
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         self._raw.set(self._sealer.name(key), self._sealer.seal(key, data))
@@ -103,6 +107,16 @@ class AuthStore(tdist.Store):
         return self._raw.timeout
 
 
+def machine() -> str:
+    """This process's kernel and pid namespace: processes with the same value can see each
+    other's pids (in ``/proc``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip() + "/" + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 class Rendezvous:
     """The job's authenticated store and, on rank 0, the report of outsiders' attempts."""
 
@@ -112,6 +126,17 @@ class Rendezvous:
         self.rank = rank
         self._prefix = namespace(token) + "/"
         self._reported: set[str] = set()
+
+    def connection(self, timeout: float) -> AuthStore:
+        """A second connection to the store whose operations give up after ``timeout`` s
+        (for a watchdog, which must not block behind a frozen store host)."""
+        raw = self.raw.clone()
+        raw.set_timeout(timedelta(seconds=timeout))
+        return AuthStore(raw, self.store.sealer)
+
+    def peer(self, rank: int) -> dict[str, object]:
+        """Rank ``rank``'s join record: its pid, host name and machine()."""
+        return json.loads(self.store.get(f"join/{rank}"))
 
     def outsiders(self) -> list[str]:
         """Store keys written by processes without the token, not reported before."""
@@ -164,7 +189,8 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float) -> Rendezvous:
     if claims != 1:
         raise ScaleoutError(f"rank {rank}/{world}: another process already joined this job "
                             f"as rank {rank} ({claims} claims): a duplicate or an impostor")
-    store.set(f"join/{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    store.set(f"join/{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                          "machine": machine()}))
     job = Rendezvous(raw, store, token, rank)
     if rank == 0:
         store.set("admitted", json.dumps({"refused": _verify(job, world)}))

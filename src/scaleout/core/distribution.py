@@ -22,7 +22,7 @@ class Member(Protocol):
     rank: int
     world_size: int
     timeout: float
-    check_consistency: bool
+    check_consistency: bool | str
 
     def require_alive(self) -> None: ...
 

@@ -13,6 +13,7 @@ import torch.distributed as tdist
 
 from scaleout.core import watchdog
 from scaleout.core.checks import check_seconds
+from scaleout.core.collectives import CHECK_MODES
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
@@ -48,12 +49,13 @@ class Environment:
         rank, world_size, local_rank: as launched.
         backend: the torch.distributed backend string.
         timeout: seconds any collective may wait before raising.
-        check_consistency: verify before each collective that every rank called the same one.
+        check_consistency: ``"full"``, ``"first"`` or ``"off"``: when to verify that every rank
+            called the same collective (see :class:`~scaleout.core.collectives.Communicator`).
         rendezvous: the job's authenticated store (``None`` for one process or when attached).
     """
 
     def __init__(self, info: LaunchInfo, backend: str, timeout: float,
-                 check_consistency: bool, rendezvous: Rendezvous | None = None) -> None:
+                 check_consistency: bool | str, rendezvous: Rendezvous | None = None) -> None:
         self._info = info
         self.rendezvous = rendezvous
         self.backend = backend
@@ -154,7 +156,7 @@ def attach(*, check_consistency: bool = False) -> Environment:
 
 
 def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT, *,
-         check_consistency: bool | None = None,
+         check_consistency: bool | str | None = None,
          environ: Mapping[str, str] | None = None) -> Environment:
     """Join the job: detect the launcher, pick a backend and initialise torch.distributed.
 
@@ -163,8 +165,11 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             and adds NCCL for CUDA tensors when CUDA is available.
         timeout: seconds (or a timedelta) any rendezvous or collective may take before it
             raises an error naming the rank, group and operation.
-        check_consistency: verify before every collective that all ranks called the same
-            operation with matching shapes and dtypes; default from ``SCALEOUT_CHECK=1``.
+        check_consistency: verify that all ranks called the same collective (operation,
+            dtype, shape, reduce op, root): ``"full"`` (or ``True``; ``SCALEOUT_CHECK=1``)
+            before every call, ``"first"`` (``SCALEOUT_CHECK=first``) the first time each
+            distinct call occurs on a group, ``"off"`` (the default). A mismatch is a
+            ValueError naming every rank's call. Checked calls wait for every rank.
         environ: the environment to read the launch from (default ``os.environ``).
 
     Returns:
@@ -183,8 +188,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
     watch_parent(environ)  # leave if the launcher dies (a fallback for its parent-death signal)
-    if check_consistency is None:
-        check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
+    mode = _check_mode(check_consistency, environ)
     if tdist.is_initialized():
         raise ScaleoutError(
             "scaleout.init() was called while torch.distributed is already initialised "
@@ -216,7 +220,24 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
             f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): "
             f"{err}{hint}") from err
-    return Environment(info, chosen, limit, check_consistency, job)
+    return Environment(info, chosen, limit, mode, job)
+
+
+def _check_mode(check: bool | str | None, environ: Mapping[str, str]) -> str:
+    """The consistency-check mode: the argument, else ``SCALEOUT_CHECK``, else ``"off"``.
+
+    ``"first"`` is not the default: its check blocks the first call of each signature until
+    every rank arrives, which deadlocks the priority scheduler's two lanes (issued on two
+    communicators in timing-dependent order). Persistent plans use ``verify_plan`` instead.
+    """
+    if check is None:
+        text = environ.get("SCALEOUT_CHECK", "").strip().lower()
+        check = {"": "off", "0": "off", "1": "full"}.get(text, text)
+    mode = {True: "full", False: "off"}.get(check, check)  # type: ignore[call-overload]
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check_consistency (or SCALEOUT_CHECK) must be one of {CHECK_MODES}, "
+                         f"a bool, 0 or 1; got {check!r}")
+    return mode
 
 
 def _loopback(address: str) -> bool:

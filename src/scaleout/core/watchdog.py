@@ -177,6 +177,8 @@ class Watchdog:
     def _round(self, watch: _PeerWatch, beats: int) -> str | None:
         """One heartbeat: why the watched peer has failed, or None."""
         state = _process_state(watch.pid) if watch.pid and not watch.left else None
+        if state is not None and "stopped" in state:
+            return state  # before the store, which a stopped rank 0 would never answer
         self._store.set(f"hb/{self.rank}", str(beats))
         if self._store.check(["failure"]):
             self._record(PeerFailure(**json.loads(self._store.get("failure"))))

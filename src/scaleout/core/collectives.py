@@ -21,8 +21,9 @@ from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Request
 
 __all__ = [
-    "CHECK_MODES", "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather", "allgatherv",
-    "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier", "verify_plan",
+    "CHECK_MODES", "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather",
+    "allgatherv", "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
+    "verify_plan",
 ]
 
 

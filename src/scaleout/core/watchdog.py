@@ -31,8 +31,8 @@ from scaleout.core.errors import PeerFailedError
 from scaleout.launch.lifeline import REPORT_DIR_VAR
 from scaleout.launch.rendezvous import Rendezvous, machine
 
-__all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "failure", "wait_work",
-           "heartbeat_limit"]
+__all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
+           "failure", "wait_work", "heartbeat_limit"]
 
 HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
 DEFAULT_LIMIT = 15.0
@@ -164,7 +164,7 @@ class Watchdog:
             if found is not None and found.detected_by == self.rank:
                 # tell the others (this may block for good if the store's host is frozen)
                 self._store.set("failure", json.dumps(asdict(found)))
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, TypeError):
             pass  # the store is gone: failure() names rank 0 once the limit has passed
         finally:
             self._published.set()

@@ -229,7 +229,8 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
     reports = tempfile.TemporaryDirectory(prefix="scaleout-run-")
     in_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, ranks.on_signal) for sig in _STOP_SIGNALS} if in_main else {}
+    previous = ({sig: signal.signal(sig, ranks.on_signal) for sig in _STOP_SIGNALS}
+                if in_main else {})
     try:
         for local in range(config.nprocs):
             rank = config.node_rank * config.nprocs + local
@@ -257,7 +258,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
 def _report(ranks: _Ranks, out: IO[str], blame: Mapping[str, object] | None) -> int:
     """Say why the job ended and return the launcher's exit code."""
     if ranks.signal is not None:
-        name = signal.Signals(ranks.signal).name
+        name = _signal_name(ranks.signal)
         out.write(f"scaleout run: got {name}; stopped every rank\n")
         out.flush()
         return 128 + ranks.signal
@@ -265,7 +266,7 @@ def _report(ranks: _Ranks, out: IO[str], blame: Mapping[str, object] | None) -> 
     if failed is None:
         return 0
     rank, code = failed
-    how = f"exit code {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
+    how = f"exit code {code}" if code > 0 else f"signal {_signal_name(-code)}"
     tail = "\n".join(f"    {line}" for line in ranks.tails[rank])
     if blame is not None and blame.get("rank") != rank:  # rank exited because a peer failed
         out.write(f"scaleout run: rank {blame['rank']} failed first: {blame['reason']} (noticed "
@@ -276,3 +277,10 @@ def _report(ranks: _Ranks, out: IO[str], blame: Mapping[str, object] | None) -> 
                   f"ranks. Last output of rank {rank}:\n{tail}\n")
     out.flush()
     return code if code > 0 else 128 - code  # a signal -N becomes 128+N
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)

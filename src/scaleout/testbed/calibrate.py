@@ -220,7 +220,7 @@ def _tcp_rtt(args: argparse.Namespace, world: int) -> float:
 
     rank, count = args.rank, args.latency_iters
     server = None
-    port = torch.zeros(1, dtype=torch.int64)  # a tensor, not a pickled object: no pickle on the wire
+    port = torch.zeros(1, dtype=torch.int64)  # a tensor, never a pickle on the wire
     if rank == 1:
         server = socket.create_server((args.addr, 0))
         port[0] = server.getsockname()[1]

@@ -142,3 +142,33 @@ def test_collective_arguments(dist: scaleout.Distribution, operation: str, tenso
     request = accepted_or_refused(calls[operation])
     if not isinstance(request, Exception):
         request.wait(timeout=5)
+
+
+@SETTINGS
+@given(check=st.one_of(st.sampled_from(["off", "first", "full", True, False, None]), anything),
+       env_check=st.one_of(st.sampled_from(["", "0", "1", "first", "full"]), st.text(max_size=5)))
+def test_init_check_consistency(check: object, env_check: str) -> None:
+    from scaleout.core.env import _check_mode  # what init() resolves (init needs no group here)
+
+    mode = accepted_or_refused(lambda: _check_mode(check, {"SCALEOUT_CHECK": env_check}))
+    assert isinstance(mode, Exception) or mode in ("off", "first", "full")
+
+
+@SETTINGS
+@given(text=st.one_of(st.sampled_from(["", "0", "15", "0.5", "-1", "inf", "nan", "1e9"]),
+                      st.text(max_size=8)))
+def test_heartbeat_setting(text: str) -> None:
+    from scaleout.core.watchdog import heartbeat_limit
+
+    limit = accepted_or_refused(lambda: heartbeat_limit({"SCALEOUT_HEARTBEAT": text}))
+    assert limit is None or isinstance(limit, (float, Exception))
+
+
+@SETTINGS
+@given(nprocs=small_ints, nnodes=small_ints, node_rank=small_ints, port=small_ints)
+def test_launch_config(nprocs: object, nnodes: object, node_rank: object, port: object) -> None:
+    from scaleout.launch.launcher import LaunchConfig
+
+    accepted_or_refused(lambda: LaunchConfig(nprocs=nprocs, nnodes=nnodes, node_rank=node_rank,
+                                             master_port=port,
+                                             env={"SCALEOUT_JOB_TOKEN": "t"}))

@@ -119,3 +119,22 @@ def test_finishing_at_different_times_is_not_failing(tmp_path: Path) -> None:
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "failed" not in result.stdout + result.stderr
+
+
+def test_ending_without_finalize_is_not_failing(tmp_path: Path) -> None:
+    """A rank that ends normally without finalize() is marked as left at exit."""
+    script = tmp_path / "nofin.py"
+    script.write_text(textwrap.dedent("""
+        import time, torch, scaleout
+        env = scaleout.init(timeout=60)
+        d = env.create_distribution()
+        d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait()
+        if env.rank == 0:
+            time.sleep(5)  # > 2 heartbeat limits after rank 1 has gone
+        print("done", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "2"}
+    result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert "failed" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert result.returncode == 0

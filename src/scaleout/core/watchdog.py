@@ -214,28 +214,45 @@ class Watchdog:
 
 
 _active: list[Watchdog] = []  # the watchdog of this process's job (at most one)
+_exit_state = {"crashed": False, "raised": False}  # an uncaught exception / a PeerFailedError
 
 
 def start(job: Rendezvous, rank: int, world: int, limit: float) -> Watchdog:
     """Start this process's watchdog (stopping any previous one)."""
     stop()
     _active.append(Watchdog(job, rank, world, limit).start())
-    atexit.unregister(_leave_after_failure)
-    atexit.register(_leave_after_failure)
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+    if not getattr(sys.excepthook, "_scaleout", False):
+        sys.excepthook = _note_crash(sys.excepthook)
     return _active[0]
 
 
-def _leave_after_failure() -> None:
-    """At exit after a peer failed: rank 0 keeps the store (in its process) up a little so
-    the others can still read which rank failed; then every rank leaves at once (status 1),
-    skipping the teardown of torch.distributed, which can block for good on a frozen peer."""
-    if not _active or _active[0].failure() is None:
+def _note_crash(previous: Any) -> Any:
+    def hook(*args: Any) -> None:
+        _exit_state["crashed"] = True
+        previous(*args)
+
+    hook._scaleout = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _at_exit() -> None:
+    """At interpreter exit. After a peer failed and this rank raised (or crashed): rank 0
+    keeps the store (in its process) up a little so the others can still read which rank
+    failed; then the rank leaves at once (status 1), skipping the teardown of
+    torch.distributed, which can block for good on a frozen peer. A rank that ends normally
+    without ``finalize()`` is marked as left, so that its peers do not report it."""
+    if not _active:
         return
-    if _active[0].rank == 0:
-        time.sleep(2 * _active[0].period + 0.5)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    if _active[0].failure() is not None and (_exit_state["crashed"] or _exit_state["raised"]):
+        if _active[0].rank == 0:
+            time.sleep(2 * _active[0].period + 0.5)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if not _exit_state["crashed"]:
+        stop()
 
 
 def stop() -> None:
@@ -262,6 +279,7 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
         found = failure()
         if found is not None:
             _active[0].settle()
+            _exit_state["raised"] = True
             raise PeerFailedError(
                 f"rank {rank}: {operation} on group {group} cannot complete: {found.describe()}",
                 rank=rank, group=group, operation=operation, failed_rank=found.rank)

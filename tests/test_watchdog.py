@@ -138,3 +138,34 @@ def test_ending_without_finalize_is_not_failing(tmp_path: Path) -> None:
                             env=env, capture_output=True, text=True, timeout=60)
     assert "failed" not in result.stdout + result.stderr, result.stdout + result.stderr
     assert result.returncode == 0
+
+
+def test_wait_event_fails_fast_once_a_peer_failed() -> None:
+    """The helper for wait loops outside Request (the scheduler's Job.wait)."""
+    import threading
+
+    from scaleout.core import watchdog
+    from scaleout.core.errors import PeerFailedError
+
+    class Found:
+        period = 0.1
+
+        def failure(self) -> watchdog.PeerFailure:
+            return watchdog.PeerFailure(rank=2, reason="process exited", detected_by=1,
+                                        silent_for=1.0)
+
+        def settle(self) -> None:
+            pass
+
+    event = threading.Event()
+    assert watchdog.wait_event(event, 0.3, 0, "lane 0", "gradient comm") is False
+    watchdog._active.append(Found())  # type: ignore[arg-type]
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerFailedError, match="rank 0: gradient comm on group lane 0 cannot "
+                                                  "complete: rank 2 failed: process exited") as info:
+            watchdog.wait_event(event, 30, 0, "lane 0", "gradient comm")
+        assert info.value.failed_rank == 2 and time.monotonic() - started < 1.0
+    finally:
+        watchdog._active.clear()
+        watchdog._exit_state["raised"] = False

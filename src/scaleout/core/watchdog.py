@@ -32,7 +32,7 @@ from scaleout.launch.lifeline import REPORT_DIR_VAR
 from scaleout.launch.rendezvous import Rendezvous, machine
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
-           "failure", "wait_work", "heartbeat_limit"]
+           "failure", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]
 
 HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
 DEFAULT_LIMIT = 15.0
@@ -266,6 +266,33 @@ def failure() -> PeerFailure | None:
     return _active[0].failure() if _active else None
 
 
+def raise_if_failed(rank: int, group: str, operation: str) -> None:
+    """Raise PeerFailedError (naming the failed rank, this rank, group and operation) if the
+    watchdog knows of a failed rank; for wait loops and ``Request.test()``."""
+    found = failure()
+    if found is not None:
+        _active[0].settle()
+        _exit_state["raised"] = True
+        raise PeerFailedError(
+            f"rank {rank}: {operation} on group {group} cannot complete: {found.describe()}",
+            rank=rank, group=group, operation=operation, failed_rank=found.rank)
+
+
+def wait_event(event: threading.Event, seconds: float, rank: int, group: str,
+               operation: str) -> bool:
+    """``event.wait(seconds)`` in slices, raising PeerFailedError once a peer has failed.
+
+    Returns:
+        True when the event was set, False on timeout (as ``Event.wait``).
+    """
+    deadline = time.monotonic() + seconds
+    while not event.wait(min(_SLICE, max(deadline - time.monotonic(), 0.0))):
+        raise_if_failed(rank, group, operation)
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
 def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) -> None:
     """``work.wait(timeout=seconds)``, in slices, raising at once when a peer has failed.
 
@@ -276,13 +303,7 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
     """
     deadline = time.monotonic() + seconds
     while True:
-        found = failure()
-        if found is not None:
-            _active[0].settle()
-            _exit_state["raised"] = True
-            raise PeerFailedError(
-                f"rank {rank}: {operation} on group {group} cannot complete: {found.describe()}",
-                rank=rank, group=group, operation=operation, failed_rank=found.rank)
+        raise_if_failed(rank, group, operation)
         remaining = deadline - time.monotonic()
         step = min(remaining, _SLICE) if _active else remaining
         try:

@@ -161,3 +161,23 @@ def body_first_call_check() -> None:
 
 def test_first_call_check_catches_a_new_mismatch() -> None:
     run_ranks(2, body_first_call_check, timeout=60)
+
+
+def body_default_settings_catch_the_issue_cases() -> None:
+    env = scaleout.init(timeout=20)  # default: "first"
+    d = env.create_distribution()
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(4,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(5,\), SUM\)"):
+        d.allreduce(torch.ones(4 + env.rank), group=G)
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(3,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(3,\), MAX\)"):
+        d.allreduce(torch.ones(3), ReduceOp.SUM if env.rank == 0 else ReduceOp.MAX, group=G)
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(2,\), SUM\); "
+                                          r"rank 1: bcast\(float32, shape \(2,\), 0\)"):
+        d.allreduce(torch.ones(2), group=G) if env.rank == 0 else d.bcast(torch.ones(2), 0, group=G)
+    assert torch.equal(d.allreduce(torch.ones(2), group=G).wait(), torch.full((2,), 2.0))
+    env.finalize()
+
+
+def test_default_settings_catch_mismatched_calls() -> None:
+    run_ranks(2, body_default_settings_catch_the_issue_cases, timeout=60)

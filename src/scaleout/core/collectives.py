@@ -92,6 +92,10 @@ class Communicator:
         self._seen.add(description)
         return True
 
+    def forget(self, description: str) -> None:
+        """Drop a call the ranks did not agree on from the remembered ones."""
+        self._seen.discard(description)
+
     @property
     def size(self) -> int:
         return len(self.ranks)
@@ -135,6 +139,7 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
     if len(set(every.tolist())) == 1:
         return
+    comm.forget(description)  # only agreed calls are remembered: the ranks' memories stay equal
     text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
     raw = description.encode()[:_DESCRIPTION_BYTES]
     text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -166,10 +166,12 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         timeout: seconds (or a timedelta) any rendezvous or collective may take before it
             raises an error naming the rank, group and operation.
         check_consistency: verify that all ranks called the same collective (operation,
-            dtype, shape, reduce op, root): ``"full"`` (or ``True``; ``SCALEOUT_CHECK=1``)
-            before every call, ``"first"`` (``SCALEOUT_CHECK=first``) the first time each
-            distinct call occurs on a group, ``"off"`` (the default). A mismatch is a
-            ValueError naming every rank's call. Checked calls wait for every rank.
+            dtype, shape, reduce op, root): ``"first"`` (the default) the first time each
+            distinct call occurs on a group's communicator, ``"full"`` (or ``True``;
+            ``SCALEOUT_CHECK=1``) before every call, ``"off"`` (or ``False``;
+            ``SCALEOUT_CHECK=0``). A mismatch is a ValueError naming every rank's call.
+            Checked calls wait for every rank. Duplicated communicators (scheduler lanes)
+            check only in ``"full"`` mode.
         environ: the environment to read the launch from (default ``os.environ``).
 
     Returns:
@@ -224,15 +226,15 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
 
 
 def _check_mode(check: bool | str | None, environ: Mapping[str, str]) -> str:
-    """The consistency-check mode: the argument, else ``SCALEOUT_CHECK``, else ``"off"``.
+    """The consistency-check mode: the argument, else ``SCALEOUT_CHECK``, else ``"first"``.
 
-    ``"first"`` is not the default: its check blocks the first call of each signature until
-    every rank arrives, which deadlocks the priority scheduler's two lanes (issued on two
-    communicators in timing-dependent order). Persistent plans use ``verify_plan`` instead.
+    ``"first"`` blocks the first call of each signature until every rank arrives; that would
+    deadlock the priority scheduler's lanes (issued on several communicators in a
+    timing-dependent order), so duplicated communicators only check in ``"full"`` mode.
     """
     if check is None:
         text = environ.get("SCALEOUT_CHECK", "").strip().lower()
-        check = {"": "off", "0": "off", "1": "full"}.get(text, text)
+        check = {"": "first", "0": "off", "1": "full"}.get(text, text)
     mode = {True: "full", False: "off"}.get(check, check)  # type: ignore[call-overload]
     if mode not in CHECK_MODES:
         raise ValueError(f"check_consistency (or SCALEOUT_CHECK) must be one of {CHECK_MODES}, "

@@ -10,7 +10,6 @@ started by :func:`scaleout.init`, polls the parent pid and leaves once the launc
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import json
 import os
@@ -31,16 +30,18 @@ _THREAD = "scaleout-parent-watch"
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child receive SIGKILL when ``parent_pid`` exits.
 
-    It runs in the forked child before ``exec``; the child also leaves at once if its parent
-    already died between the fork and the ``prctl`` call (then ``getppid()`` differs).
+    ``prctl`` is looked up here, in the parent: the child (forked from a process with
+    threads) only makes the call. It also leaves at once if its parent already died between
+    the fork and the ``prctl`` call (then ``getppid()`` differs).
     """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: watch_parent() is the fallback
+        prctl = None
 
     def preexec() -> None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: watch_parent() is the fallback
-            pass
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent_pid:
             os._exit(1)
 

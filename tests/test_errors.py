@@ -56,7 +56,7 @@ def test_bad_arguments_are_refused_without_hanging() -> None:
 
 
 def body_timeout() -> tuple[str, float]:
-    env = scaleout.init(timeout=30)
+    env = scaleout.init(timeout=30, check_consistency="off")  # the check would wait first
     d = env.create_distribution()
     if env.rank == 0:
         started = time.monotonic()
@@ -77,11 +77,26 @@ def body_mismatch() -> None:
     env = scaleout.init(timeout=20, check_consistency=True)
     d = env.create_distribution()
     shape = (4,) if env.rank == 0 else (5,)
-    with pytest.raises(ValueError, match=r"group ranks \[\d\] called a different operation"):
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(4,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(5,\), SUM\)"):
         d.allreduce(torch.ones(shape), group=G)
     other = d.bcast if env.rank == 0 else d.reduce
-    with pytest.raises(ValueError, match="called a different operation"):
+    with pytest.raises(ValueError, match=r"rank 0: bcast\(float32, shape \(4,\), 0\); "
+                                          r"rank 1: reduce\(float32, shape \(4,\), SUM, 0\)"):
         other(torch.ones(4), 0, group=G)
+    op = ReduceOp.SUM if env.rank == 0 else ReduceOp.MAX
+    with pytest.raises(ValueError, match=r"rank 0: allreduce.*SUM\); rank 1: allreduce.*MAX\)"):
+        d.allreduce(torch.ones(4), op, group=G)
+    dtype = torch.float32 if env.rank == 0 else torch.float64
+    with pytest.raises(ValueError, match="rank 1: allreduce\\(float64"):
+        d.allreduce(torch.ones(4, dtype=dtype), group=G)
+    with pytest.raises(ValueError, match="rank 0: barrier\\(\\); rank 1: allreduce"):
+        d.barrier(group=G) if env.rank == 0 else d.allreduce(torch.ones(4), group=G)
+    from scaleout.core.collectives import verify_plan
+    verify_plan(d.communicator(G), "bucket plan", [(4, "float32"), (8, "float32")])
+    with pytest.raises(ValueError, match=r"rank 0: bucket plan \[4\]; rank 1: bucket plan \[5\]"):
+        verify_plan(d.communicator(G), "bucket plan", [4 + env.rank])
+    assert torch.equal(d.allreduce(torch.ones(2), group=G).wait(), torch.full((2,), 2.0))
     env.finalize()
 
 
@@ -126,7 +141,43 @@ def test_harness_reports_failing_rank() -> None:
 def test_bad_init_arguments() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         scaleout.init(backend="tcp")
-    with pytest.raises(ValueError, match="timeout must be > 0"):
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds in \(0, "):
         scaleout.init(timeout=-1)
     with pytest.raises(TypeError, match="timeout must be seconds"):
         scaleout.init(timeout="5")
+
+
+def body_first_call_check() -> None:
+    env = scaleout.init(timeout=20, check_consistency="first")
+    d = env.create_distribution()
+    for _ in range(3):  # checked once, then remembered
+        d.allreduce(torch.ones(4), group=G).wait()
+    assert d.communicator(G)._seen == {"allreduce(float32, shape (4,), SUM)"}
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(6,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(7,\), SUM\)"):
+        d.allreduce(torch.ones(6 + env.rank), group=G)
+    env.finalize()
+
+
+def test_first_call_check_catches_a_new_mismatch() -> None:
+    run_ranks(2, body_first_call_check, timeout=60)
+
+
+def body_default_settings_catch_the_issue_cases() -> None:
+    env = scaleout.init(timeout=20)  # default: "first"
+    d = env.create_distribution()
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(4,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(5,\), SUM\)"):
+        d.allreduce(torch.ones(4 + env.rank), group=G)
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(3,\), SUM\); "
+                                          r"rank 1: allreduce\(float32, shape \(3,\), MAX\)"):
+        d.allreduce(torch.ones(3), ReduceOp.SUM if env.rank == 0 else ReduceOp.MAX, group=G)
+    with pytest.raises(ValueError, match=r"rank 0: allreduce\(float32, shape \(2,\), SUM\); "
+                                          r"rank 1: bcast\(float32, shape \(2,\), 0\)"):
+        d.allreduce(torch.ones(2), group=G) if env.rank == 0 else d.bcast(torch.ones(2), 0, group=G)
+    assert torch.equal(d.allreduce(torch.ones(2), group=G).wait(), torch.full((2,), 2.0))
+    env.finalize()
+
+
+def test_default_settings_catch_mismatched_calls() -> None:
+    run_ranks(2, body_default_settings_catch_the_issue_cases, timeout=60)

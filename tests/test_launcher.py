@@ -59,7 +59,7 @@ def test_failing_rank_stops_the_others_fast(tmp_path: Path) -> None:
     result = scaleout_run("-n", "3", str(script))
     assert time.monotonic() - started < 30
     assert result.returncode == 1
-    assert "scaleout run: rank 1 failed with exit code 1" in result.stdout
+    assert "scaleout run: rank 1 failed first, with exit code 1" in result.stdout
     assert "ValueError: rank one fails on purpose" in result.stdout
 
 
@@ -91,7 +91,8 @@ def test_two_nodes_rendezvous(tmp_path: Path) -> None:
         os._exit(0)  # see _TEARDOWN
     """))
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "SCALEOUT_JOB_TOKEN": "the same secret on every node"}
     nodes = [subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "1", "--nnodes", "2",
                                "--node-rank", str(i), "--master-port", port, str(script)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

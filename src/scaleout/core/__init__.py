@@ -8,6 +8,7 @@ from scaleout.core.errors import (
     CommunicationError,
     CommunicationTimeout,
     NotInitializedError,
+    PeerFailedError,
     ScaleoutError,
 )
 from scaleout.core.grid import Grid, GroupType
@@ -16,5 +17,5 @@ from scaleout.core.request import Request
 __all__ = [
     "Communicator", "ReduceOp", "Distribution", "Environment", "attach", "init", "Grid",
     "GroupType", "Request", "ScaleoutError", "CommunicationError", "CommunicationTimeout",
-    "NotInitializedError",
+    "NotInitializedError", "PeerFailedError",
 ]

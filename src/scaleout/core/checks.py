@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_tensor", "check_root", "check_counts", "check_divisible"]
+__all__ = ["SUPPORTED_DTYPES", "MAX_SECONDS", "check_tensor", "check_root", "check_counts",
+           "check_divisible", "check_seconds"]
+
+#: The longest timeout or period accepted (a year): longer ones overflow torch's timers.
+MAX_SECONDS = 365 * 86400.0
 
 SUPPORTED_DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -66,3 +72,21 @@ def check_divisible(tensor: torch.Tensor, size: int, operation: str) -> int:
             f"(one equal block per rank), got shape {shape}"
         )
     return tensor.shape[0] // size
+
+
+def check_seconds(value: object, name: str) -> float:
+    """``value`` (seconds or a timedelta) as a finite float in (0, MAX_SECONDS], else raise.
+
+    Raises:
+        TypeError: not an int, a float or a timedelta.
+        ValueError: not finite, not positive, or longer than a year.
+    """
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be seconds (int or float) or a timedelta, got "
+                        f"{type(value).__name__}")
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a finite number of seconds in (0, {MAX_SECONDS:g}], "
+                         f"got {value!r}")
+    return float(value)

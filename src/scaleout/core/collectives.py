@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +21,13 @@ from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Request, WorkRequest
 
 __all__ = [
-    "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather", "allgatherv",
-    "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier", "average_into",
+    "CHECK_MODES", "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather",
+    "allgatherv", "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
+    "verify_plan", "average_into",
 ]
+
+
+CHECK_MODES = ("off", "first", "full")
 
 
 class ReduceOp(enum.Enum):
@@ -57,8 +61,11 @@ class Communicator:
         name: the group's name in error messages (``"data"``, ``"model"``, ``"global"``).
         global_rank: this process's global rank.
         timeout: default seconds a wait may block.
-        check_consistency: before each collective, verify that every member called the same
-            operation with the same shapes and dtypes (one small extra exchange).
+        check_consistency: verify that every member called the same operation with the same
+            dtype, shape, reduce op and root (one small extra exchange per checked call):
+            ``"full"`` before every call, ``"first"`` the first time each distinct call
+            occurs on this communicator (a training loop's repeated calls cost nothing after
+            the first iteration), ``"off"``; ``True``/``False`` mean ``"full"``/``"off"``.
     """
 
     group: Any
@@ -66,7 +73,28 @@ class Communicator:
     name: str
     global_rank: int
     timeout: float
-    check_consistency: bool = False
+    check_consistency: bool | str = "off"
+    _seen: set[str] = field(default_factory=set, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        mode = {True: "full", False: "off"}.get(self.check_consistency, self.check_consistency)
+        if mode not in CHECK_MODES:
+            raise ValueError(f"check_consistency must be one of {CHECK_MODES} or a bool, got "
+                             f"{self.check_consistency!r}")
+        object.__setattr__(self, "check_consistency", mode)
+
+    def needs_check(self, description: str) -> bool:
+        """Whether a call described so must be verified across ranks now (and remember it)."""
+        if self.check_consistency == "full":
+            return True
+        if self.check_consistency == "off" or description in self._seen:
+            return False
+        self._seen.add(description)
+        return True
+
+    def forget(self, description: str) -> None:
+        """Drop a call the ranks did not agree on from the remembered ones."""
+        self._seen.discard(description)
 
     @property
     def size(self) -> int:
@@ -135,30 +163,70 @@ def _start(comm: Communicator, operation: str, start: Callable[[], Any],
         ) from err
 
 
-def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
-                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
-    """Exchange a signature of this call and raise if any member's differs."""
-    shape = tuple(tensor.shape[1:]) if rows_may_differ else tuple(tensor.shape)
-    text = repr((operation, str(tensor.dtype), shape, extra))
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+_DESCRIPTION_BYTES = 240
+
+
+def _same_everywhere(comm: Communicator, operation: str, description: str) -> None:
+    """Raise ValueError naming every rank's ``description`` unless all ranks passed the same.
+
+    One 8-byte allgather of a digest; only on a mismatch, a second one of the descriptions
+    (UTF-8 in a uint8 tensor, never a pickle) so that the error names each rank's call.
+    """
+    digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = torch.empty(comm.size, dtype=torch.int64)
     work = all_gather_single(every, mine, group=comm.group, async_op=True)
     comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
-    digests = every.tolist()
-    if len(set(digests)) != 1:
-        odd = [r for r, d in enumerate(digests) if d != digest]
-        raise ValueError(
-            f"rank {comm.global_rank}: {operation} on group {comm.label}: group ranks {odd} "
-            f"called a different operation, dtype, trailing shape or root/counts than this rank "
-            f"({operation}, {tensor.dtype}, shape {tuple(tensor.shape)}, {extra})"
-        )
+    if len(set(every.tolist())) == 1:
+        return
+    comm.forget(description)  # only agreed calls are remembered: the ranks' memories stay equal
+    text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+    raw = description.encode()[:_DESCRIPTION_BYTES]
+    text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8)
+    work = all_gather_single(texts, text, group=comm.group, async_op=True)
+    comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
+    calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
+             for part in texts.split(_DESCRIPTION_BYTES)]
+    listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
+    raise ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
+                     f"called different collectives (operation, dtype, shape, op or root): "
+                     f"{listing}")
+
+
+def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
+                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
+    """Exchange a signature of this call and raise if any member's differs."""
+    shape = f"(*, {', '.join(map(str, tensor.shape[1:]))})" if rows_may_differ else \
+        str(tuple(tensor.shape))
+    args = "".join(f", {getattr(e, 'name', e)}" for e in extra)
+    description = f"{operation}({str(tensor.dtype).removeprefix('torch.')}, shape {shape}{args})"
+    if comm.needs_check(description):
+        _same_everywhere(comm, operation, description)
+
+
+def verify_plan(comm: Communicator, name: str, layout: object) -> None:
+    """Check once that every rank of ``comm`` built the same plan (bucket layout, sizes, ...).
+
+    For persistent plans: verifying the layout when it is built catches what a per-call
+    check would catch, at the cost of one small exchange per plan instead of per call.
+    Every rank must call it at the same point.
+
+    Args:
+        comm: the communicator the plan will run on.
+        name: what the plan is, for the error message ("bucket plan").
+        layout: a value whose ``repr`` describes the plan (equal on every rank).
+
+    Raises:
+        ValueError: the ranks' layouts differ; names every rank's layout.
+    """
+    _same_everywhere(comm, name, f"{name} {layout!r}")
 
 
 def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
              rows_may_differ: bool = False) -> torch.Tensor:
     tensor = check_tensor(tensor, operation)
-    if comm.check_consistency and comm.size > 1:
+    if comm.check_consistency != "off" and comm.size > 1:
         _verify_same_call(comm, operation, tensor, extra, rows_may_differ)
     return tensor
 
@@ -377,6 +445,8 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
 def barrier(comm: Communicator, timeout: float | None = None) -> None:
     """Block until every rank of the group arrives (or raise after ``timeout`` seconds)."""
     name = "barrier"
+    if comm.needs_check("barrier()"):
+        _same_everywhere(comm, name, "barrier()")
     work = _start(comm, name, lambda: tdist.barrier(group=comm.group, async_op=True))
     comm.request(name, [work], lambda: None).wait(timeout)
 

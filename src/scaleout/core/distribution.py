@@ -22,7 +22,7 @@ class Member(Protocol):
     rank: int
     world_size: int
     timeout: float
-    check_consistency: bool
+    check_consistency: bool | str
 
     def require_alive(self) -> None: ...
 
@@ -67,6 +67,11 @@ class Distribution:
 
         Collectives on different communicators never queue behind one another inside the
         communication library. Every rank must call this, in the same order.
+
+        Duplicates check consistency only in ``"full"`` mode: they carry a scheduler's
+        lanes, whose calls interleave in a timing-dependent order across communicators, so
+        the blocking first-call check (``"first"``) could deadlock them; their plans are
+        checked once with :func:`~scaleout.core.collectives.verify_plan`.
         """
         self._env.require_alive()
         layout = self.grid.groups()
@@ -74,9 +79,10 @@ class Distribution:
         for ranks in layout[group]:
             created = self._new_group(ranks, fresh=True)
             if self._env.rank in ranks:
+                check = "full" if self._env.check_consistency in ("full", True) else "off"
                 mine = Communicator(group=created, ranks=ranks, name=name,
                                     global_rank=self._env.rank, timeout=self._env.timeout,
-                                    check_consistency=self._env.check_consistency)
+                                    check_consistency=check)
         assert mine is not None
         return mine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -10,25 +11,21 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core import watchdog
+from scaleout.core.checks import check_seconds
+from scaleout.core.collectives import CHECK_MODES
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
+from scaleout.launch.lifeline import watch_parent
+from scaleout.launch.rendezvous import Rendezvous, rendezvous
+from scaleout.launch.secret import TOKEN_VAR, job_token
 
 __all__ = ["Environment", "init", "attach", "choose_backend", "local_world_size", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
-
-
-def _seconds(timeout: float | timedelta) -> float:
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return float(timeout)
 
 
 #: Where launchers put the number of processes on this node (torchrun / scaleout run,
@@ -131,12 +128,16 @@ class Environment:
         device: this rank's default device (``cuda:N`` where a GPU is visible, else the CPU);
             with NCCL it is also made the current CUDA device.
         timeout: seconds any collective may wait before raising.
-        check_consistency: verify before each collective that every rank called the same one.
+        check_consistency: ``"full"``, ``"first"`` or ``"off"``: when to verify that every rank
+            called the same collective (see :class:`~scaleout.core.collectives.Communicator`).
+        rendezvous: the job's authenticated store (``None`` for one process or when attached).
     """
 
     def __init__(self, info: LaunchInfo, backend: str, timeout: float,
-                 check_consistency: bool, device: torch.device | None = None) -> None:
+                 check_consistency: bool | str, device: torch.device | None = None,
+                 rendezvous: Rendezvous | None = None) -> None:
         self._info = info
+        self.rendezvous = rendezvous
         self.backend = backend
         self.device = torch.device("cpu") if device is None else device
         self.timeout = timeout
@@ -196,6 +197,8 @@ class Environment:
     def _teardown(self, *, meet: bool) -> None:
         self.require_alive()
         self._alive = False
+        if meet:
+            watchdog.stop()  # marks this rank as left: finishing is not failing
         if tdist.is_initialized():
             if meet and self.world_size > 1:
                 tdist.barrier()
@@ -234,7 +237,7 @@ def attach(*, check_consistency: bool = False) -> Environment:
 
 
 def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT, *,
-         check_consistency: bool | None = None,
+         check_consistency: bool | str | None = None,
          environ: Mapping[str, str] | None = None) -> Environment:
     """Join the job: detect the launcher, pick a backend and initialise torch.distributed.
 
@@ -244,8 +247,13 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             one GPU per process, and gloo (with CUDA tensors) when processes share a GPU.
         timeout: seconds (or a timedelta) any rendezvous or collective may take before it
             raises an error naming the rank, group and operation.
-        check_consistency: verify before every collective that all ranks called the same
-            operation with matching shapes and dtypes; default from ``SCALEOUT_CHECK=1``.
+        check_consistency: verify that all ranks called the same collective (operation,
+            dtype, shape, reduce op, root): ``"first"`` (the default) the first time each
+            distinct call occurs on a group's communicator, ``"full"`` (or ``True``;
+            ``SCALEOUT_CHECK=1``) before every call, ``"off"`` (or ``False``;
+            ``SCALEOUT_CHECK=0``). A mismatch is a ValueError naming every rank's call.
+            Checked calls wait for every rank. Duplicated communicators (scheduler lanes)
+            check only in ``"full"`` mode.
         environ: the environment to read the launch from (default ``os.environ``).
 
     Returns:
@@ -260,12 +268,12 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         >>> env.rank, env.world_size
         (0, 2)                             # rank 1 prints (1, 2)
     """
-    seconds = _seconds(timeout)
+    limit = check_seconds(timeout, "timeout")
     environ = os.environ if environ is None else environ
     info = detect_launch(environ)
     chosen, device = choose_backend(backend, environ=environ, local_rank=info.local_rank)
-    if check_consistency is None:
-        check_consistency = environ.get("SCALEOUT_CHECK", "0") not in ("", "0")
+    watch_parent(environ)  # leave if the launcher dies (a fallback for its parent-death signal)
+    mode = _check_mode(check_consistency, environ)
     if tdist.is_initialized():
         raise ScaleoutError(
             "scaleout.init() was called while torch.distributed is already initialised "
@@ -273,18 +281,49 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         )
     if "nccl" in chosen:  # NCCL talks to the current device; gloo is told by each tensor
         torch.cuda.set_device(device)
+    token = job_token(environ)
+    limit_silence = watchdog.heartbeat_limit(environ)
+    if not token and info.world_size > 1 and not _loopback(info.master_addr):
+        warnings.warn(f"{TOKEN_VAR} is not set: any process that reaches "
+                      f"{info.master_addr}:{info.master_port} can join this job; set the same "
+                      "secret on every node (scaleout run sets one for single-node jobs)",
+                      stacklevel=2)
+    job = None
     try:
         if info.world_size == 1:
             tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
-                                     timeout=timedelta(seconds=seconds))
+                                     timeout=timedelta(seconds=limit))
         else:
-            tdist.init_process_group(
-                chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                rank=info.rank, world_size=info.world_size, timeout=timedelta(seconds=seconds),
-            )
+            job = rendezvous(info, token, limit)
+            tdist.init_process_group(chosen, store=job.store, rank=info.rank,
+                                     world_size=info.world_size, timeout=timedelta(seconds=limit))
+            if limit_silence is not None:
+                watchdog.start(job, info.rank, info.world_size, limit_silence)
     except (RuntimeError, ValueError) as err:
+        hint = f" (is {TOKEN_VAR} the same on every rank?)" if "Timeout" in str(err) else ""
         raise ScaleoutError(
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
-            f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): {err}"
-        ) from err
-    return Environment(info, chosen, seconds, check_consistency, device)
+            f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): "
+            f"{err}{hint}") from err
+    return Environment(info, chosen, limit, mode, device=device, rendezvous=job)
+
+
+def _check_mode(check: bool | str | None, environ: Mapping[str, str]) -> str:
+    """The consistency-check mode: the argument, else ``SCALEOUT_CHECK``, else ``"first"``.
+
+    ``"first"`` blocks the first call of each signature until every rank arrives; that would
+    deadlock the priority scheduler's lanes (issued on several communicators in a
+    timing-dependent order), so duplicated communicators only check in ``"full"`` mode.
+    """
+    if check is None:
+        text = environ.get("SCALEOUT_CHECK", "").strip().lower()
+        check = {"": "first", "0": "off", "1": "full"}.get(text, text)
+    mode = {True: "full", False: "off"}.get(check, check)  # type: ignore[call-overload]
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check_consistency (or SCALEOUT_CHECK) must be one of {CHECK_MODES}, "
+                         f"a bool, 0 or 1; got {check!r}")
+    return mode
+
+
+def _loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ScaleoutError", "CommunicationError", "CommunicationTimeout", "NotInitializedError"]
+__all__ = ["ScaleoutError", "CommunicationError", "CommunicationTimeout", "NotInitializedError",
+           "PeerFailedError"]
 
 
 class ScaleoutError(RuntimeError):
@@ -25,3 +26,16 @@ class CommunicationError(ScaleoutError):
 
 class CommunicationTimeout(CommunicationError):
     """A wait on a collective exceeded its timeout."""
+
+
+class PeerFailedError(CommunicationError):
+    """A peer rank died, froze or left while this rank waited on it.
+
+    Attributes:
+        failed_rank: the global rank that failed (``rank`` is the rank that raised).
+    """
+
+    def __init__(self, message: str, *, rank: int, group: str, operation: str,
+                 failed_rank: int) -> None:
+        super().__init__(message, rank=rank, group=group, operation=operation)
+        self.failed_rank = failed_rank

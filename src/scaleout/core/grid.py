@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["GroupType", "Grid", "grid_groups"]
+__all__ = ["GroupType", "Grid", "grid_groups", "check_degrees"]
 
 
 class GroupType(enum.Enum):
@@ -24,6 +24,27 @@ class GroupType(enum.Enum):
     DATA = "data"
     MODEL = "model"
     GLOBAL = "global"
+
+
+def check_degrees(world_size: int, data_parts: object, model_parts: object) -> int:
+    """``data_parts * model_parts`` after checking both are ints >= 1 that divide the world.
+
+    Raises:
+        TypeError: a degree is not an int.
+        ValueError: a degree is < 1, or the grid does not divide the world size.
+    """
+    for name, value in (("data_parts", data_parts), ("model_parts", model_parts)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    grid = data_parts * model_parts  # type: ignore[operator]
+    if world_size % grid != 0:
+        raise ValueError(
+            f"data_parts * model_parts = {data_parts} * {model_parts} = {grid} must divide the "
+            f"world size {world_size}"
+        )
+    return grid
 
 
 def grid_groups(world_size: int, data_parts: int, model_parts: int) -> dict[GroupType, list[tuple[int, ...]]]:
@@ -40,17 +61,7 @@ def grid_groups(world_size: int, data_parts: int, model_parts: int) -> dict[Grou
         >>> grid_groups(4, 2, 2)[GroupType.DATA]
         [(0, 2), (1, 3)]
     """
-    for name, value in (("data_parts", data_parts), ("model_parts", model_parts)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    grid = data_parts * model_parts
-    if world_size % grid != 0:
-        raise ValueError(
-            f"data_parts * model_parts = {data_parts} * {model_parts} = {grid} must divide the "
-            f"world size {world_size}"
-        )
+    grid = check_degrees(world_size, data_parts, model_parts)
     groups: dict[GroupType, list[tuple[int, ...]]] = {t: [] for t in GroupType}
     for base in range(0, world_size, grid):
         for d in range(data_parts):
@@ -91,7 +102,7 @@ class Grid:
         if self.data_parts in (None, -1) and isinstance(self.model_parts, int) \
                 and not isinstance(self.model_parts, bool) and self.model_parts >= 1:
             object.__setattr__(self, "data_parts", max(self.world_size // self.model_parts, 1))
-        grid_groups(self.world_size, self.data_parts, self.model_parts)  # validates
+        check_degrees(self.world_size, self.data_parts, self.model_parts)  # O(1), not O(world)
 
     def groups(self) -> dict[GroupType, list[tuple[int, ...]]]:
         """Every group of the grid (see :func:`grid_groups`)."""

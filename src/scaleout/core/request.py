@@ -9,7 +9,6 @@ thread. Every wait in scaleout is bounded by one mechanism, a :class:`Deadline`.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -17,24 +16,14 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from scaleout.core.errors import CommunicationError, CommunicationTimeout
+from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
+from scaleout.core.checks import check_seconds
+from scaleout.core.watchdog import raise_if_failed, wait_event, wait_work
 
 __all__ = [
     "Deadline", "Request", "WorkRequest", "FutureRequest", "ThenRequest", "completed_request",
-    "countdown", "wait_all", "test_any", "check_timeout",
+    "countdown", "wait_all", "test_any",
 ]
-
-
-def check_timeout(timeout: object, what: str = "timeout") -> float:
-    """``timeout`` as seconds, or a ValueError/TypeError: a finite number > 0 (or a timedelta)."""
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{what} must be seconds (a number) or a timedelta, got "
-                        f"{type(timeout).__name__}")
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"{what} must be > 0 seconds and finite, got {timeout}")
-    return float(timeout)
 
 
 class Deadline:
@@ -47,7 +36,7 @@ class Deadline:
     __slots__ = ("seconds", "_at")
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = check_timeout(seconds)
+        self.seconds = check_seconds(seconds, "timeout")
         self._at = time.monotonic() + self.seconds
 
     def remaining(self) -> float:
@@ -157,8 +146,10 @@ class WorkRequest(Request):
 
     def _wait(self, deadline: Deadline) -> Any:
         for work in self._works:
-            try:
-                work.wait(timeout=timedelta(seconds=deadline.remaining()))
+            try:  # in slices: a peer's failure seen by the watchdog ends the wait at once
+                wait_work(work, deadline.remaining(), self.rank, self.group, self.operation)
+            except PeerFailedError:
+                raise
             except RuntimeError as err:
                 if "timed out" in str(err).lower() or deadline.expired():
                     raise self.timed_out(deadline) from err
@@ -176,6 +167,8 @@ class WorkRequest(Request):
             raise self.error(f"failed: {err}") from err
         if finished:
             self.wait()
+        else:
+            raise_if_failed(self.rank, self.group, self.operation)
         return finished
 
     def when_done(self, callback: Callable[[Request], None]) -> None:
@@ -208,7 +201,8 @@ class FutureRequest(Request):
         future.add_done_callback(lambda _f: self._event.set())
 
     def _wait(self, deadline: Deadline) -> Any:
-        if not self._event.wait(deadline.remaining()):
+        if not wait_event(self._event, deadline.remaining(), self.rank, self.group,
+                          self.operation):
             raise self.timed_out(deadline)
         try:
             return self._future.value()

@@ -19,6 +19,7 @@ from typing import Any
 from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Deadline, Request
+from scaleout.core.watchdog import wait_event
 from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]
@@ -82,7 +83,9 @@ class Job(Request):
             callback(self)
 
     def _wait(self, deadline: Deadline) -> None:
-        if not self.finished.wait(deadline.remaining()):
+        # in slices: a peer's failure seen by the watchdog ends the wait at once
+        if not wait_event(self.finished, deadline.remaining(), self.rank, self.group,
+                          self.operation):
             raise self.timed_out(deadline)
         if self.failure is not None:
             raise self.failure

@@ -215,15 +215,16 @@ def _worker(args: argparse.Namespace) -> dict[str, object]:
 
 def _tcp_rtt(args: argparse.Namespace, world: int) -> float:
     """Median 1-byte TCP round trip between ranks 0 and 1 (others just wait)."""
+    import torch
     import torch.distributed as dist
 
     rank, count = args.rank, args.latency_iters
     server = None
-    box: list[object] = [None]
+    port = torch.zeros(1, dtype=torch.int64)  # a tensor, never a pickle on the wire
     if rank == 1:
         server = socket.create_server((args.addr, 0))
-        box = [server.getsockname()[1]]
-    dist.broadcast_object_list(box, src=1)
+        port[0] = server.getsockname()[1]
+    dist.broadcast(port, src=1)
     rtts: list[float] = []
     if rank == 1 and server is not None:
         conn, _ = server.accept()
@@ -232,7 +233,7 @@ def _tcp_rtt(args: argparse.Namespace, world: int) -> float:
             for _ in range(count + 10):
                 conn.sendall(conn.recv(1))
     elif rank == 0:
-        with socket.create_connection((args.peer, int(box[0]))) as conn:  # type: ignore[arg-type]
+        with socket.create_connection((args.peer, int(port.item()))) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for i in range(count + 10):
                 start = time.perf_counter()

@@ -1,0 +1,220 @@
+"""An authenticated rendezvous: only processes holding the job token can join or use the store.
+
+Rank 0 creates the ``TCPStore`` itself, on a socket bound to ``MASTER_ADDR``'s interface
+(torch's own server listens on every interface; torch 2.13 accepts a listening socket as
+``master_listen_fd``, with its libuv server too). Every rank wraps it in an
+:class:`AuthStore`: key names are keyed hashes under a namespace derived from the token,
+values are sealed with AES-GCM (:mod:`scaleout.launch.secret`). A process without the token
+therefore cannot find, read or forge the job's entries; what it writes lands outside the
+namespace, where rank 0 sees it and reports it.
+
+Joining (:func:`rendezvous`): rank 0 writes a fresh salt (values from an earlier job with the
+same token are refused); each rank claims its rank number (a counter: a second claimant is
+refused) and writes a sealed join record; rank 0 verifies every record and the claims, then
+admits (or rejects) the job with a sealed verdict every rank waits for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch.distributed as tdist
+
+from scaleout.core.errors import ScaleoutError
+from scaleout.launch.environment import LaunchInfo
+from scaleout.launch.secret import ForgedValue, Sealer, namespace
+
+__all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
+
+_SALT = 16
+
+
+def bound_store(info: LaunchInfo, timeout: float) -> tdist.TCPStore:
+    """Rank 0: a store server listening on ``master_addr`` only; other ranks: a client."""
+    wait = timedelta(seconds=timeout)
+    if info.rank != 0:
+        return tdist.TCPStore(info.master_addr, info.master_port, None, False, timeout=wait)
+    family, kind, proto, _, address = socket.getaddrinfo(
+        info.master_addr, info.master_port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+        store = tdist.TCPStore(info.master_addr, info.master_port, None, True, timeout=wait,
+                               wait_for_workers=False, master_listen_fd=listener.fileno())
+    except OSError as err:
+        listener.close()
+        raise ScaleoutError(
+            f"rank 0: cannot listen on {info.master_addr}:{info.master_port} for the rendezvous "
+            f"({err.strerror}): MASTER_ADDR must be an address of rank 0's host and the port "
+            "free") from err
+    listener.detach()  # the store's server owns the socket now
+    return store
+
+
+class AuthStore(tdist.Store):
+    """A store whose keys are hidden and whose values are sealed with the job token.
+
+    ``add`` counters cannot be sealed (the server adds them): they live under hidden names
+    but are not authenticated. torch.distributed and gloo use only set/get/wait/check.
+    """
+
+    def __init__(self, raw: tdist.Store, sealer: Sealer) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sealer = sealer
+
+    @property
+    def sealer(self) -> Sealer:
+        return self._sealer
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._raw.set(self._sealer.name(key), self._sealer.seal(key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._sealer.open(key, self._raw.get(self._sealer.name(key)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._raw.add(self._sealer.name(key), amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._raw.check([self._sealer.name(key) for key in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        names = [self._sealer.name(key) for key in keys]
+        if timeout is None:
+            self._raw.wait(names)
+        else:
+            self._raw.wait(names, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._raw.delete_key(self._sealer.name(key))
+
+    def num_keys(self) -> int:
+        return self._raw.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._raw.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._raw.timeout
+
+
+def machine() -> str:
+    """This process's kernel and pid namespace: processes with the same value can see each
+    other's pids (in ``/proc``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip() + "/" + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+class Rendezvous:
+    """The job's authenticated store and, on rank 0, the report of outsiders' attempts."""
+
+    def __init__(self, raw: tdist.Store, store: AuthStore, token: str, rank: int) -> None:
+        self.raw = raw
+        self.store = store
+        self.rank = rank
+        self._prefix = namespace(token) + "/"
+        self._reported: set[str] = set()
+
+    def connection(self, timeout: float) -> AuthStore:
+        """A second connection to the store whose operations give up after ``timeout`` s
+        (for a watchdog, which must not block behind a frozen store host)."""
+        raw = self.raw.clone()
+        raw.set_timeout(timedelta(seconds=timeout))
+        return AuthStore(raw, self.store.sealer)
+
+    def peer(self, rank: int) -> dict[str, object]:
+        """Rank ``rank``'s join record: its pid, host name and machine()."""
+        return json.loads(self.store.get(f"join/{rank}"))
+
+    def outsiders(self) -> list[str]:
+        """Store keys written by processes without the token, not reported before."""
+        try:
+            keys = self.raw.list_keys()
+        except (RuntimeError, NotImplementedError):
+            return []
+        new = sorted(k for k in keys if not k.startswith(self._prefix) and k not in self._reported)
+        self._reported.update(new)
+        return new
+
+    def report_outsiders(self) -> list[str]:
+        """Print (stderr) and return the outsiders' new keys, if any."""
+        new = self.outsiders()
+        if new:
+            shown = ", ".join(repr(k) for k in new[:5]) + (" ..." if len(new) > 5 else "")
+            sys.stderr.write(f"scaleout: rank {self.rank}: a process without the job token "
+                             f"tried to join: it wrote {len(new)} store entries ({shown}); "
+                             "they were ignored\n")
+            sys.stderr.flush()
+        return new
+
+
+def _salt(raw: tdist.Store, token: str, rank: int) -> bytes:
+    """Rank 0 chooses the job's salt; the others knock (in their token's namespace, where
+    rank 0 sees a wrong token's knock as an outsider's) and read it."""
+    key = namespace(token) + "/salt"
+    raw.add(f"{namespace(token)}/knock/{rank}", 1)
+    if rank == 0:
+        salt = os.urandom(_SALT)
+        raw.set(key, salt)
+        return salt
+    raw.wait([key])
+    return bytes(raw.get(key))
+
+
+def rendezvous(info: LaunchInfo, token: str, timeout: float) -> Rendezvous:
+    """Create the store, authenticate every rank and return the job's :class:`Rendezvous`.
+
+    Raises:
+        ScaleoutError: the store cannot be reached or created, a rank number is claimed
+            twice, or an entry does not authenticate (an outsider forged it, or a rank has
+            another token); on every rank, with the reason rank 0 found.
+    """
+    rank, world = info.rank, info.world_size
+    raw = bound_store(info, timeout)
+    sealer = Sealer(token, _salt(raw, token, rank))
+    store = AuthStore(raw, sealer)
+    claims = store.add(f"claim/{rank}", 1)
+    if claims != 1:
+        raise ScaleoutError(f"rank {rank}/{world}: another process already joined this job "
+                            f"as rank {rank} ({claims} claims): a duplicate or an impostor")
+    store.set(f"join/{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                          "machine": machine()}))
+    job = Rendezvous(raw, store, token, rank)
+    if rank == 0:
+        store.set("admitted", json.dumps({"refused": _verify(job, world)}))
+    try:
+        store.wait(["admitted"])
+        refused = json.loads(store.get("admitted"))["refused"]
+    except ForgedValue as err:
+        raise ScaleoutError(f"rank {rank}/{world}: the rendezvous was not authenticated: "
+                            f"{err}") from err
+    if refused:
+        raise ScaleoutError(f"rank {rank}/{world}: rank 0 refused the job: {refused}")
+    return job
+
+
+def _verify(job: Rendezvous, world: int) -> str:
+    """Rank 0: why the job must be refused ("" to admit it), and report outsiders."""
+    job.store.wait([f"join/{r}" for r in range(world)])
+    for peer in range(world):
+        try:
+            json.loads(job.store.get(f"join/{peer}"))
+        except ForgedValue as err:
+            return f"rank {peer}'s join record: {err}"
+        claims = job.store.add(f"claim/{peer}", 0)
+        if claims != 1:
+            return f"rank {peer} was claimed by {claims} processes (a duplicate or an impostor)"
+    job.report_outsiders()
+    return ""

@@ -1,0 +1,161 @@
+"""The authenticated rendezvous: the store listens on MASTER_ADDR only; without the job token
+a process can neither find, read nor forge the job's entries, nor join; the job reports it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as tdist
+
+from scaleout.launch.environment import LaunchInfo
+from scaleout.launch.launcher import free_port
+from scaleout.launch.rendezvous import AuthStore, rendezvous
+from scaleout.launch.secret import ForgedValue, Sealer, namespace
+
+SRC = str(Path(__file__).parents[1] / "src")
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:
+                found.append(local.split(":")[0])
+    return found
+
+
+def test_store_is_bound_and_sealed() -> None:
+    port = free_port()
+    info = LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=port, source="test")
+    job = rendezvous(info, "secret", timeout=5)
+    assert listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0
+    outsider = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
+    keys = outsider.list_keys()
+    assert keys and not any("join" in key or "admitted" in key for key in keys)  # names hidden
+    assert not any(b"pid" in outsider.get(key) for key in keys)  # values encrypted
+    for key in keys:
+        outsider.set(key, b'{"pid": 1, "host": "evil"}')
+    with pytest.raises(ForgedValue, match="does not authenticate"):
+        job.store.get("join/0")
+    outsider.set("torch-style-key", b"x")
+    assert job.report_outsiders() == ["torch-style-key"]
+    assert job.report_outsiders() == []  # each attempt is reported once
+
+
+JOB = """
+    import os, sys, time, torch, scaleout
+    go = os.environ.get("GO_FILE")
+    if go and os.environ["RANK"] == "1":  # let the impostor come first
+        while not os.path.exists(go):
+            time.sleep(0.05)
+    env = scaleout.init(timeout=float(os.environ.get("TIMEOUT", "20")))
+    print("JOINED as rank", env.rank, flush=True)
+    d = env.create_distribution()
+    w = torch.full((4,), 7.0) if env.rank == 0 else torch.zeros(4)
+    d.bcast(w, 0, group=scaleout.GroupType.DATA).wait()
+    if os.environ.get("POISON"):
+        w.fill_(1e16)
+    total = d.allreduce(w, group=scaleout.GroupType.DATA).wait()
+    print(f"rank {env.rank} total {total.tolist()}", flush=True)
+    env.finalize()
+    sys.stdout.flush()
+    os._exit(0)
+"""
+
+
+def wait_listening(port: int, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not listening(port):
+        assert time.monotonic() < deadline, "the job's store never listened"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("impostor_token", [None, "a guessed token"])
+def test_impostor_cannot_join_nor_poison(tmp_path: Path, impostor_token: str | None) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k != "SCALEOUT_JOB_TOKEN"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "scaleout", "run", "-n", "2", "--master-port", str(port),
+         str(script)], env={**base, "PYTHONPATH": SRC, "GO_FILE": str(tmp_path / "go")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_listening(port)
+        impostor_env = {**base, "PYTHONPATH": SRC, "RANK": "1", "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "POISON": "1",
+                        "TIMEOUT": "4"}
+        if impostor_token is not None:
+            impostor_env["SCALEOUT_JOB_TOKEN"] = impostor_token
+        impostor_run = subprocess.Popen([sys.executable, str(script)], env=impostor_env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        spy = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+        knock = f"{namespace(impostor_token or '')}/knock/1"
+        deadline = time.monotonic() + 20
+        while knock not in spy.list_keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        output = job.communicate(timeout=40)[0]
+        stdout, stderr = impostor_run.communicate(timeout=30)
+        impostor = subprocess.CompletedProcess([], impostor_run.returncode, stdout, stderr)
+    finally:
+        job.kill()
+    assert impostor.returncode != 0 and "JOINED" not in impostor.stdout, impostor.stdout
+    assert "could not join the rendezvous" in impostor.stderr, impostor.stderr
+    assert job.returncode == 0, output
+    assert "[rank 0] rank 0 total [14.0, 14.0, 14.0, 14.0]" in output
+    assert "[rank 1] rank 1 total [14.0, 14.0, 14.0, 14.0]" in output
+    assert "a process without the job token tried to join" in output, (output, impostor.stderr)
+
+
+def test_a_rank_claimed_twice_is_refused() -> None:
+    """This test, holding the token, claims rank 1 first; the real rank 1 is refused, and
+    rank 0 refuses the job (on every rank) because rank 1 was claimed twice."""
+    port = free_port()
+    code = textwrap.dedent(f"""
+        import sys
+        from scaleout.launch.environment import LaunchInfo
+        from scaleout.launch.rendezvous import AuthStore, rendezvous
+        rank = int(sys.argv[1])
+        info = LaunchInfo(rank=rank, world_size=2, local_rank=rank, master_addr="127.0.0.1",
+                          master_port={port}, source="test")
+        try:
+            rendezvous(info, "tok", timeout=30)
+        except Exception as err:
+            print(type(err).__name__, err)
+            sys.exit(1)
+        print("admitted")
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    procs = [subprocess.Popen([sys.executable, "-c", code, "0"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    try:
+        wait_listening(port)
+        raw = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+        raw.wait([namespace("tok") + "/salt"])
+        store = AuthStore(raw, Sealer("tok", raw.get(namespace("tok") + "/salt")))
+        assert store.add("claim/1", 1) == 1
+        procs.append(subprocess.Popen([sys.executable, "-c", code, "1"], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 30
+        while store.add("claim/1", 0) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        store.set("join/1", '{"pid": 0, "host": "test"}')
+        outputs = [proc.communicate(timeout=40)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [1, 1], outputs
+    assert "ScaleoutError" in outputs[0] and "rank 1 was claimed by 2 processes" in outputs[0]
+    assert "another process already joined this job as rank 1" in outputs[1]

@@ -3,224 +3,35 @@
 Every function checks its arguments on the calling rank, starts the operation through
 ``torch.distributed`` with ``async_op=True`` and returns a :class:`~scaleout.core.request.Request`.
 Tensors are laid out by dim 0: a rank's block of an allgather or scatter is a slice of rows.
+The communicator and the reductions live in :mod:`scaleout.core.communicator`, the check that
+every rank called the same collective in :mod:`scaleout.core.consistency`.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as tdist
 
 from scaleout.core.checks import check_counts, check_divisible, check_root, check_tensor
-from scaleout.core.errors import CommunicationError
-from scaleout.core.request import Request, WorkRequest
+from scaleout.core.communicator import (
+    _TORCH_OPS,
+    CHECK_MODES,
+    Communicator,
+    ReduceOp,
+    _start,
+    all_gather_single,
+    reduce_scatter_single,
+)
+from scaleout.core.consistency import _same_everywhere, _verify_same_call, verify_plan
+from scaleout.core.request import Request
 
 __all__ = [
     "CHECK_MODES", "ReduceOp", "Communicator", "allreduce", "reduce", "bcast", "allgather",
     "allgatherv", "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
-    "verify_plan", "average_into",
+    "verify_plan", "average_into", "all_gather_single", "reduce_scatter_single",
 ]
-
-
-CHECK_MODES = ("off", "first", "full")
-
-
-class ReduceOp(enum.Enum):
-    """Reductions. ``AVG`` is a sum divided by the group size (floating dtypes only)."""
-
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    AVG = "avg"
-
-
-# torch >= 2.10 names these *_single (the *_tensor names warn); older releases lack them.
-all_gather_single = getattr(tdist, "all_gather_single", tdist.all_gather_into_tensor)
-reduce_scatter_single = getattr(tdist, "reduce_scatter_single", tdist.reduce_scatter_tensor)
-
-_TORCH_OPS = {
-    ReduceOp.SUM: tdist.ReduceOp.SUM,
-    ReduceOp.MIN: tdist.ReduceOp.MIN,
-    ReduceOp.MAX: tdist.ReduceOp.MAX,
-    ReduceOp.AVG: tdist.ReduceOp.SUM,  # divided by the size when the request finishes
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Communicator:
-    """One group of ranks as seen from one member.
-
-    Attributes:
-        group: the torch.distributed process group.
-        ranks: the global ranks of the members, in group-rank order.
-        name: the group's name in error messages (``"data"``, ``"model"``, ``"global"``).
-        global_rank: this process's global rank.
-        timeout: default seconds a wait may block.
-        check_consistency: verify that every member called the same operation with the same
-            dtype, shape, reduce op and root (one small extra exchange per checked call):
-            ``"full"`` before every call, ``"first"`` the first time each distinct call
-            occurs on this communicator (a training loop's repeated calls cost nothing after
-            the first iteration), ``"off"``; ``True``/``False`` mean ``"full"``/``"off"``.
-    """
-
-    group: Any
-    ranks: tuple[int, ...]
-    name: str
-    global_rank: int
-    timeout: float
-    check_consistency: bool | str = "off"
-    _seen: set[str] = field(default_factory=set, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        mode = {True: "full", False: "off"}.get(self.check_consistency, self.check_consistency)
-        if mode not in CHECK_MODES:
-            raise ValueError(f"check_consistency must be one of {CHECK_MODES} or a bool, got "
-                             f"{self.check_consistency!r}")
-        object.__setattr__(self, "check_consistency", mode)
-
-    def needs_check(self, description: str) -> bool:
-        """Whether a call described so must be verified across ranks now (and remember it)."""
-        if self.check_consistency == "full":
-            return True
-        if self.check_consistency == "off" or description in self._seen:
-            return False
-        self._seen.add(description)
-        return True
-
-    def forget(self, description: str) -> None:
-        """Drop a call the ranks did not agree on from the remembered ones."""
-        self._seen.discard(description)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(self.global_rank)
-
-    def request(self, operation: str, works: Sequence[Any], finish: Callable[[], Any],
-                nbytes: int = 0) -> Request:
-        return WorkRequest(works, finish, rank=self.global_rank, group=self.label,
-                           operation=operation, timeout=self.timeout, nbytes=nbytes)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}{list(self.ranks)}"
-
-    @classmethod
-    def of_group(cls, group: Any = None, *, name: str = "group",
-                 timeout: float = 300.0) -> Communicator:
-        """The communicator of a plain torch.distributed process group (``None``: the
-        default group), for code outside a scaleout Distribution (torch's DDP hooks, say)."""
-        ranks = tuple(tdist.get_process_group_ranks(group or tdist.group.WORLD))
-        return cls(group=group, ranks=ranks, name=name, global_rank=tdist.get_rank(),
-                   timeout=timeout)
-
-    @classmethod
-    def alone(cls, *, timeout: float = 300.0) -> Communicator:
-        """A group of this process alone: every collective completes at once, with no
-        process group and on any device (to run a codec's exchange by itself)."""
-        return cls(group=None, ranks=(0,), name="alone", global_rank=0, timeout=timeout)
-
-
-class _LocalWork:
-    """What a collective on a group of one returns: done at once, no library call (so a
-    one-rank group needs no process group at all, and any device, ``meta`` too, works)."""
-
-    def __init__(self) -> None:
-        self._future = torch.futures.Future()
-        self._future.set_result(None)
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> Any:
-        return self._future
-
-
-def _start(comm: Communicator, operation: str, start: Callable[[], Any],
-           local: Callable[[], Any] = lambda: None) -> Any:
-    """Start a collective; on a group of one, ``local()`` gives its result instead (for
-    in-place collectives the input already is the result)."""
-    if comm.size == 1:
-        local()
-        return _LocalWork()
-    try:
-        return start()
-    except (RuntimeError, ValueError) as err:
-        raise CommunicationError(
-            f"rank {comm.global_rank}: {operation} on group {comm.label} could not start: {err}",
-            rank=comm.global_rank, group=comm.label, operation=operation,
-        ) from err
-
-
-_DESCRIPTION_BYTES = 240
-
-
-def _same_everywhere(comm: Communicator, operation: str, description: str) -> None:
-    """Raise ValueError naming every rank's ``description`` unless all ranks passed the same.
-
-    One 8-byte allgather of a digest; only on a mismatch, a second one of the descriptions
-    (UTF-8 in a uint8 tensor, never a pickle) so that the error names each rank's call.
-    """
-    digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
-    mine = torch.tensor([digest], dtype=torch.int64)
-    every = torch.empty(comm.size, dtype=torch.int64)
-    work = all_gather_single(every, mine, group=comm.group, async_op=True)
-    comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
-    if len(set(every.tolist())) == 1:
-        return
-    comm.forget(description)  # only agreed calls are remembered: the ranks' memories stay equal
-    text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
-    raw = description.encode()[:_DESCRIPTION_BYTES]
-    text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8)
-    work = all_gather_single(texts, text, group=comm.group, async_op=True)
-    comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
-    calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
-             for part in texts.split(_DESCRIPTION_BYTES)]
-    listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
-    raise ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
-                     f"called different collectives (operation, dtype, shape, op or root): "
-                     f"{listing}")
-
-
-def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
-                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
-    """Exchange a signature of this call and raise if any member's differs."""
-    shape = f"(*, {', '.join(map(str, tensor.shape[1:]))})" if rows_may_differ else \
-        str(tuple(tensor.shape))
-    args = "".join(f", {getattr(e, 'name', e)}" for e in extra)
-    description = f"{operation}({str(tensor.dtype).removeprefix('torch.')}, shape {shape}{args})"
-    if comm.needs_check(description):
-        _same_everywhere(comm, operation, description)
-
-
-def verify_plan(comm: Communicator, name: str, layout: object) -> None:
-    """Check once that every rank of ``comm`` built the same plan (bucket layout, sizes, ...).
-
-    For persistent plans: verifying the layout when it is built catches what a per-call
-    check would catch, at the cost of one small exchange per plan instead of per call.
-    Every rank must call it at the same point.
-
-    Args:
-        comm: the communicator the plan will run on.
-        name: what the plan is, for the error message ("bucket plan").
-        layout: a value whose ``repr`` describes the plan (equal on every rank).
-
-    Raises:
-        ValueError: the ranks' layouts differ; names every rank's layout.
-    """
-    _same_everywhere(comm, name, f"{name} {layout!r}")
 
 
 def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
@@ -445,7 +256,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
 def barrier(comm: Communicator, timeout: float | None = None) -> None:
     """Block until every rank of the group arrives (or raise after ``timeout`` seconds)."""
     name = "barrier"
-    if comm.needs_check("barrier()"):
+    if comm.size > 1 and comm.needs_check("barrier()"):
         _same_everywhere(comm, name, "barrier()")
     work = _start(comm, name, lambda: tdist.barrier(group=comm.group, async_op=True))
     comm.request(name, [work], lambda: None).wait(timeout)

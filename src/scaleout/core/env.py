@@ -6,7 +6,6 @@ import os
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as tdist

@@ -198,7 +198,7 @@ class ParameterSet:
         if not self.spec.distributed_update:
             raise RuntimeError(f"start_increment_comm on {self.name}: the set was not "
                                "registered with distributed_update=True")
-        bucket = self._require_committed("start_increment_comm")
+        self._require_committed("start_increment_comm")
         owned = self._check(owned, self.owned_valid, "start_increment_comm")
         padded = owned.new_zeros(self.owned_count)
         padded[: owned.numel()] = owned.reshape(-1)

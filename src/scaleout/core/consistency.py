@@ -1,0 +1,73 @@
+"""The check that every rank called the same collective (operation, dtype, shape, op, root),
+and the once-per-plan variant for persistent layouts. No pickle: a digest, and on a mismatch
+the ranks' descriptions as UTF-8 bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from scaleout.core.communicator import Communicator, all_gather_single
+
+__all__ = ["verify_plan"]
+
+
+_DESCRIPTION_BYTES = 240
+
+
+def _same_everywhere(comm: Communicator, operation: str, description: str) -> None:
+    """Raise ValueError naming every rank's ``description`` unless all ranks passed the same.
+
+    One 8-byte allgather of a digest; only on a mismatch, a second one of the descriptions
+    (UTF-8 in a uint8 tensor, never a pickle) so that the error names each rank's call.
+    """
+    digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    every = torch.empty(comm.size, dtype=torch.int64)
+    work = all_gather_single(every, mine, group=comm.group, async_op=True)
+    comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
+    if len(set(every.tolist())) == 1:
+        return
+    comm.forget(description)  # only agreed calls are remembered: the ranks' memories stay equal
+    text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+    raw = description.encode()[:_DESCRIPTION_BYTES]
+    text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8)
+    work = all_gather_single(texts, text, group=comm.group, async_op=True)
+    comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
+    calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
+             for part in texts.split(_DESCRIPTION_BYTES)]
+    listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
+    raise ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
+                     f"called different collectives (operation, dtype, shape, op or root): "
+                     f"{listing}")
+
+
+def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
+                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
+    """Exchange a signature of this call and raise if any member's differs."""
+    shape = f"(*, {', '.join(map(str, tensor.shape[1:]))})" if rows_may_differ else \
+        str(tuple(tensor.shape))
+    args = "".join(f", {getattr(e, 'name', e)}" for e in extra)
+    description = f"{operation}({str(tensor.dtype).removeprefix('torch.')}, shape {shape}{args})"
+    if comm.needs_check(description):
+        _same_everywhere(comm, operation, description)
+
+
+def verify_plan(comm: Communicator, name: str, layout: object) -> None:
+    """Check once that every rank of ``comm`` built the same plan (bucket layout, sizes, ...).
+
+    For persistent plans: verifying the layout when it is built catches what a per-call
+    check would catch, at the cost of one small exchange per plan instead of per call.
+    Every rank must call it at the same point.
+
+    Args:
+        comm: the communicator the plan will run on.
+        name: what the plan is, for the error message ("bucket plan").
+        layout: a value whose ``repr`` describes the plan (equal on every rank).
+
+    Raises:
+        ValueError: the ranks' layouts differ; names every rank's layout.
+    """
+    _same_everywhere(comm, name, f"{name} {layout!r}")

@@ -115,3 +115,34 @@ def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
         assert torch.all(model.weight != 0)
     leftovers = list((tmp_path / "ckpt.versions").iterdir())
     assert len(leftovers) <= 3  # the committed version plus at most the ones cut short
+
+
+def body_sharded_resume(folder: str) -> list[float]:
+    """Resume with the sharded (distributed) update: the optimizer's owned-slice copies take
+    the loaded weights (an lr=0 step after loading must leave them unchanged)."""
+    from scaleout.pytorch import DataParallel, DistributedOptimizer
+
+    env = scaleout.init(timeout=30)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = DataParallel(net, distributed_update=True)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.0), model)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(1.0)
+    saved = {k: torch.full_like(v, 7.0) for k, v in model.module_state_dict().items()}
+    model.module.load_state_dict(saved)  # the bare module: DataParallel's copies go stale
+    model.load_state_dict(model.state_dict())  # through DataParallel: they are refreshed
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model.synchronize()
+    means = [p.detach().mean().item() for p in net.parameters()]
+    model.close()
+    env.finalize()
+    return means
+
+
+def test_sharded_update_resumes_with_the_loaded_weights(tmp_path: Path) -> None:
+    for means in run_ranks(2, body_sharded_resume, str(tmp_path), timeout=60):
+        assert means == [7.0] * 4, means

@@ -240,3 +240,25 @@ def body_compressed_lanes() -> None:
 
 def test_compressed_sets_in_every_lane_never_deadlock() -> None:
     run_ranks(3, body_compressed_lanes, timeout=90)
+
+
+def body_mismatched_plans() -> str:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    session = Session(env)
+    count = 100 if env.rank == 0 else 120  # rank 1 registered a different model
+    session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=count)])
+    try:
+        session.commit()
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = ""
+    session.close()
+    env.finalize()
+    return message
+
+
+def test_ranks_with_different_bucket_plans_fail_at_commit() -> None:
+    for message in run_ranks(2, body_mismatched_plans, timeout=60):
+        assert "bucket plan" in message and "rank 0" in message and "rank 1" in message, message

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import Environment
 from scaleout.core.grid import GroupType
@@ -182,6 +183,10 @@ class Session:
                           codec="" if codec is None else repr(codec))
                  for k, (ps, codec) in enumerate(zip(sets, codecs))]
         plans = build_plan(items, config)
+        if dist.size(GroupType.DATA) > 1:  # once per plan: every rank must send the same buckets
+            verify_plan(dist.communicator(GroupType.DATA), "bucket plan",
+                        [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec)
+                         for plan in plans])
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
         increments = dist.duplicate(GroupType.DATA, "data-increments")
         lengths = [0] * config.lanes

@@ -92,14 +92,18 @@ def _start_method() -> str:
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
-              env: Mapping[str, str] | None = None) -> list[Any]:
+              env: Mapping[str, str] | None = None, start_method: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` forked ranks and return their results by rank.
+
+    ``start_method="spawn"`` starts fresh interpreters instead (slower): for bodies that
+    import much of torch lazily (torch.compile), which a fork can deadlock when another
+    thread of this process held an import lock at that moment.
 
     Raises:
         RankFailure: a rank raised (its traceback, tagged with the rank, is in the message),
             died, or did not finish within ``timeout`` seconds (the others are then killed).
     """
-    ctx = mp.get_context(_start_method())
+    ctx = mp.get_context(start_method or _start_method())
     port = free_port()
     procs, conns = [], []
     for rank in range(world_size):

@@ -67,7 +67,7 @@ def body() -> tuple[dict[str, list[float]], list[str]]:
 
 @pytest.mark.timeout(420)  # compiling takes ~10 s alone, minutes on a loaded 2-core machine
 def test_torch_compile_inside_and_outside_trains_like_eager_without_warnings() -> None:
-    for losses, noise in run_ranks(2, body, timeout=400):
+    for losses, noise in run_ranks(2, body, timeout=400, start_method="spawn"):
         assert not noise, noise
         for where in ("inside", "outside"):
             torch.testing.assert_close(torch.tensor(losses[where]), torch.tensor(losses["eager"]),

@@ -51,4 +51,4 @@ def test_run_refuses_a_missing_script_once() -> None:
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
-        "scaleout run: error: no script '/no/such.py': give the path of a Python file, or -m module"]
+        "scaleout run: error: no such script: /no/such.py"]

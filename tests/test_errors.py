@@ -141,7 +141,7 @@ def test_harness_reports_failing_rank() -> None:
 def test_bad_init_arguments() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         scaleout.init(backend="tcp")
-    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds in \(0, "):
+    with pytest.raises(ValueError, match="timeout must be > 0"):
         scaleout.init(timeout=-1)
     with pytest.raises(TypeError, match="timeout must be seconds"):
         scaleout.init(timeout="5")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from scaleout.launch.launcher import LaunchConfig, launch
@@ -78,9 +77,6 @@ def handler(args: argparse.Namespace) -> int:
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix)
-        if target and target[0] != "-m" and not os.path.isfile(target[0]):
-            raise ValueError(f"no script {target[0]!r}: give the path of a Python file, "
-                             "or -m module")
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

@@ -87,6 +87,6 @@ def check_seconds(value: object, name: str) -> float:
         raise TypeError(f"{name} must be seconds (int or float) or a timedelta, got "
                         f"{type(value).__name__}")
     if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise ValueError(f"{name} must be a finite number of seconds in (0, {MAX_SECONDS:g}], "
-                         f"got {value!r}")
+        raise ValueError(f"{name} must be > 0 seconds, finite and at most {MAX_SECONDS:g} (a "
+                         f"year), got {value!r}")
     return float(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from datetime import timedelta
 
 import torch
@@ -18,8 +19,10 @@ from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import LaunchInfo, detect_launch
 from scaleout.launch.lifeline import watch_parent
-from scaleout.launch.rendezvous import Rendezvous, rendezvous
 from scaleout.launch.secret import TOKEN_VAR, job_token
+
+if TYPE_CHECKING:
+    from scaleout.launch.rendezvous import Rendezvous
 
 __all__ = ["Environment", "init", "attach", "choose_backend", "local_world_size", "DEFAULT_TIMEOUT"]
 
@@ -293,7 +296,11 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1,
                                      timeout=timedelta(seconds=limit))
         else:
-            job = rendezvous(info, token, limit)
+            # (imported here: launch.rendezvous itself imports the core's errors)
+            from scaleout.launch.rendezvous import rendezvous
+
+            job = rendezvous(info, token, limit,  # torchrun's agent serves a store already
+                             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
             tdist.init_process_group(chosen, store=job.store, rank=info.rank,
                                      world_size=info.world_size, timeout=timedelta(seconds=limit))
             if limit_silence is not None:

@@ -24,12 +24,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaleout.core.checks import check_seconds
 from scaleout.core.errors import PeerFailedError
 from scaleout.launch.lifeline import REPORT_DIR_VAR
-from scaleout.launch.rendezvous import Rendezvous, machine
+from scaleout.launch.environment import machine
+
+if TYPE_CHECKING:  # (a run-time import would make core and launch import each other)
+    from scaleout.launch.rendezvous import Rendezvous
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
            "failure", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]

@@ -6,11 +6,12 @@ environment mapping so that every launcher convention can be tested without laun
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect_launch", "first_host"]
+__all__ = ["LaunchInfo", "detect_launch", "first_host", "machine"]
 
 DEFAULT_PORT = 29500
 
@@ -151,3 +152,13 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
         source="single",
     )
+
+
+def machine() -> str:
+    """This process's kernel and pid namespace: processes with the same value can see each
+    other's pids (in ``/proc``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip() + "/" + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from scaleout.core.errors import ScaleoutError
-from scaleout.launch.environment import LaunchInfo
+from scaleout.launch.environment import LaunchInfo, machine
 from scaleout.launch.secret import ForgedValue, Sealer, namespace
 
 __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
@@ -33,10 +33,14 @@ __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 _SALT = 16
 
 
-def bound_store(info: LaunchInfo, timeout: float) -> tdist.TCPStore:
-    """Rank 0: a store server listening on ``master_addr`` only; other ranks: a client."""
+def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) -> tdist.TCPStore:
+    """Rank 0: a store server listening on ``master_addr`` only; other ranks: a client.
+
+    ``agent_store``: the launcher already serves a store there (torchrun's agent does, and
+    says so with ``TORCHELASTIC_USE_AGENT_STORE=True``): every rank is a client of it.
+    """
     wait = timedelta(seconds=timeout)
-    if info.rank != 0:
+    if info.rank != 0 or agent_store:
         return tdist.TCPStore(info.master_addr, info.master_port, None, False, timeout=wait)
     family, kind, proto, _, address = socket.getaddrinfo(
         info.master_addr, info.master_port, type=socket.SOCK_STREAM)[0]
@@ -107,16 +111,6 @@ class AuthStore(tdist.Store):
         return self._raw.timeout
 
 
-def machine() -> str:
-    """This process's kernel and pid namespace: processes with the same value can see each
-    other's pids (in ``/proc``)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return boot.read().strip() + "/" + os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 class Rendezvous:
     """The job's authenticated store and, on rank 0, the report of outsiders' attempts."""
 
@@ -173,8 +167,11 @@ def _salt(raw: tdist.Store, token: str, rank: int) -> bytes:
     return bytes(raw.get(key))
 
 
-def rendezvous(info: LaunchInfo, token: str, timeout: float) -> Rendezvous:
+def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
+               agent_store: bool = False) -> Rendezvous:
     """Create the store, authenticate every rank and return the job's :class:`Rendezvous`.
+
+    ``agent_store``: join the launcher's store instead of serving one (see :func:`bound_store`).
 
     Raises:
         ScaleoutError: the store cannot be reached or created, a rank number is claimed
@@ -182,7 +179,7 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float) -> Rendezvous:
             another token); on every rank, with the reason rank 0 found.
     """
     rank, world = info.rank, info.world_size
-    raw = bound_store(info, timeout)
+    raw = bound_store(info, timeout, agent_store=agent_store)
     sealer = Sealer(token, _salt(raw, token, rank))
     store = AuthStore(raw, sealer)
     claims = store.add(f"claim/{rank}", 1)

@@ -65,15 +65,17 @@ class TraceRecorder:
             self._events.append(event)
             phase = args.get("phase")
             if lane == "compute" and phase in ("forward", "backward"):
-                layer = self._layers.setdefault(name, {"name": name, "forward_s": [],
-                                                       "backward_s": [], "grad_bytes": 0})
-                layer[f"{phase}_s"].append(end - start)
+                self._layer(name)[f"{phase}_s"].append(end - start)
 
     def set_grad_bytes(self, layer: str, nbytes: int) -> None:
         """The bytes of ``layer``'s gradients (its parameters' sizes)."""
         with self._lock:
-            self._layers.setdefault(layer, {"name": layer, "forward_s": [], "backward_s": [],
-                                            "grad_bytes": 0})["grad_bytes"] = int(nbytes)
+            self._layer(layer)["grad_bytes"] = int(nbytes)
+
+    def _layer(self, name: str) -> dict[str, Any]:
+        """``name``'s per-layer record (made on first sight: forward order)."""
+        return self._layers.setdefault(name, {"name": name, "forward_s": [], "backward_s": [],
+                                              "grad_bytes": 0})
 
     def end_iteration(self) -> None:
         with self._lock:

@@ -199,7 +199,7 @@ def body_lockstep(traffic: bool) -> list[float]:
     model = torch.nn.Linear(3, 2)
     reference = torch.nn.Linear(3, 2)
     reference.load_state_dict(model.state_dict())
-    opt = build_lockstep(model, traffic=traffic, timeout_s=30, lr=0.1, momentum=0.9)
+    opt = build_lockstep(model.parameters(), traffic=traffic, timeout_s=30, lr=0.1, momentum=0.9)
     plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     rank = tdist.get_rank()
     for step in range(3):
@@ -285,3 +285,18 @@ def test_device_is_validated_and_cpu_runs_hide_cuda(monkeypatch: pytest.MonkeyPa
         train._run_once(cfg, "ddp", train.Placement(wrapper=None, master_addr="127.0.0.1",
                                                     network={}), "/tmp", None)
     assert seen["CUDA_VISIBLE_DEVICES"] == "" and "--device" in train._worker_args(cfg, "ddp", "x")
+
+
+def test_every_configuration_trains_tables_with_plain_sgd() -> None:
+    """DLRM's tables get no momentum (what hybrid's sparse row update computes), the dense
+    layers momentum 0.9; a model without tables has one group; every parameter once."""
+    from scaleout.bench.train_peers import param_groups
+    from scaleout.workloads import get_workload
+
+    net = get_workload("dlrm").build_model(0)
+    dense, tables = param_groups(net)
+    assert "momentum" not in dense and tables["momentum"] == 0.0
+    assert {id(p) for p in tables["params"]} == {id(p) for p in net.embeddings.parameters()}
+    assert len(dense["params"]) + len(tables["params"]) == len(list(net.parameters()))
+    (only,) = param_groups(get_workload("digits-mlp").build_model(0))
+    assert len(only["params"]) == len(list(get_workload("digits-mlp").build_model(0).parameters()))

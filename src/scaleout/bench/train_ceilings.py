@@ -34,17 +34,17 @@ class LockstepSGD(torch.optim.SGD):
     """SGD whose ``step()`` first meets the other ranks (a one-element allreduce).
 
     Args:
-        params: the parameters, as for :class:`torch.optim.SGD`.
+        params: the parameters or parameter groups, as for :class:`torch.optim.SGD`.
         traffic: also keep one allreduce of ``sum(p.numel())`` floats in flight on its own
             process group, waited for one step after it started.
         **options: SGD's options (``lr``, ``momentum``, ...).
     """
 
     def __init__(self, params: Any, *, traffic: bool = False, **options: Any) -> None:
-        params = list(params)
         super().__init__(params, **options)
+        numel = sum(p.numel() for group in self.param_groups for p in group["params"])
         self._token = torch.zeros(1)
-        self._bytes = torch.zeros(sum(p.numel() for p in params)) if traffic else None
+        self._bytes = torch.zeros(numel) if traffic else None
         self._group = tdist.new_group(backend="gloo") if traffic else None
         self._inflight: Any = None
 
@@ -64,8 +64,9 @@ class LockstepSGD(torch.optim.SGD):
             self._inflight = None
 
 
-def build_lockstep(model: torch.nn.Module, *, traffic: bool, timeout_s: float,
+def build_lockstep(params: Any, *, traffic: bool, timeout_s: float,
                    **sgd: Any) -> LockstepSGD:
-    """Join the job (gloo, ``env://``) and return ``model``'s lockstep optimizer."""
+    """Join the job (gloo, ``env://``) and return a lockstep optimizer of ``params``
+    (parameters or parameter groups)."""
     tdist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
-    return LockstepSGD(model.parameters(), traffic=traffic, **sgd)
+    return LockstepSGD(params, traffic=traffic, **sgd)

@@ -1,7 +1,7 @@
 """The training set-ups ``scaleout bench train`` compares: one function per configuration.
 
 Every set-up builds the workload's model from the same seed and an SGD optimizer
-(momentum 0.9) and returns a :class:`Setup`: the module to call, the optimizer to step,
+(momentum 0.9; plain SGD on embedding tables, see :func:`param_groups`) and returns a :class:`Setup`: the module to call, the optimizer to step,
 and what to do once warm-up ends, once timing ends, and at exit. The worker
 (:mod:`scaleout.bench.train_worker`) runs the same loop over every set-up.
 
@@ -46,7 +46,7 @@ from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.workloads import Workload
 
 __all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
-           "SetupOptions", "Setup", "build_setup", "is_configuration"]
+           "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
 PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", *CEILINGS)
@@ -125,6 +125,25 @@ class Setup:
     details: dict[str, Any]
 
 
+def param_groups(net: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups, the same in every configuration: SGD with momentum
+    on the dense parameters, plain SGD (no momentum) on the embedding tables (a module's
+    ``embeddings`` list, as in DLRM).
+
+    Plain SGD on a table's dense gradient moves exactly the rows a batch touched, which is
+    what ``hybrid``'s sparse row update computes, so every configuration trains the same
+    model and only the communication differs (momentum would keep moving untouched rows in
+    the dense configurations and make them a different optimizer)."""
+    tables = getattr(net, "embeddings", None)
+    table_ids = {id(p) for p in tables.parameters()} if isinstance(tables, nn.Module) else set()
+    groups: list[dict[str, Any]] = [
+        {"params": [p for p in net.parameters() if id(p) not in table_ids]}]
+    if table_ids:
+        groups.append({"params": [p for p in net.parameters() if id(p) in table_ids],
+                       "momentum": 0.0})
+    return groups
+
+
 def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
@@ -135,7 +154,7 @@ def _nothing() -> None:
 
 def _single(options: SetupOptions) -> Setup:
     model = options.build_model()
-    return Setup(model=model, optimizer=_sgd(model.parameters()), settle=_nothing,
+    return Setup(model=model, optimizer=_sgd(param_groups(model)), settle=_nothing,
                  reset=_nothing, statistics=None, close=_nothing, details={})
 
 
@@ -148,7 +167,7 @@ def _scaleout(options: SetupOptions) -> Setup:
     model = DataParallel(net, env.create_distribution(),
                          scheduler=scaleout.SchedulerConfig(policy=options.policy),
                          compression=options.compression)
-    optimizer = DistributedOptimizer(_sgd(model.parameters()), model, mode=options.mode)
+    optimizer = DistributedOptimizer(_sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = _statistics_of(model)
 
     def close() -> None:
@@ -216,10 +235,11 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=torch.optim.SGD, lr=LR, momentum=MOMENTUM)
+            param_groups(model.module), optimizer_class=torch.optim.SGD, lr=LR,
+            momentum=MOMENTUM)
         details["optimizer"] = "ZeroRedundancyOptimizer(SGD)"
     else:
-        optimizer = _sgd(model.parameters())
+        optimizer = _sgd(param_groups(model.module))
     return Setup(model=model, optimizer=optimizer, settle=_nothing, reset=_nothing,
                  statistics=None, close=tdist.destroy_process_group, details=details)
 
@@ -235,8 +255,8 @@ def _backend(device: torch.device) -> str:
 
 def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
     model = options.build_model()
-    optimizer = build_lockstep(model, traffic=traffic, timeout_s=options.timeout_s, lr=LR,
-                               momentum=MOMENTUM)
+    optimizer = build_lockstep(param_groups(model), traffic=traffic,
+                               timeout_s=options.timeout_s, lr=LR, momentum=MOMENTUM)
 
     def close() -> None:
         optimizer.finish()

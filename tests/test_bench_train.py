@@ -51,6 +51,8 @@ def _check_report(report: dict, *, testbed: bool) -> None:
     assert report["summary"]["scaleout"]["over_peers"]["ddp"] > 0
     so = report["summary"]["scaleout"]
     assert so["bytes_per_iter"] > 0 and so["comm_ms_per_iter"] >= 0 and so["exposed_ms_per_iter"] >= 0
+    # the same data, seeds and optimizer: exact scaleout and DDP train the same model
+    assert so["final_loss"] == pytest.approx(report["summary"]["ddp"]["final_loss"], rel=1e-5)
     assert len(report["runs"]) == 3 and all(len(r["iter_s"]) == 3 for r in report["runs"])
     assert {r["config"] for r in report["runs"]} == {"single", "scaleout", "ddp"}
     assert report["command"].startswith("scaleout ") and report["date"]

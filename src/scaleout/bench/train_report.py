@@ -9,7 +9,8 @@ From the raw runs of :func:`scaleout.bench.train.run_benchmark`:
 * ``scaleout/this`` = scaleout's throughput / this peer's, the median of per-round ratios
   (above 1: scaleout is faster);
 * scaleout's exposed and in-flight communication per iteration and bytes sent per
-  iteration, from its :class:`~scaleout.session.Statistics` on rank 0, medians over rounds.
+  iteration, from its :class:`~scaleout.session.Statistics` on rank 0, medians over rounds;
+* the last loss: rank 0's loss of the last timed iteration, the median over rounds.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
         if stats:
             for key in ("exposed_ms", "comm_ms", "bytes", "raw_bytes"):
                 entry[f"{key}_per_iter"] = _median([s[key] for s in stats])
+        losses = [rnd[name]["final_loss"] for rnd in present if "final_loss" in rnd[name]]
+        entry["final_loss"] = _median(losses)
         details = [rnd[name].get("details") for rnd in present]
         entry["details"] = details[0] if details else {}
         if name in failures:
@@ -151,7 +154,7 @@ def format_report(report: dict) -> str:
     rows, failed = [], []
     for name, e in summary.items():
         if e.get("failed") and e["throughput"] is None:
-            rows.append([name, f"FAILED: {_short(e['failed'])}", *([""] * (6 + len(peers)))])
+            rows.append([name, f"FAILED: {_short(e['failed'])}", *([""] * (7 + len(peers)))])
             failed.append(f"{name} FAILED: {e['failed']}")
             continue
         if e.get("failed"):
@@ -164,16 +167,18 @@ def format_report(report: dict) -> str:
             _fmt(e["iter_ms"], ".1f"), _fmt(e["efficiency"], ".0%"),
             *(_fmt(e["over_peers"].get(p), ".3f") for p in peers),
             _fmt(e.get("exposed_ms_per_iter"), ".1f"), _fmt(e.get("comm_ms_per_iter"), ".1f"),
-            _fmt(None if mb is None else mb / 1e6, ".2f"),
+            _fmt(None if mb is None else mb / 1e6, ".2f"), _fmt(e.get("final_loss"), ".5f"),
         ])
     headers = ["configuration", "samples/s", "min..max", "iter ms", "efficiency",
-               *(f"vs {p}" for p in peers), "exposed ms/it", "comm ms/it", "MB/it"]
+               *(f"vs {p}" for p in peers), "exposed ms/it", "comm ms/it", "MB/it", "last loss"]
     so = next((e["details"] for n, e in summary.items() if n.startswith("scaleout")), {}) or {}
     notes = [
         f"efficiency = samples/s / ({s['ranks']} x single's, same round); vs PEER = median "
         "of per-round throughput ratios scaleout/PEER (> 1: scaleout faster); medians over rounds",
         f"scaleout: policy {so.get('policy')}, mode {so.get('mode')}; exposed/comm ms and MB "
         "per iteration are its Statistics on rank 0 (MB after compression)",
+        "last loss: rank 0's loss on its part of the last timed batch (the same data in every "
+        "configuration of 2+ ranks: those that train the same model agree to rounding)",
     ]
     psgd = summary.get("ddp-powersgd", {}).get("details")
     if psgd:

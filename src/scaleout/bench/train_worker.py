@@ -80,9 +80,13 @@ def main(argv: list[str] | None = None) -> None:
                for step in range(min(DISTINCT_BATCHES, args.warmup + args.iters))]
     total = args.warmup + args.iters
 
+    last_loss: list[torch.Tensor] = []
+
     def iteration(step: int) -> None:
         inputs, targets = batches[step % len(batches)]
-        workload.loss_fn(setup.model(inputs), targets).backward()
+        loss = workload.loss_fn(setup.model(inputs), targets)
+        loss.backward()
+        last_loss[:] = [loss.detach()]  # read once at the end: no host sync per iteration
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
         if cuda:  # the iteration's time includes its kernels, not only their launches
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": args.config, "ranks": world, "batch_per_rank": args.batch,
         "iter_s": times, "median_iter_s": statistics.median(times), "loop_s": loop_s,
         "setup_and_warmup_s": loop_start - started, "threads": args.threads, "device": str(device),
-        "details": setup.details,
+        "details": setup.details, "final_loss": float(last_loss[0]),
         "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
     }
     if rank == 0:

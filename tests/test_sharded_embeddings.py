@@ -1,7 +1,9 @@
 """Sharded embedding tables (DLRM): hybrid training equals single-process training.
 
-The tables are sharded table-wise (and, under a memory budget, row-wise) over the data group (alltoallv of ids and of lookups,
-reverse alltoallv of gradients, row-wise sparse updates); the dense MLPs stay data parallel
+The tables are sharded table-wise (and, under a memory budget, row-wise; explicitly,
+column-wise; or leaving a rank with none) over the data group (alltoallv of each table's
+distinct ids and of their rows, reverse alltoallv of the rows' summed gradients, row-wise
+sparse updates); the dense MLPs stay data parallel
 (and, on a 2 x 2 grid, tensor parallel too). Float64, tight tolerance.
 """
 
@@ -92,8 +94,14 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
         plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, COLUMN_WISE, 0, 1, COLUMN_WISE,
                                                          0), ranks=data_parts, element_size=8)
         assert "(columns 2+2)" in plan.describe() or data_parts != 2
+    elif layout == "idle":  # the last rank holds no table: it only asks and answers nothing
+        plan = ShardingPlan(tables=tuple(specs), owners=(0, 1, 0, 1, 0, 1), ranks=data_parts,
+                            element_size=8)
     else:
         plan = plan_tables(specs, data_parts, element_size=8)
+    # ids repeat within a rank's batch: the exchange sends each distinct one once
+    x0, _ = shard(*global_batch(0, data_parts), dist.rank(GroupType.DATA))
+    assert any(x0.sparse[:, t].unique().numel() < PER_RANK for t in range(len(specs)))
     net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
     if model_parts > 1:
         tensor_parallel(net, dist)
@@ -101,16 +109,17 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     model = DataParallel(net, dist)
     dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
                                      mode=mode)
-    table_opt = table_optimizer(layout, tables)
+    table_opt = table_optimizer(layout, tables) if tables else None  # "idle": none held
     d = dist.rank(GroupType.DATA)
     for step in range(STEPS):
         x, y = shard(*global_batch(step, data_parts), d)
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         assert all(p.grad is None or p.grad.is_sparse for p in tables)
         dense_opt.step()
-        table_opt.step()
         dense_opt.zero_grad()
-        table_opt.zero_grad()
+        if table_opt is not None:
+            table_opt.step()
+            table_opt.zero_grad()
     model.synchronize()
     assert model.statistics.operation("embeddings (activations)").bytes > 0
     state = full_state_dict(net)
@@ -135,13 +144,14 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout", [
     (2, 1, "sync", "planned"), (3, 1, "overlap", "planned"), (2, 2, "overlap", "planned"),
     (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget"), (2, 1, "sync", "columns"),
-    (3, 1, "overlap", "columns")])
+    (3, 1, "overlap", "columns"), (3, 1, "overlap", "idle")])
 def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
                                             layout: str) -> None:
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
                      timeout=120)
     by_data_rank = held[::model_parts]
     assert set(t for h in by_data_rank for t in h) == set(range(len(CONFIG.table_sizes)))
+    assert layout != "idle" or held[-1] == []
     for m in range(model_parts):  # every model rank holds the same tables as its column
         assert held[m::model_parts] == by_data_rank
 

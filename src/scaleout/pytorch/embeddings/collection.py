@@ -2,17 +2,21 @@
 
 Forward, on every rank of the data group (each with its own samples):
 
-1. ids: an alltoallv sends each table's column of ids to the rank that holds the table (a
-   row-wise table's column to every rank);
-2. lookup: each rank looks up its tables for the samples of every rank (a row-wise table:
-   the ids in its block of rows, zeros for the others, the blocks summed in step 3);
-3. results: an alltoallv sends each sample's vectors back to the rank that owns the sample
-   (MLSL's model-parallel -> data-parallel transition, an all-to-all).
+1. distinct ids: each table's column of ids is reduced to its distinct ids (ids repeat: a
+   batch of 256 Zipf-distributed DLRM samples has 2,077 distinct (table, id) pairs of 6,656);
+2. counts, then ids: an alltoallv tells each holder how many distinct ids of each of its
+   tables to expect, a second one sends them (a row- or column-wise table's to every holder);
+3. lookup: each holder looks every requested id up once (a row-wise table: the ids in its
+   block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere);
+4. rows: an alltoallv sends the rows back; each sample takes its vector from its table's
+   distinct rows, and the blocks of row- and column-wise tables are summed (MLSL's
+   model-parallel -> data-parallel transition, an all-to-all).
 
-Backward is the reverse alltoallv of the gradients (step 3 inverted), which reach the table
-weights as sparse row gradients, scaled like DataParallel's average over the data group; the
-tables are then updated by a row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad
-/ SparseAdam, which accept sparse gradients). The dense layers around stay data parallel.
+Backward is the reverse of step 4: the gradients of a row's samples are summed by the rank
+that asked for it before they travel, and reach the table weights as sparse row gradients,
+scaled like DataParallel's average over the data group; the tables are then updated by a
+row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad / SparseAdam, which accept
+sparse gradients). The dense layers around stay data parallel.
 """
 
 from __future__ import annotations
@@ -41,55 +45,22 @@ from scaleout.pytorch.placement import Kind, Placement, place
 __all__ = ["EmbeddingCollection"]
 
 
-class _Route:
-    """Who holds which table and how many samples each rank has this iteration."""
-
-    def __init__(self, comm: Communicator, plan: ShardingPlan, batches: list[int],
-                 divisor: int, recorder: ExchangeRecorder) -> None:
-        self.comm = comm
-        self.recorder = recorder
-        self.held = [plan.tables_of(r) for r in range(comm.size)]
-        self.mine = self.held[comm.rank]
-        self.batches = batches
-        self.divisor = divisor
-        self.tables = len(plan.tables)
-        # every rank's lookups side by side ("slots"): a row-wise table has one per rank
-        self.slots = torch.tensor([t for held in self.held for t in held], dtype=torch.int64)
-
-    @property
-    def batch(self) -> int:
-        return self.batches[self.comm.rank]
-
-
-class _Results(torch.autograd.Function):
-    """Lookups of this rank's tables for every rank's samples -> every table for mine."""
+class _Exchange(torch.autograd.Function):
+    """An alltoallv of rows whose backward is the reverse alltoallv of their gradients
+    (divided by the data group's size: DataParallel's average)."""
 
     @staticmethod
-    def forward(ctx: Any, looked: torch.Tensor, route: _Route) -> torch.Tensor:
-        ctx.route = route
-        dim = looked.shape[-1]
-        send = [b * len(route.mine) for b in route.batches]
-        recv = [route.batch * len(held) for held in route.held]
-        flat = looked.reshape(-1, dim)
-        got = route.recorder.run(flat, lambda: collectives.alltoallv(
-            route.comm, flat, send, recv).wait())
-        blocks = [block.view(route.batch, len(held), dim)
-                  for block, held in zip(got.split(recv), route.held)]
-        out = looked.new_zeros(route.batch, route.tables, dim)  # row-wise blocks: summed
-        return out.index_add_(1, route.slots.to(out.device), torch.cat(blocks, dim=1))
+    def forward(ctx: Any, rows: torch.Tensor, comm: Communicator, send: list[int],
+                recv: list[int], divisor: int, recorder: ExchangeRecorder) -> torch.Tensor:
+        ctx.args = (comm, send, recv, divisor, recorder)
+        return recorder.run(rows, lambda: collectives.alltoallv(comm, rows, send, recv).wait())
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        route = ctx.route
-        dim = grad.shape[-1]
-        by_owner = grad[:, route.slots.to(grad.device)].contiguous()
-        parts = by_owner.split([len(h) for h in route.held], dim=1)
-        send = torch.cat([p.reshape(-1, dim) for p in parts])
-        recv = [b * len(route.mine) for b in route.batches]
-        got = route.recorder.run(send, lambda: collectives.alltoallv(
-            route.comm, send, [p.numel() // dim for p in parts], recv).wait())
-        got = got.view(sum(route.batches), len(route.mine), dim)
-        return got / route.divisor if route.divisor > 1 else got, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        comm, send, recv, divisor, recorder = ctx.args
+        grad = grad.contiguous()
+        back = recorder.run(grad, lambda: collectives.alltoallv(comm, grad, recv, send).wait())
+        return (back / divisor if divisor > 1 else back), None, None, None, None, None
 
 
 class EmbeddingCollection(nn.Module):
@@ -180,21 +151,54 @@ class EmbeddingCollection(nn.Module):
         if ids.dim() != 2 or ids.shape[1] != len(self.tables):
             raise ValueError(f"EmbeddingCollection: expected ids of shape (batch, "
                              f"{len(self.tables)}), got {tuple(ids.shape)}")
-        rec = self.exchange_recorder
-        size = torch.tensor([ids.shape[0]], dtype=torch.int64, device=ids.device)
-        batches = rec.run(size, lambda: collectives.allgather(self.comm, size).wait()).tolist()
-        route = _Route(self.comm, self.plan, batches, self.divisor, rec)
-        columns = [ids[:, held].reshape(-1) for held in route.held]
-        recv = [b * len(route.mine) for b in batches]
-        sent = torch.cat(columns)
-        mine = rec.run(sent, lambda: collectives.alltoallv(
-            self.comm, sent, [c.numel() for c in columns], recv).wait())
-        mine = mine.view(sum(batches), len(route.mine))
-        looked = (torch.stack([self._lookup(t, mine[:, j]) for j, t in enumerate(route.mine)],
-                              dim=1)
-                  if route.mine else torch.zeros(sum(batches), 0, self.dim, dtype=self.dtype,
-                                       device=ids.device))
-        return _Results.apply(looked, route)
+        comm, rec = self.comm, self.exchange_recorder
+        held = [self.plan.tables_of(r) for r in range(comm.size)]
+        mine = held[comm.rank]
+        # 1. each table's distinct ids in this batch, and where every sample's id is among them
+        distinct = {t: torch.unique(ids[:, t], return_inverse=True) for t in set().union(*held)}
+        wanted = [[distinct[t][0] for t in tables] for tables in held]
+        # 2. how many distinct ids of each of its tables every holder gets (fixed sizes)
+        counts = torch.tensor([u.numel() for part in wanted for u in part], dtype=torch.int64,
+                              device=ids.device)
+        got = rec.run(counts, lambda: collectives.alltoallv(
+            comm, counts, [len(h) for h in held], [len(mine)] * comm.size).wait())
+        asked = got.view(comm.size, len(mine))  # [rank, my table j]: ids that rank asked for
+        # 3. the ids themselves; 4. each holder looks them up once and sends the rows back
+        sent = torch.cat([u for part in wanted for u in part])
+        send = [sum(u.numel() for u in part) for part in wanted]
+        recv = asked.sum(dim=1).tolist()
+        requested = rec.run(sent, lambda: collectives.alltoallv(comm, sent, send, recv).wait())
+        rows = _Exchange.apply(self._look_up(requested, asked), comm, recv, send, self.divisor,
+                               rec)
+        # 5. every sample's vector from its table's distinct rows (row- and column-wise
+        #    tables: one block per holder, summed)
+        index, offset = [], 0
+        for tables, part in zip(held, wanted):
+            for t, u in zip(tables, part):
+                index.append(distinct[t][1] + offset)
+                offset += u.numel()
+        slots = torch.tensor([t for tables in held for t in tables], dtype=torch.int64,
+                             device=ids.device)
+        per_slot = rows[torch.stack(index, dim=1)] if index else rows.new_zeros(
+            ids.shape[0], 0, self.dim)
+        out = rows.new_zeros(ids.shape[0], len(self.tables), self.dim)
+        return out.index_add(1, slots, per_slot)
+
+    def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids``: the other ranks' requests side by side, each rank's in the order
+        of my tables (``asked[rank, j]`` ids of my ``j``-th table)."""
+        mine = self.held()
+        if not mine:  # (requires grad: the backward exchange must run here too)
+            return torch.zeros(0, self.dim, dtype=self.dtype, device=ids.device,
+                               requires_grad=True)
+        table_of = torch.repeat_interleave(
+            torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
+            asked.reshape(-1).to(ids.device))
+        order = torch.argsort(table_of, stable=True)  # grouped by table, then back
+        sizes = torch.bincount(table_of, minlength=len(mine)).tolist()
+        grouped = ids[order].split(sizes)
+        looked = torch.cat([self._lookup(t, part) for t, part in zip(mine, grouped)])
+        return looked[torch.argsort(order)]
 
     def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         weight = self.get_submodule(str(table)).weight

@@ -59,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--master-port", type=int, default=None,
                         help="rendezvous port (default: a free port; required with --nnodes > 1)")
     parser.add_argument("--testbed", default=None, metavar="NAME",
-                        help="run one rank per host of the emulated cluster NAME "
-                             "(see: scaleout testbed up --help)")
+                        help="run one rank per host of the emulated cluster NAME (-n at "
+                             "most its hosts; see: scaleout testbed up --help)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="after a failure, start every rank again up to K times "
                              "(default 0; single node only)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -116,3 +117,20 @@ def test_restart_options_are_checked() -> None:
     assert result.returncode == 2
     assert "--max-restarts works on a single node only" in result.stderr
     assert result.stderr.count("\n") == 1
+
+
+def test_signal_to_the_launcher_is_not_retried(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nprint('up', os.environ['SCALEOUT_RESTART_COUNT'])\n"
+                      "time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2",
+                             "--max-restarts", "3", str(script)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    for _ in range(2):  # both ranks are up
+        assert proc.stdout.readline().endswith("up 0\n")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 143, out
+    assert "got SIGTERM; stopped every rank" in out and "restart" not in out

@@ -183,7 +183,8 @@ def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
     """Run attempt after attempt until one succeeds, a signal stops the job or the budget
     of restarts is spent; return the launcher's exit code."""
     causes: list[str] = []
-    for attempt in range(config.max_restarts + 1):
+    attempt = 0
+    while True:
         reports = os.path.join(workdir, f"reports-{attempt}")
         os.mkdir(reports)
         env = {**attempt_env(attempt, config.max_restarts, state), REPORT_DIR_VAR: reports}
@@ -194,7 +195,7 @@ def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                 _say(out, f"scaleout run: every rank finished after {_restarts(len(causes))} "
                           f"({'; '.join(causes)})")
             return 0
-        if signals.signum is not None:
+        if signals.signum is not None:  # the launcher was told to stop: never retried
             return code
         causes.append(f"attempt {attempt}: {cause}")
         if attempt == config.max_restarts:
@@ -202,9 +203,9 @@ def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                 _say(out, f"scaleout run: gave up after {_restarts(attempt)} (--max-restarts "
                           f"{config.max_restarts} spent): {'; '.join(causes)}")
             return code
-        _say(out, f"scaleout run: restart {attempt + 1} of {config.max_restarts}: starting "
-                  "every rank again with a fresh rendezvous")
-    raise AssertionError("unreachable")  # the loop returns on its last attempt
+        attempt += 1
+        _say(out, f"scaleout run: restart {attempt} of {config.max_restarts}: starting every "
+                  "rank again with a fresh rendezvous")
 
 
 def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None,

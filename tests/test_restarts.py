@@ -13,46 +13,11 @@ import textwrap
 import time
 from pathlib import Path
 
+from harness import run_ranks
+
 SRC = str(Path(__file__).parents[1] / "src")
 
-# Trains 10 steps (2 ranks, momentum, per-rank random data), checkpoints every 3 steps and
-# resumes from the checkpoint when there is one. On attempt 0 only, rank 1 kills itself
-# (SIGKILL) before step KILL_AT; the digest of the final weights is printed by every rank.
-TRAIN = """
-    import hashlib, os, signal, sys, torch
-    from torch import nn
-    import scaleout
-    from scaleout import checkpoint
-    from scaleout.pytorch import DataParallel, DistributedOptimizer
-
-    path, steps, kill_at = sys.argv[1], 10, int(sys.argv[2])
-    env = scaleout.init(timeout=30)
-    attempt = int(os.environ["SCALEOUT_RESTART_COUNT"])
-    assert os.environ["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    model = DataParallel(net, env.create_distribution())
-    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), model)
-    step = checkpoint.load(path, model, opt)[0] if os.path.islink(path) else 0
-    print(f"attempt {attempt} starts at step {step}")
-    while step < steps:
-        if step == kill_at and attempt == 0 and env.rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss = model(torch.randn(8, 16) + env.rank).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        step += 1
-        if step % 3 == 0:
-            checkpoint.save(path, model, opt, step=step)
-    model.synchronize()
-    data = b"".join(p.detach().numpy().tobytes() for p in net.parameters())
-    print(f"final step={step} weights={hashlib.sha256(data).hexdigest()}")
-    model.close()
-    env.finalize()
-    sys.stdout.flush()
-    os._exit(0)  # see _TEARDOWN in test_launcher.py
-"""
+JOBS = str(Path(__file__).parent / "restart_jobs.py")
 
 
 def scaleout_run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -61,28 +26,27 @@ def scaleout_run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
-def digests(stdout: str) -> set[str]:
-    return set(re.findall(r"final step=10 weights=([0-9a-f]{64})", stdout))
+def digests(stdout: str) -> list[str]:
+    return re.findall(r"\[rank \d\] final weights=([0-9a-f]{64})", stdout)
 
 
 def test_killed_rank_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(TRAIN))
-    plain = scaleout_run("-n", "2", str(script), str(tmp_path / "plain"), "-1")
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    started = time.monotonic()
-    killed = scaleout_run("-n", "2", "--max-restarts", "2", str(script),
+    """Rank 1 SIGKILLs itself before step 7 (checkpoint at step 6) on the first attempt; the
+    restarted job resumes at step 6 and ends with the uninterrupted run's weights (that
+    reference comes from the same job run by the forked harness)."""
+    from restart_jobs import checkpointed
+
+    reference = run_ranks(2, checkpointed, str(tmp_path / "reference"), -1, timeout=60)
+    assert len(set(reference)) == 1
+    killed = scaleout_run("-n", "2", "--max-restarts", "2", JOBS, "checkpointed",
                           str(tmp_path / "killed"), "7")
-    took = time.monotonic() - started
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "rank 1 failed first, with signal SIGKILL" in killed.stdout
     assert "restart 1 of 2: starting every rank again" in killed.stdout
     assert "[rank 0] attempt 1 starts at step 6" in killed.stdout
     assert ("every rank finished after 1 restart (attempt 0: rank 1 failed first, with "
             "signal SIGKILL)") in killed.stdout
-    assert len(digests(plain.stdout)) == 1
-    assert digests(killed.stdout) == digests(plain.stdout), (plain.stdout, killed.stdout)
-    assert took < 60
+    assert digests(killed.stdout) == reference, (reference, killed.stdout)
 
 
 FAILING = """

@@ -50,12 +50,13 @@ def test_killed_rank_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
 
 
 FAILING = """
-    import os, sys
-    print("attempt", os.environ["SCALEOUT_RESTART_COUNT"], "of",
-          os.environ["SCALEOUT_MAX_RESTARTS"], "state", os.path.isdir(os.environ["SCALEOUT_STATE_DIR"]))
-    if os.environ["RANK"] == "1":
+    import os, sys, time
+    env = os.environ
+    print("attempt", env["SCALEOUT_RESTART_COUNT"], "of", env["SCALEOUT_MAX_RESTARTS"],
+          "state", os.path.isdir(env["SCALEOUT_STATE_DIR"]))
+    if env["RANK"] == "1":
         sys.exit(3)
-    import time; time.sleep(60)
+    time.sleep(60)
 """
 
 

@@ -1,5 +1,5 @@
 """scaleout.horovod: objects without pickle, timeline, process sets, launch variables, the
-*_built queries and elastic's refusal."""
+*_built queries."""
 
 from __future__ import annotations
 
@@ -187,21 +187,12 @@ def test_horovod_environ_is_a_pure_mapping() -> None:
         node_key({"SLURM_NODEID": "x"})
 
 
-def test_built_queries_and_elastic() -> None:
+def test_built_queries() -> None:
     assert hvd.gloo_built() and hvd.gloo_enabled() and not hvd.mpi_enabled()
     assert hvd.cuda_built() == (torch.version.cuda is not None)
     assert hvd.rocm_built() == (getattr(torch.version, "hip", None) is not None)
     assert isinstance(hvd.nccl_built(), int) and isinstance(hvd.mpi_built(), bool)
     assert not hvd.ddl_built() and not hvd.ccl_built() and not hvd.mpi_threads_supported()
-    with pytest.raises(NotImplementedError, match="elastic training"):
-        hvd.elastic.TorchState(model=None, optimizer=None, epoch=0)
-
-    @hvd.elastic.run
-    def train(state: object) -> None:
-        pass
-
-    with pytest.raises(NotImplementedError, match="re-forms the job"):
-        train(None)
 
 
 def test_not_initialized_errors() -> None:

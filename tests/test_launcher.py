@@ -74,33 +74,49 @@ def test_usage_errors() -> None:
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
 
 
-def test_two_nodes_rendezvous(tmp_path: Path) -> None:
-    """Two launchers (as on two nodes) with --nnodes/--node-rank form one job."""
+NODES = """
+    import os, sys, torch, scaleout
+    env = scaleout.init(timeout=30)
+    d = env.create_distribution()
+    total = d.allreduce(torch.ones(1), group=scaleout.GroupType.DATA).wait()
+    print(f"rank={env.rank} local={env.local_rank} node={os.environ['GROUP_RANK']} "
+          f"total={total.item():g}")
+    env.finalize()
+    sys.stdout.flush()
+    os._exit(0)  # see _TEARDOWN
+"""
+
+
+@pytest.mark.parametrize("late", [0.0, 3.0])
+def test_two_nodes_rendezvous(tmp_path: Path, late: float) -> None:
+    """Two launchers (as on two nodes) with --nnodes/--node-rank form one job, also when
+    node 1 starts ``late`` seconds after node 0; node 0 prints node 1's command, not the
+    secret."""
     from scaleout.launch.launcher import free_port
 
     script = tmp_path / "nodes.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, torch, scaleout
-        env = scaleout.init(timeout=30)
-        d = env.create_distribution()
-        total = d.allreduce(torch.ones(1), group=scaleout.GroupType.DATA).wait()
-        print(f"rank={env.rank} local={env.local_rank} node={os.environ['GROUP_RANK']} "
-              f"total={total.item():g}")
-        env.finalize()
-        sys.stdout.flush()
-        os._exit(0)  # see _TEARDOWN
-    """))
+    script.write_text(textwrap.dedent(NODES))
     port = str(free_port())
+    secret = "the same secret on every node"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
-           "SCALEOUT_JOB_TOKEN": "the same secret on every node"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "1", "--nnodes", "2",
-                               "--node-rank", str(i), "--master-port", port, str(script)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+           "SCALEOUT_JOB_TOKEN": secret}
+    nodes = []
+    for node in range(2):
+        if node == 1:
+            time.sleep(late)
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "scaleout", "run", "-n", "1", "--nnodes", "2", "--node-rank",
+             str(node), "--master-port", port, str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [node.communicate(timeout=60)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs
     assert "[rank 0] rank=0 local=0 node=0 total=2" in outputs[0]
     assert "[rank 1] rank=1 local=0 node=1 total=2" in outputs[1]
+    command = (f"scaleout run -n 1 --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 "
+               f"--master-port {port} {script}")
+    assert f"\n  {command}\n" in outputs[0]
+    assert "with SCALEOUT_JOB_TOKEN exported to the same secret" in outputs[0]
+    assert secret not in outputs[0] and "node 0 of 2" not in outputs[1]
 
 
 def test_split_argv_keeps_target_options() -> None:

@@ -10,6 +10,8 @@ from scaleout.launch.launcher import LaunchConfig, launch
 EXAMPLE = """examples:
   scaleout run -n 2 examples/train_digits.py --epochs 5
   scaleout run -n 2 -m scaleout.bench.collectives --sizes 1M --json /tmp/c.json
+  # restart every rank after a failure, up to 3 times (the script resumes from its checkpoint):
+  scaleout run -n 2 --max-restarts 3 train.py --checkpoint ckpt/run
   # two nodes (run on each, node-rank 0 and 1):
   scaleout run -n 4 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py
 """
@@ -18,11 +20,13 @@ EXAMPLE = """examples:
 DESCRIPTION = """\
 Start N ranks of a training script (or -m module) with torchrun's variables set
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); when one rank fails,
-the others are stopped."""
+the others are stopped. With --max-restarts K, every rank is then started again
+(up to K times, fresh rendezvous, SCALEOUT_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT
+say which attempt it is); the script resumes from its last checkpoint."""
 
 # run's own options that take a value; everything from the script (or -m) on is the target's
 _VALUED = {"-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-           "--testbed"}
+           "--testbed", "--max-restarts"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -55,8 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--master-port", type=int, default=None,
                         help="rendezvous port (default: a free port; required with --nnodes > 1)")
     parser.add_argument("--testbed", default=None, metavar="NAME",
-                        help="run one rank per host of the emulated cluster NAME "
-                             "(see: scaleout testbed up --help)")
+                        help="run one rank per host of the emulated cluster NAME (-n at "
+                             "most its hosts; see: scaleout testbed up --help)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="after a failure, start every rank again up to K times "
+                             "(default 0; single node only)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     parser.add_argument("target", nargs=argparse.REMAINDER,
                         help="script.py [args] or -m module [args]")
@@ -76,7 +83,8 @@ def handler(args: argparse.Namespace) -> int:
             wrapper, master_addr = attach_wrapper(args.testbed, args.nprocs)
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
-                              prefix_output=not args.no_prefix)
+                              prefix_output=not args.no_prefix,
+                              max_restarts=args.max_restarts)
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

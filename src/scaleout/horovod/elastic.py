@@ -1,58 +1,54 @@
-"""``hvd.elastic``: Horovod's elastic training, not available until scaleout can restart ranks.
+"""``hvd.elastic``: Horovod's elastic training on scaleout's restarts.
 
-Elastic mode needs what scaleout does not have yet: a launcher that re-forms the job when
-hosts come and go, a rendezvous that admits new ranks into a running job, and a state
-commit/restore protocol across them. Until then every entry point raises
-NotImplementedError naming what is missing, instead of training non-elastically by surprise.
+Horovod replaces failed workers inside the running job and may add or remove hosts while it
+runs. scaleout restarts instead: ``scaleout run --max-restarts K`` starts every rank again
+after a failure (the same number of ranks), and :func:`run` resumes the training function
+from the state's last ``commit()``, persisted in ``$SCALEOUT_STATE_DIR`` (see
+:mod:`scaleout.horovod.elastic_state`). Hosts never change while a job runs, so
+``HostsUpdatedInterrupt`` is never raised.
+
+Example:
+    >>> state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+    >>> @hvd.elastic.run
+    ... def train(state):
+    ...     for state.epoch in range(state.epoch, epochs):
+    ...         ...
+    ...         state.commit()
+    >>> train(state)        # scaleout run -n 4 --max-restarts 3 train.py
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "MISSING"]
+from scaleout.horovod.elastic_sampler import ElasticSampler
+from scaleout.horovod.elastic_state import ObjectState, State, TorchState
 
-MISSING = ("elastic training (hvd.elastic) is not supported by scaleout yet: it needs a launcher "
-           "that re-forms the job when hosts join or leave, a rendezvous that admits ranks into "
-           "a running job, and state commit/restore across ranks; train without hvd.elastic "
-           "(restart from a checkpoint after a failure)")
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler"]
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Horovod's ``@hvd.elastic.run`` decorator; calling the decorated function raises.
+    """Horovod's ``@hvd.elastic.run``: ``func(state, ...)`` resumed from the last commit.
+
+    The decorated function, called with a :class:`State` first, loads the state's last
+    persisted commit when there is one (the job was restarted: then the reset callbacks
+    run), gives every rank rank 0's state (``state.sync()``) and calls ``func``. A failure
+    inside ``func`` ends this attempt (the launcher restarts every rank) instead of
+    re-forming the job in this process as Horovod does.
 
     Raises:
-        NotImplementedError: when the decorated function is called.
+        TypeError: the first argument is not an elastic ``State``.
     """
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(MISSING)
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"{func.__name__}: the first argument must be an hvd.elastic State "
+                            f"(TorchState, ObjectState), got {type(state).__name__}")
+        if state.resume():
+            state.on_reset()
+        state.sync()
+        return func(state, *args, **kwargs)
 
-    refuse.__wrapped__ = func  # type: ignore[attr-defined]
-    return refuse
-
-
-class State:
-    """Horovod's elastic state base class; constructing one raises.
-
-    Raises:
-        NotImplementedError: always (see the module docstring).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(MISSING)
-
-
-class ObjectState(State):
-    """Horovod's ``hvd.elastic.ObjectState``; constructing one raises NotImplementedError."""
-
-
-class TorchState(ObjectState):
-    """Horovod's ``hvd.elastic.TorchState``; constructing one raises NotImplementedError."""
-
-
-class ElasticSampler:
-    """Horovod's ``hvd.elastic.ElasticSampler``; constructing one raises NotImplementedError."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(MISSING)
+    return wrapper

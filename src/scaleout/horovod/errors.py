@@ -12,7 +12,8 @@ class HorovodInternalError(ScaleoutError):
 
 
 class HostsUpdatedInterrupt(ScaleoutError):
-    """Horovod's elastic-mode signal that the set of hosts changed (never raised here yet)."""
+    """Horovod's elastic-mode signal that the set of hosts changed (never raised: hosts do not
+    change while a scaleout job runs; a failed job restarts at the same size)."""
 
 
 class NotInitialized(NotInitializedError, ValueError):

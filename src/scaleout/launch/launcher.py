@@ -9,29 +9,33 @@
   after repeating the end of its output;
 - SIGTERM, SIGHUP or SIGINT to the launcher stop every rank the same way and it returns
   128 + the signal number;
-- a rank dies with the launcher (``kill -9`` included): see :mod:`scaleout.launch.lifeline`.
+- a rank dies with the launcher (``kill -9`` included): see :mod:`scaleout.launch.lifeline`;
+- with ``max_restarts=K`` a failed job is started again, every rank, up to K times, each
+  attempt with a fresh rendezvous (a new port, and a new token unless the user gave one);
+  the ranks learn the attempt from ``SCALEOUT_RESTART_COUNT`` (see
+  :mod:`scaleout.launch.restarts`) and resume from their last checkpoint.
 """
 
 from __future__ import annotations
 
-import collections
 import os
+import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from scaleout.launch.lifeline import LAUNCHER_PID_VAR, REPORT_DIR_VAR, blamed, die_with_parent
+from scaleout.launch.lifeline import LAUNCHER_PID_VAR, REPORT_DIR_VAR, blamed
+from scaleout.launch.ranks import Ranks, signal_name
+from scaleout.launch.restarts import STATE_DIR_VAR, attempt_env
 from scaleout.launch.secret import TOKEN_VAR, new_token
 
-__all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for"]
+__all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for", "node_command"]
 
 # Per local rank: (argv prefix, extra environment), e.g. to run inside a testbed host.
 RankWrapper = Callable[[int], tuple[list[str], dict[str, str]]]
@@ -77,6 +81,8 @@ class LaunchConfig:
         master_port: rendezvous port; ``None`` picks a free one (single node only).
         prefix_output: prefix every output line with ``[rank R]``.
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        max_restarts: after a failure, start every rank again up to this many times
+            (single node only: restarts across nodes are not coordinated).
         env: extra environment for every rank.
 
     The ranks get the job secret ``SCALEOUT_JOB_TOKEN`` (from ``env`` or this process's
@@ -90,6 +96,7 @@ class LaunchConfig:
     master_port: int | None = None
     prefix_output: bool = True
     grace: float = 3.0
+    max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +104,13 @@ class LaunchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if (isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int)
+                or self.max_restarts < 0):
+            raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and self.nnodes > 1:
+            raise ValueError("--max-restarts works on a single node only (restarts are not "
+                             "coordinated across nodes): drop it, or restart the job from "
+                             "its checkpoint on every node")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port is None:
@@ -109,97 +123,21 @@ class LaunchConfig:
                              "print(secrets.token_hex(32))') and pass it to every node")
 
 
-class _Ranks:
-    """The running rank processes, their output pumps, exit waiters and last lines of each."""
-
-    def __init__(self, out: IO[str]) -> None:
-        self.out = out
-        self.lock = threading.Lock()
-        self.procs: dict[int, subprocess.Popen[str]] = {}
-        self.tails: dict[int, collections.deque[str]] = {}
-        self.threads: list[threading.Thread] = []
-        self.exits: list[tuple[float, int, int]] = []  # (time, rank, code) in order of exit
-        self.changed = threading.Event()  # a rank exited, or the launcher got a signal
-        self.signal: int | None = None
-
-    def start(self, rank: int, argv: list[str], env: dict[str, str], prefix: bool) -> None:
-        try:
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                    bufsize=1, start_new_session=True, errors="replace",
-                                    preexec_fn=die_with_parent(os.getpid()))
-        except OSError as err:
-            raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
-        self.procs[rank] = proc
-        self.tails[rank] = collections.deque(maxlen=30)
-        for target in (self._pump, self._reap):
-            thread = threading.Thread(target=target, args=(rank, proc, prefix), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _pump(self, rank: int, proc: subprocess.Popen[str], prefix: bool) -> None:
-        assert proc.stdout is not None
-        tag = f"[rank {rank}] " if prefix else ""
-        for line in proc.stdout:
-            self.tails[rank].append(line.rstrip("\n"))
-            with self.lock:
-                self.out.write(tag + line)
-                self.out.flush()
-
-    def _reap(self, rank: int, proc: subprocess.Popen[str], _prefix: bool) -> None:
-        code = proc.wait()  # the only waiter of this process: its exit time is exact
-        with self.lock:
-            self.exits.append((time.monotonic(), rank, code))
-        self.changed.set()
-
-    def on_signal(self, signum: int, _frame: object) -> None:
-        if self.signal is None:
-            self.signal = signum
-        self.changed.set()
-
-    def watch(self) -> tuple[int, int] | None:
-        """Wait until every rank exits (None), one fails ((rank, code)) or a signal (None)."""
-        while self.signal is None:
-            with self.lock:
-                failed = [(rank, code) for _, rank, code in self.exits if code != 0]
-                done = len(self.exits) == len(self.procs)
-            if failed:
-                return failed[0]
-            if done:
-                return None
-            self.changed.wait(0.5)
-            self.changed.clear()
-        return None
-
-    def stop(self, grace: float) -> None:
-        """SIGTERM to every live rank's process group, SIGKILL after ``grace`` seconds."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self.procs.values() if p.returncode is None]
-            for proc in alive:
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and not self._all_exited():
-                time.sleep(0.02)
-            if self._all_exited():
-                break
-        for thread in self.threads:
-            thread.join(timeout=2.0)
-
-    def _all_exited(self) -> bool:
-        with self.lock:
-            return len(self.exits) == len(self.procs)
-
-    def first_failure(self) -> tuple[int, int] | None:
-        """(rank, code) of the rank whose non-zero exit came first, if any."""
-        with self.lock:
-            failed = [(rank, code) for _, rank, code in sorted(self.exits) if code != 0]
-        return failed[0] if failed else None
-
-
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class _Signals:
+    """The launcher's stop signal, forwarded to the ranks of the current attempt."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.ranks: Ranks | None = None
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.ranks is not None:
+            self.ranks.on_signal(signum, frame)
 
 
 def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper | None = None,
@@ -213,24 +151,74 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         out: where rank output goes (default ``sys.stdout``).
 
     Returns:
-        0 when every rank succeeded; else the exit code of the rank that failed first
-        (128 + N for a rank killed by signal N); 128 + N when the launcher got signal N
-        (SIGTERM, SIGHUP, SIGINT), after stopping every rank.
+        0 when every rank succeeded (after at most ``config.max_restarts`` restarts); else
+        the exit code of the rank that failed first in the last attempt (128 + N for a rank
+        killed by signal N); 128 + N when the launcher got signal N (SIGTERM, SIGHUP,
+        SIGINT), after stopping every rank. What happened is written to ``out``.
 
     Raises:
         ValueError: the target cannot be found or a rank cannot be started.
     """
     out = sys.stdout if out is None else out
     argv = command_for(target)
+    if config.nnodes > 1 and config.node_rank == 0:
+        _say(out, _other_nodes(target, config))
+    signals = _Signals()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = ({sig: signal.signal(sig, signals.handle) for sig in _STOP_SIGNALS}
+                if in_main else {})
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaleout-run-") as workdir:
+            state = (config.env.get(STATE_DIR_VAR) or os.environ.get(STATE_DIR_VAR)
+                     or os.path.join(workdir, "state"))
+            os.makedirs(state, exist_ok=True)
+            return _attempts(argv, config, wrapper, out, signals, workdir, state)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None,
+              out: IO[str], signals: _Signals, workdir: str, state: str) -> int:
+    """Run attempt after attempt until one succeeds, a signal stops the job or the budget
+    of restarts is spent; return the launcher's exit code."""
+    causes: list[str] = []
+    attempt = 0
+    while True:
+        reports = os.path.join(workdir, f"reports-{attempt}")
+        os.mkdir(reports)
+        env = {**attempt_env(attempt, config.max_restarts, state), REPORT_DIR_VAR: reports}
+        ranks = _run_once(argv, config, wrapper, out, signals, env)
+        code, cause = _report(ranks, out, blamed(reports))
+        if code == 0:
+            if causes:
+                _say(out, f"scaleout run: every rank finished after {_restarts(len(causes))} "
+                          f"({'; '.join(causes)})")
+            return 0
+        if signals.signum is not None:  # the launcher was told to stop: never retried
+            return code
+        causes.append(f"attempt {attempt}: {cause}")
+        if attempt == config.max_restarts:
+            if config.max_restarts:
+                _say(out, f"scaleout run: gave up after {_restarts(attempt)} (--max-restarts "
+                          f"{config.max_restarts} spent): {'; '.join(causes)}")
+            return code
+        attempt += 1
+        _say(out, f"scaleout run: restart {attempt} of {config.max_restarts}: starting every "
+                  "rank again with a fresh rendezvous")
+
+
+def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None,
+              out: IO[str], signals: _Signals, attempt: Mapping[str, str]) -> Ranks:
+    """Start every rank of this node, wait until they end, stop them; return them."""
     port = config.master_port if config.master_port is not None else free_port()
     world = config.nprocs * config.nnodes
     token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
-    ranks = _Ranks(out)
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
-    reports = tempfile.TemporaryDirectory(prefix="scaleout-run-")
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = ({sig: signal.signal(sig, ranks.on_signal) for sig in _STOP_SIGNALS}
-                if in_main else {})
+    ranks = Ranks(out)
+    signals.ranks = ranks
+    if signals.signum is not None:
+        ranks.on_signal(signals.signum, None)
     try:
         for local in range(config.nprocs):
             rank = config.node_rank * config.nprocs + local
@@ -241,46 +229,66 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token,
-                REPORT_DIR_VAR: reports.name, **extra,
+                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token, **attempt, **extra,
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)
         ranks.watch()
     finally:
         ranks.stop(config.grace)  # every rank, also after an exception
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    with reports:
-        return _report(ranks, out, blamed(reports.name))
+    return ranks
 
 
-def _report(ranks: _Ranks, out: IO[str], blame: Mapping[str, object] | None) -> int:
-    """Say why the job ended and return the launcher's exit code."""
+def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None) -> tuple[int, str]:
+    """Say why the attempt ended; return the launcher's exit code and the cause in brief."""
     if ranks.signal is not None:
-        name = _signal_name(ranks.signal)
-        out.write(f"scaleout run: got {name}; stopped every rank\n")
-        out.flush()
-        return 128 + ranks.signal
+        name = signal_name(ranks.signal)
+        _say(out, f"scaleout run: got {name}; stopped every rank")
+        return 128 + ranks.signal, f"got {name}"
     failed = ranks.first_failure()
     if failed is None:
-        return 0
+        return 0, ""
     rank, code = failed
-    how = f"exit code {code}" if code > 0 else f"signal {_signal_name(-code)}"
+    how = f"exit code {code}" if code > 0 else f"signal {signal_name(-code)}"
     tail = "\n".join(f"    {line}" for line in ranks.tails[rank])
     if blame is not None and blame.get("rank") != rank:  # rank exited because a peer failed
-        out.write(f"scaleout run: rank {blame['rank']} failed first: {blame['reason']} (noticed "
-                  f"by rank {blame['detected_by']}); rank {rank} then exited with {how}; stopped "
-                  f"the other ranks. Last output of rank {rank}:\n{tail}\n")
+        cause = f"rank {blame['rank']} failed first: {blame['reason']}"
+        _say(out, f"scaleout run: {cause} (noticed by rank {blame['detected_by']}); rank {rank} "
+                  f"then exited with {how}; stopped the other ranks. Last output of rank "
+                  f"{rank}:\n{tail}")
     else:
-        out.write(f"scaleout run: rank {rank} failed first, with {how}; stopped the other "
-                  f"ranks. Last output of rank {rank}:\n{tail}\n")
+        cause = f"rank {rank} failed first, with {how}"
+        _say(out, f"scaleout run: {cause}; stopped the other ranks. Last output of rank "
+                  f"{rank}:\n{tail}")
+    return (code if code > 0 else 128 - code), cause  # a signal -N becomes 128+N
+
+
+def _restarts(count: int) -> str:
+    return f"{count} restart" + ("" if count == 1 else "s")
+
+
+def _say(out: IO[str], message: str) -> None:
+    out.write(message + "\n")
     out.flush()
-    return code if code > 0 else 128 - code  # a signal -N becomes 128+N
 
 
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return str(number)
+def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) -> str:
+    """The ``scaleout run`` command line that starts node ``node_rank`` of this job."""
+    options = ["-n", str(config.nprocs), "--nnodes", str(config.nnodes), "--node-rank",
+               str(node_rank), "--master-addr", config.master_addr, "--master-port",
+               str(config.master_port)]
+    if not config.prefix_output:
+        options.append("--no-prefix")
+    return shlex.join(["scaleout", "run", *options, *target])
+
+
+def _other_nodes(target: Sequence[str], config: LaunchConfig) -> str:
+    """Node 0's note: the command of every other node; the token by name, never its value."""
+    lines = [f"scaleout run: node 0 of {config.nnodes}; start the other nodes (within the "
+             f"rendezvous timeout) with {TOKEN_VAR} exported to the same secret as on this "
+             "node (not shown here):"]
+    lines += [f"  {node_command(target, config, node)}" for node in range(1, config.nnodes)]
+    if config.master_addr.startswith("127.") or config.master_addr == "localhost":
+        lines.append(f"  (--master-addr {config.master_addr} is loopback: those nodes must run "
+                     "on this machine; give this node's address otherwise)")
+    return "\n".join(lines)

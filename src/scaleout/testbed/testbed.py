@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
-from scaleout.testbed import naming
+from scaleout.testbed import hostnames, naming
 from scaleout.testbed.config import DEFAULT_NAME, TestbedConfig
 from scaleout.testbed.errors import TestbedError, TestbedUnavailable
 from scaleout.testbed.host import HostInfo
@@ -285,6 +285,7 @@ class Testbed:
                 run(["tc", "-n", ns, *argv])
             for argv in shaping.switch_egress:
                 run(["tc", "-n", sw, *argv])
+        hostnames.write_hosts(state.hosts)  # c10d's reverse lookups answer from files
 
 
 def list_testbeds(*, directory: str | os.PathLike[str] | None = None) -> list[TestbedState]:
@@ -338,6 +339,7 @@ def remove_stale(
             if owner is None or ns in claimed or (orphans_of is not None and owner != orphans_of):
                 continue
             system.run(["ip", "netns", "del", ns], check=False)
+            hostnames.remove_hosts([ns])
             removed.append(ns)
         return removed
 
@@ -350,6 +352,7 @@ def _teardown(state: TestbedState, directory: Path, system: System) -> list[str]
         if ns in present:
             system.run(["ip", "netns", "del", ns], check=False)
             removed.append(ns)
+    hostnames.remove_hosts(state.namespaces)
     with contextlib.suppress(FileNotFoundError):
         (directory / f"{state.name}.json").unlink()
     return removed

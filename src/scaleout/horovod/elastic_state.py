@@ -1,0 +1,247 @@
+"""Horovod's elastic state objects on scaleout's restarts: ``State``, ``ObjectState``,
+``TorchState``.
+
+As in Horovod, ``commit()`` keeps a copy of the state in memory (``restore()`` returns to
+it) and ``sync()`` gives every rank rank 0's state. Unlike Horovod, a failed rank is not
+replaced inside the running job: ``scaleout run --max-restarts K`` restarts every rank. So
+``commit()`` also persists the state with :func:`scaleout.checkpoint.save` under
+``$SCALEOUT_STATE_DIR/hvd-elastic`` (one file per rank, committed atomically), and
+:func:`scaleout.horovod.elastic.run` resumes a restarted job from the last commit.
+``commit()`` is collective: every rank commits at the same points (Horovod scripts do).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from scaleout import checkpoint
+from scaleout.horovod.context import rank
+from scaleout.horovod.objects import broadcast_object, encode_object
+from scaleout.horovod.parameters import broadcast_optimizer_state, broadcast_parameters
+from scaleout.launch.restarts import STATE_DIR_VAR, state_dir
+
+__all__ = ["State", "ObjectState", "TorchState", "CHECKPOINT_NAME"]
+
+#: The checkpoint's name in ``$SCALEOUT_STATE_DIR`` (one elastic state per job).
+CHECKPOINT_NAME = "hvd-elastic"
+
+
+class State:
+    """The base of elastic states: reset callbacks, commit, and persistence of commits.
+
+    Subclasses implement :meth:`save`, :meth:`restore`, :meth:`sync` and say what a commit
+    persists (:meth:`_parts`, :meth:`_load_extra`).
+
+    Args:
+        bcast_object: how to broadcast a plain object from rank 0 (default
+            :func:`scaleout.horovod.broadcast_object`).
+        get_rank: this process's rank (default :func:`scaleout.horovod.rank`).
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:
+        self._bcast_object = bcast_object if bcast_object is not None else broadcast_object
+        self._get_rank = get_rank if get_rank is not None else rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._warned = False
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` (no arguments) when the job resumes after a restart.
+
+        Raises:
+            TypeError: one of them is not callable.
+        """
+        callbacks = list(callbacks)
+        for callback in callbacks:
+            if not callable(callback):
+                raise TypeError(f"reset callbacks must be callable, got "
+                                f"{type(callback).__name__}")
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (done by ``hvd.elastic.run`` after a restart)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Keep the state in memory and persist it for a restarted job (collective)."""
+        self.save()
+        self._persist()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Horovod's host check; hosts never change while a scaleout job runs, so this never
+        raises ``HostsUpdatedInterrupt``."""
+
+    def save(self) -> None:
+        """Keep a copy of the current state in memory."""
+        raise NotImplementedError(f"{type(self).__name__} must implement save()")
+
+    def restore(self) -> None:
+        """Return to the state of the last :meth:`save` or :meth:`commit`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement restore()")
+
+    def sync(self) -> None:
+        """Give every rank rank 0's state (collective)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sync()")
+
+    def reset(self) -> None:
+        """Horovod's hook after the job was re-formed; nothing to do at the same size."""
+
+    # -- persistence ----------------------------------------------------------------
+
+    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
+        """(model, optimizer or None, extra) that a commit persists."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _parts()")
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _load_extra()")
+
+    def _path(self) -> Path | None:
+        directory = state_dir(os.environ)
+        return Path(directory) / CHECKPOINT_NAME if directory else None
+
+    def _persist(self) -> None:
+        path = self._path()
+        if path is None:
+            if not self._warned:
+                warnings.warn(f"hvd.elastic: {STATE_DIR_VAR} is not set (scaleout run sets it), "
+                              "so commits are kept in memory only and a restarted job starts "
+                              "from the beginning", RuntimeWarning, stacklevel=3)
+                self._warned = True
+            return
+        model, optimizer, extra = self._parts()
+        for group in extra.values():  # a TypeError now, naming the value, not at the resume
+            for name, value in group.items():
+                encode_object(value, f"hvd.elastic commit of {name!r}")
+        checkpoint.save(path, model, optimizer, extra=extra)
+
+    def resume(self) -> bool:
+        """Load the last persisted commit, if there is one (every rank). Returns whether."""
+        path = self._path()
+        if path is None or not path.is_symlink():
+            return False
+        model, optimizer, _ = self._parts()
+        _, extra = checkpoint.load(path, model, optimizer)
+        self._load_extra(extra)
+        self.save()
+        return True
+
+
+class ObjectState(State):
+    """Plain values (numbers, strings, tensors, lists/dicts of them) as attributes.
+
+    Example:
+        >>> state = hvd.elastic.ObjectState(epoch=0, batch=0)
+        >>> state.epoch += 1; state.commit()
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(bcast_object, get_rank)
+        self._saved_state = dict(kwargs)
+        self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def save(self) -> None:
+        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+                             for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
+        return nn.Module(), None, {"objects": self._saved_state}
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        self._saved_state = dict(extra["objects"])
+        self._set_attrs()
+
+
+class TorchState(ObjectState):
+    """A model, an optimizer, objects with ``state_dict``/``load_state_dict`` (an
+    ``ElasticSampler``, an LR scheduler) and plain values.
+
+    Args:
+        model: the ``nn.Module`` (or None).
+        optimizer: its optimizer, e.g. ``hvd.DistributedOptimizer`` (or None).
+        **kwargs: objects with ``state_dict()``/``load_state_dict()``, and plain values.
+
+    Example:
+        >>> state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer: Any = None,
+                 **kwargs: Any) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not hasattr(optimizer, "load_state_dict"):
+            raise TypeError(f"optimizer must be a torch optimizer, got "
+                            f"{type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self._stateful = {name: value for name, value in kwargs.items()
+                          if hasattr(value, "state_dict") and hasattr(value, "load_state_dict")}
+        plain = {name: value for name, value in kwargs.items() if name not in self._stateful}
+        for name, value in self._stateful.items():
+            setattr(self, name, value)
+        super().__init__(**plain)
+        self._saved_torch: dict[str, Any] = {}
+        self.save()
+
+    def save(self) -> None:
+        if self.model is not None:
+            self._saved_torch["model"] = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_torch["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        for name, value in self._stateful.items():
+            self._saved_torch[name] = copy.deepcopy(value.state_dict())
+        super().save()
+
+    def restore(self) -> None:
+        if self.model is not None:
+            self.model.load_state_dict(self._saved_torch["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_torch["optimizer"])
+        for name, value in self._stateful.items():
+            value.load_state_dict(self._saved_torch[name])
+        super().restore()
+
+    def sync(self) -> None:
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for value in self._stateful.values():
+            sync = getattr(value, "sync", None)  # an ElasticSampler merges every rank's progress
+            if callable(sync):
+                sync()
+            else:
+                value.load_state_dict(self._bcast_object(value.state_dict()))
+        super().sync()
+
+    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
+        stateful = {name: value.state_dict() for name, value in self._stateful.items()}
+        model = self.model if self.model is not None else nn.Module()
+        return model, self.optimizer, {"objects": self._saved_state, "stateful": stateful}
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        for name, value in self._stateful.items():
+            value.load_state_dict(extra["stateful"][name])
+        super()._load_extra(extra)
+

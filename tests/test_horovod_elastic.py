@@ -1,0 +1,112 @@
+"""``hvd.elastic`` on scaleout's restarts: a Horovod-style elastic script whose rank dies once
+ends, under ``scaleout run --max-restarts 1``, with the weights of an uninterrupted run; the
+state objects commit, restore and sync at 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import scaleout.horovod as hvd
+from harness import run_ranks
+
+SRC = str(Path(__file__).parents[1] / "src")
+
+JOBS = str(Path(__file__).parent / "restart_jobs.py")
+
+
+def test_elastic_script_survives_a_killed_rank(tmp_path: Path) -> None:
+    """``restart_jobs.elastic``: rank 1 dies at step 9 on the first attempt; the restarted
+    job resumes from the commit at step 8 and ends with the uninterrupted run's weights
+    (that reference comes from the same job run by the forked harness)."""
+    from restart_jobs import elastic
+
+    reference = run_ranks(2, elastic, False, timeout=60,
+                          env={"SCALEOUT_STATE_DIR": str(tmp_path / "reference")})
+    assert len(set(reference)) == 1
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.pop("SCALEOUT_STATE_DIR", None)
+    killed = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2",
+                             "--max-restarts", "1", JOBS, "elastic", "kill"], env=env,
+                            capture_output=True, text=True, timeout=90)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "rank 1 failed first, with signal SIGKILL" in killed.stdout
+    assert "[rank 0] reset: attempt 1 resumes at step 8" in killed.stdout
+    final = re.findall(r"\[rank \d\] final weights=([0-9a-f]{64})", killed.stdout)
+    assert final == reference, (reference, killed.stdout)
+
+
+def body_states(directory: str) -> list[object]:
+    os.environ["SCALEOUT_STATE_DIR"] = directory
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    torch.manual_seed(r)  # different weights per rank: sync must give rank 0's
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = hvd.elastic.TorchState(model, opt, epoch=r, names=["a"])
+    state.sync()
+    synced = [state.epoch, model.weight.detach().clone()]
+    state.epoch = 5
+    model.weight.data.fill_(1.0)
+    state.commit()
+    state.epoch = 6
+    model.weight.data.fill_(2.0)
+    state.restore()
+    restored = [state.epoch, model.weight.detach().clone()]
+    # a fresh state (as in a restarted process) resumes from the persisted commit
+    fresh_model = nn.Linear(3, 2)
+    fresh = hvd.elastic.TorchState(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1),
+                                   epoch=0, names=[])
+    resumed = fresh.resume()
+    errors = []
+    try:
+        hvd.elastic.ObjectState(thing=object()).commit()
+    except TypeError as err:
+        errors.append(str(err))
+    try:
+        hvd.elastic.run(lambda s: s)(None)
+    except TypeError as err:
+        errors.append(str(err))
+    hvd.shutdown()
+    return [synced, restored, resumed, fresh.epoch, fresh.names,
+            fresh_model.weight.detach().clone(), errors]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_state_commit_restore_sync(tmp_path: Path, world: int) -> None:
+    results = run_ranks(world, body_states, str(tmp_path), timeout=60)
+    root_weight = results[0][0][1]
+    for synced, restored, resumed, epoch, names, weight, errors in results:
+        assert synced[0] == 0 and torch.equal(synced[1], root_weight)
+        assert restored[0] == 5 and torch.equal(restored[1], torch.ones(2, 3))
+        assert resumed and epoch == 5 and names == ["a"]
+        assert torch.equal(weight, torch.ones(2, 3))
+        assert "commit of 'thing': cannot send an object of type object" in errors[0]
+        assert "must be an hvd.elastic State" in errors[1]
+
+
+def test_sampler_partitions_what_is_left() -> None:
+    def body() -> list[object]:
+        hvd.init(timeout=30)
+        sampler = hvd.elastic.ElasticSampler(range(10), shuffle=False)
+        first = list(sampler)
+        sampler.record_batch(0, 2)  # each rank did its first two samples
+        sampler.sync()
+        rest = list(sampler)
+        sampler.set_epoch(sampler.epoch)  # the same epoch again keeps the progress
+        kept = list(sampler)
+        sampler.set_epoch(1)
+        hvd.shutdown()
+        return [first, rest, kept, len(sampler)]
+
+    rank0, rank1 = run_ranks(2, body, timeout=60)
+    assert rank0[0] == [0, 2, 4, 6, 8] and rank1[0] == [1, 3, 5, 7, 9]
+    assert rank0[1] == [4, 6, 8] and rank1[1] == [5, 7, 9]
+    assert rank0[2] == [4, 6, 8] and rank0[3] == 5

@@ -86,6 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="parameter bytes one rank may hold (suffixes k, m, g: powers of "
                              "1024): hybrid plans its tables under it, every configuration "
                              "reports whether it fits")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="record per-rank traces of every run that trains with scaleout's "
+                             "DataParallel into DIR/<configuration>/round<r>/trace.<rank>.json "
+                             "(scaleout sim chrome / sim run --trace read them)")
     parser.add_argument("--no-testbed", action="store_true",
                         help="run over loopback without namespaces or shaping (no root needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -140,7 +144,7 @@ def handler(args: argparse.Namespace) -> int:
             rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
-            timeout_s=args.timeout, device=args.device)
+            timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None))
     except (ValueError, TypeError) as err:
         return _error(str(err))
     if args.plot:

@@ -18,6 +18,8 @@ EXAMPLE = """examples:
       --json out.json --plot out.png
 
   scaleout bench train --workload resnet18 --device cuda --no-testbed --vs ddp,ddp-powersgd
+  scaleout bench train --workload resnet18 --rounds 1 --trace traces   # then:
+      scaleout sim chrome traces/scaleout/round0
 
 Every round runs each configuration once, as fresh ranks, in a rotated order:
   single    one rank alone on host 0 (the ideal), same per-rank batch

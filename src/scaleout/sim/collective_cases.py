@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from scaleout.sim.collectives import collective_cost
+from scaleout.sim.collectives import bus_factor, collective_cost
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 
@@ -44,13 +44,7 @@ GLOO = MappingProxyType({
     "alltoall": ("alltoall", "ring",
                  "gloo/alltoall.cc: p-1 pairwise sends of n/p posted at once on one NIC"),
 })
-_BUS = MappingProxyType({
-    "allreduce": lambda p: 2 * (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "allgather": lambda p: (p - 1) / p,
-    "alltoall": lambda p: (p - 1) / p,
-    "bcast": lambda p: 1.0,
-})
+_SIM_NAME = MappingProxyType({"bcast": "broadcast"})  # the bench's op names -> the simulator's
 
 # (ranks, rate, op, bytes, measured median time in ms): the JSON files' time_s (ours).
 MEASURED = (
@@ -108,9 +102,10 @@ MEASURED = (
 )
 
 
-def bus_factor(op: str, ranks: int) -> float:
-    """busbw / algbw for a bench op (``bench collectives``' convention, nccl-tests')."""
-    return _BUS[op](ranks)
+def _bus(op: str, ranks: int) -> float:
+    """busbw / algbw of a bench op, by its own name (a reduce_scatter's factor, whatever gloo
+    moves for it): what ``bench collectives`` reports."""
+    return bus_factor(_SIM_NAME.get(op, op), ranks)
 
 
 def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int) -> float:
@@ -127,14 +122,14 @@ def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int) -> float:
     topology = parse_topology(str(ranks), bandwidths=[RATES[rate] * LINK_EFFICIENCY],
                               latencies=[HOP_LATENCY], kinds=["switch"])
     time = collective_cost(topology, op=sim_op, algorithm=algorithm, nbytes=nbytes).time
-    return nbytes / time * bus_factor(op, ranks)
+    return nbytes / time * _bus(op, ranks)
 
 
 def collective_scenarios() -> tuple[Scenario, ...]:
     """One scenario per measured cell: bus bandwidth in GB/s, within 15%."""
     out = []
     for ranks, rate, op, nbytes, ms in MEASURED:
-        measured = nbytes / (ms / 1e3) * bus_factor(op, ranks) / 1e9
+        measured = nbytes / (ms / 1e3) * _bus(op, ranks) / 1e9
         out.append(Scenario(
             name=f"{op} {nbytes / 2**20:.0f}MB {ranks} ranks {rate}",
             group="collectives",

@@ -10,6 +10,8 @@ before the first run). Sources: REFERENCES.md §2.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.models import DEVICES, Device, model, model_workload
@@ -35,7 +37,9 @@ BOUND_POINTS = 3.0
 # scaling runs used. A single device's rate differs per model (cuDNN's Winograd / FFT 3x3
 # convolutions do fewer multiplies than the layer's nominal FLOPs: VGG-16 reads 14.3 TFLOP/s
 # "nominal", above the P100's 10.6 peak), so one FLOP/s figure for every model is wrong.
-P100_TF_IMAGES_PER_S = {"inception_v3": 142.0, "resnet50": 219.0, "resnet152": 91.8, "vgg16": 154.0}
+P100_TF_IMAGES_PER_S = MappingProxyType(
+    {"inception_v3": 142.0, "resnet50": 219.0, "resnet152": 91.8, "vgg16": 154.0}
+)
 
 
 def p100_measured(name: str) -> Device:

@@ -59,3 +59,26 @@ def test_trace_folder_and_validation(tmp_path: Path) -> None:
     assert trace_folder(TrainBenchConfig(workload="digits-mlp", testbed=False), "scaleout", 0) is None
     with pytest.raises(ValueError, match="trace: expected a folder name"):
         TrainBenchConfig(workload="digits-mlp", testbed=False, trace="")
+
+
+def test_each_round_sets_its_own_trace_folder(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from scaleout.bench import train
+
+    seen: dict[str, str] = {}
+
+    def fake_launch(target, config, wrapper=None, out=None):  # noqa: ANN001
+        seen.update(config.env)
+        return 3
+
+    monkeypatch.setattr(train, "launch", fake_launch)
+    cfg = TrainBenchConfig(workload="digits-mlp", testbed=False, trace=str(tmp_path))
+    place = train.Placement(wrapper=None, master_addr="127.0.0.1", network={})
+    with pytest.raises(train.BenchFailed):
+        train._run_once(cfg, "scaleout", place, str(tmp_path), None, round_index=2)
+    assert seen["SCALEOUT_TRACE"] == str(tmp_path / "scaleout" / "round2")
+    seen.clear()
+    untraced = TrainBenchConfig(workload="digits-mlp", testbed=False)
+    with pytest.raises(train.BenchFailed):
+        train._run_once(untraced, "scaleout", place, str(tmp_path), None)
+    assert "SCALEOUT_TRACE" not in seen

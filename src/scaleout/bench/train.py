@@ -291,8 +291,8 @@ def trace_folder(config: TrainBenchConfig, name: str, round_index: int) -> str |
     return os.path.join(os.path.abspath(config.trace), name, f"round{round_index}")
 
 
-def _run_once(config: TrainBenchConfig, name: str, round_index: int, place: Placement,
-              directory: str, bar: ProgressBar | None) -> dict[str, object]:
+def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
+              bar: ProgressBar | None, *, round_index: int = 0) -> dict[str, object]:
     path = os.path.join(directory, f"{name}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -351,7 +351,7 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                         bar.finish_run("skipped (failed earlier)")
                         continue
                     try:
-                        result = _run_once(config, name, r, place, tmp, bar)
+                        result = _run_once(config, name, place, tmp, bar, round_index=r)
                     except BenchFailed as err:
                         failed.add(name)
                         bar.finish_run("failed")

@@ -33,8 +33,9 @@ BOUND_POINTS = 3.0
 
 # One P100 training alone in TensorFlow's tf_cnn_benchmarks, synthetic ImageNet, batch 64, sgd
 # (images/s): tensorflow/docs_src/performance/benchmarks.md, "Details for NVIDIA DGX-1 (NVIDIA
-# Tesla P100)", May 2017, CUDA 8 / cuDNN 5.1, the "1 GPU" row. The same benchmark Horovod's
-# scaling runs used. A single device's rate differs per model (cuDNN's Winograd / FFT 3x3
+# Tesla P100)", May 2017, CUDA 8 / cuDNN 5.1, the "1 GPU" row. Assumed: Horovod's runs used the
+# same benchmark (its benchmark instructions run tf_cnn_benchmarks) on P100s as fast as the
+# DGX-1's SXM2 ones (a PCIe P100 is clocked ~12% lower). A single device's rate differs per model (cuDNN's Winograd / FFT 3x3
 # convolutions do fewer multiplies than the layer's nominal FLOPs: VGG-16 reads 14.3 TFLOP/s
 # "nominal", above the P100's 10.6 peak), so one FLOP/s figure for every model is wrong.
 P100_TF_IMAGES_PER_S = MappingProxyType(

@@ -31,7 +31,7 @@ from scaleout.launch.launcher import LaunchConfig, RankWrapper, launch
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
-__all__ = ["TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation"]
+__all__ = ["TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation", "trace_folder"]
 
 
 class BenchFailed(RuntimeError):
@@ -91,6 +91,9 @@ class TrainBenchConfig:
             whenever it is available, works on CPU tensors.
         memory_budget: bytes of parameters one rank may hold: the ``hybrid`` configuration
             plans its tables under it, every configuration reports whether it fits.
+        trace: a folder; every run of a configuration that trains with scaleout's
+            ``DataParallel`` records per-rank traces (``SCALEOUT_TRACE``) into
+            ``trace/<configuration>/round<r>/trace.<rank>.json`` (``None``: no traces).
 
     Raises:
         ValueError: a field is out of range or names something unknown.
@@ -113,6 +116,7 @@ class TrainBenchConfig:
     timeout_s: float = 300.0
     device: str = "cpu"
     memory_budget: int | None = None
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -159,6 +163,8 @@ class TrainBenchConfig:
                                                isinstance(self.memory_budget, int) or
                                                self.memory_budget < 1):
             raise ValueError(f"memory_budget: expected bytes >= 1, got {self.memory_budget!r}")
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise ValueError(f"trace: expected a folder name, got {self.trace!r}")
 
     @property
     def configurations(self) -> tuple[str, ...]:
@@ -277,13 +283,24 @@ def _worker_args(config: TrainBenchConfig, name: str, path: str) -> list[str]:
     return args
 
 
+def trace_folder(config: TrainBenchConfig, name: str, round_index: int) -> str | None:
+    """Where configuration ``name``'s ranks record their traces in round ``round_index``
+    (absolute: the ranks may start elsewhere); ``None`` without ``config.trace``."""
+    if config.trace is None:
+        return None
+    return os.path.join(os.path.abspath(config.trace), name, f"round{round_index}")
+
+
 def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
-              bar: ProgressBar | None) -> dict[str, object]:
+              bar: ProgressBar | None, *, round_index: int = 0) -> dict[str, object]:
     path = os.path.join(directory, f"{name}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     nprocs = 1 if name == "single" else config.ranks
     env = {"OMP_NUM_THREADS": str(config.threads)}
+    traces = trace_folder(config, name, round_index)
+    if traces is not None:
+        env["SCALEOUT_TRACE"] = traces
     if config.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     launch_config = LaunchConfig(nprocs=nprocs, master_addr=place.master_addr, env=env)
@@ -297,7 +314,10 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
         raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}",
                           failure_reason(out.lines, code))
     with open(path) as handle:
-        return json.load(handle)
+        result = json.load(handle)
+    if traces is not None and os.path.isdir(traces):  # configurations without DataParallel
+        result["trace_dir"] = traces                    # (single, ddp, ...) record nothing
+    return result
 
 
 def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[str, object]:
@@ -331,7 +351,7 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                         bar.finish_run("skipped (failed earlier)")
                         continue
                     try:
-                        result = _run_once(config, name, place, tmp, bar)
+                        result = _run_once(config, name, place, tmp, bar, round_index=r)
                     except BenchFailed as err:
                         failed.add(name)
                         bar.finish_run("failed")

@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     if distributed:
         torch.distributed.barrier()  # nobody tears down while a peer still communicates
     setup.close()
+    write_trace = getattr(setup.model, "write_trace", None)
+    if write_trace is not None:  # SCALEOUT_TRACE (bench train --trace): name what ran
+        write_trace(workload=args.workload, batch_size=args.batch,
+                    command=f"scaleout bench train --workload {args.workload} "
+                            f"(configuration {args.config}, {world} ranks)")
 
 
 if __name__ == "__main__":

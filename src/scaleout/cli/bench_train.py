@@ -18,6 +18,8 @@ EXAMPLE = """examples:
       --json out.json --plot out.png
 
   scaleout bench train --workload resnet18 --device cuda --no-testbed --vs ddp,ddp-powersgd
+  scaleout bench train --workload resnet18 --rounds 1 --trace traces   # then:
+      scaleout sim chrome traces/scaleout/round0
 
 Every round runs each configuration once, as fresh ranks, in a rotated order:
   single    one rank alone on host 0 (the ideal), same per-rank batch
@@ -86,6 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="parameter bytes one rank may hold (suffixes k, m, g: powers of "
                              "1024): hybrid plans its tables under it, every configuration "
                              "reports whether it fits")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="record per-rank traces of every run that trains with scaleout's "
+                             "DataParallel into DIR/<configuration>/round<r>/trace.<rank>.json "
+                             "(scaleout sim chrome / sim run --trace read them)")
     parser.add_argument("--no-testbed", action="store_true",
                         help="run over loopback without namespaces or shaping (no root needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -140,7 +146,7 @@ def handler(args: argparse.Namespace) -> int:
             rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
-            timeout_s=args.timeout, device=args.device)
+            timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None))
     except (ValueError, TypeError) as err:
         return _error(str(err))
     if args.plot:

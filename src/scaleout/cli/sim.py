@@ -128,7 +128,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    val.add_argument("--only", choices=("published", "testbed"), default=None)
+    val.add_argument("--only", choices=("published", "testbed", "collectives"), default=None)
     val.add_argument(
         "--json",
         default="sim-validation.json",
@@ -214,6 +214,7 @@ def handle_collective(args: argparse.Namespace) -> int:
 
 def handle_validate(args: argparse.Namespace) -> int:
     """``scaleout sim validate``: the table, the JSON; 1 when a bound is exceeded."""
+    from scaleout.sim.collective_cases import collective_scenarios
     from scaleout.sim.published import published_scenarios
     from scaleout.sim.testbed_cases import testbed_scenarios
     from scaleout.sim.validation import validate
@@ -223,6 +224,8 @@ def handle_validate(args: argparse.Namespace) -> int:
         scenarios += published_scenarios()
     if args.only in (None, "testbed"):
         scenarios += testbed_scenarios()
+    if args.only in (None, "collectives"):
+        scenarios += collective_scenarios()
     report = validate(scenarios)
     print(
         format_table(

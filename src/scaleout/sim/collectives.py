@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 from scaleout.sim.network import Dimension, Topology
 
-__all__ = ["OPS", "ALGORITHMS", "Phase", "CollectiveCost", "phase_time", "collective_cost"]
+__all__ = [
+    "OPS", "ALGORITHMS", "Phase", "CollectiveCost", "bus_factor", "phase_time", "collective_cost",
+]
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 ALGORITHMS = ("ring", "direct", "halving_doubling", "double_binary_tree")
@@ -50,6 +52,18 @@ _BUS_FACTOR = {
     "alltoall": lambda p: (p - 1) / p,
     "broadcast": lambda p: 1.0,
 }
+
+
+def bus_factor(op: str, npus: int) -> float:
+    """busbw / algbw of ``op`` on ``npus`` NPUs (nccl-tests): 2(p-1)/p for all-reduce, (p-1)/p
+    for reduce-scatter, all-gather and all-to-all, 1 for broadcast.
+
+    Raises:
+        ValueError: an op not in :data:`OPS`.
+    """
+    if op not in _BUS_FACTOR:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return _BUS_FACTOR[op](npus)
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,7 @@ class CollectiveCost:
     @property
     def busbw(self) -> float:
         """nccl-tests' bus bandwidth (algbw x the op's correction factor)."""
-        return self.algbw * _BUS_FACTOR[self.op](self.npus) if self.npus > 1 else math.inf
+        return self.algbw * bus_factor(self.op, self.npus) if self.npus > 1 else math.inf
 
     def utilisation(self) -> tuple[float, ...]:
         """Per dimension, the fraction of the collective's time its links were busy."""

@@ -10,18 +10,64 @@ before the first run). Sources: REFERENCES.md §2.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.config import IterationConfig
-from scaleout.sim.models import DEVICES, model_workload
+from scaleout.sim.models import DEVICES, Device, model, model_workload
 from scaleout.sim.network import parse_topology, preset
 from scaleout.sim.scaling import relative_efficiency
 from scaleout.sim.themis import themis_gain
 from scaleout.sim.validation import Scenario
 
-__all__ = ["THEMIS_TOPOLOGIES", "published_scenarios", "themis_mean_gain"]
+__all__ = [
+    "P100_TF_IMAGES_PER_S",
+    "THEMIS_TOPOLOGIES",
+    "p100_measured",
+    "published_scenarios",
+    "themis_mean_gain",
+]
 
 MB = 1 << 20
 BOUND_POINTS = 3.0
+
+# One P100 training alone in TensorFlow's tf_cnn_benchmarks, synthetic ImageNet, batch 64, sgd
+# (images/s): tensorflow/docs_src/performance/benchmarks.md, "Details for NVIDIA DGX-1 (NVIDIA
+# Tesla P100)", May 2017, CUDA 8 / cuDNN 5.1, the "1 GPU" row. Assumed: Horovod's runs used the
+# same benchmark (its benchmark instructions run tf_cnn_benchmarks) on P100s as fast as the
+# DGX-1's SXM2 ones (a PCIe P100 is clocked ~12% lower). A single device's rate differs per model (cuDNN's Winograd / FFT 3x3
+# convolutions do fewer multiplies than the layer's nominal FLOPs: VGG-16 reads 14.3 TFLOP/s
+# "nominal", above the P100's 10.6 peak), so one FLOP/s figure for every model is wrong.
+P100_TF_IMAGES_PER_S = MappingProxyType(
+    {"inception_v3": 142.0, "resnet50": 219.0, "resnet152": 91.8, "vgg16": 154.0}
+)
+
+
+def p100_measured(name: str) -> Device:
+    """A P100 whose rate on model ``name`` is the measured single-GPU throughput above.
+
+    The rate is images/s x 3 x the table's forward FLOPs (forward + 2 x backward), so one
+    image costs exactly ``1 / images_per_s``. ResNet-101 is not in the benchmark table: its
+    rate per FLOP is interpolated linearly in forward FLOPs between ResNet-50's and ResNet-152's
+    (an assumption; the two measured rates differ by 18%).
+
+    Raises:
+        ValueError: a model that is neither measured nor ResNet-101.
+    """
+    def rate(m: str) -> float:
+        return P100_TF_IMAGES_PER_S[m] * 3 * model(m).flops
+
+    if name in P100_TF_IMAGES_PER_S:
+        flops = rate(name)
+    elif name == "resnet101":
+        lo, hi = model("resnet50").flops, model("resnet152").flops
+        w = (model(name).flops - lo) / (hi - lo)
+        flops = (1 - w) * rate("resnet50") + w * rate("resnet152")
+    else:
+        raise ValueError(f"no measured P100 rate for {name!r}")
+    return Device(name=f"p100-tf:{name}", flops=flops,
+                  source="tf_cnn_benchmarks, 1 x P100 (DGX-1), batch 64, May 2017")
+
 
 # Stand-ins for Themis's multi-dimensional evaluation networks (the paper's exact per-dimension
 # bandwidths are not in REFERENCES.md): fast local dimensions, slower outer ones.
@@ -50,15 +96,16 @@ def themis_mean_gain(nbytes: int = 1 << 30, chunks: int = 64) -> float:
 
 
 def _efficiency(
-    model: str,
-    device: str,
+    name: str,
+    device: str | Device,
     batch: int,
     network: str,
     base: int,
     target: int,
     config: IterationConfig,
 ) -> float:
-    workload = model_workload(model, device=DEVICES[device], batch_size=batch)
+    rate = DEVICES[device] if isinstance(device, str) else device
+    workload = model_workload(name, device=rate, batch_size=batch)
     return 100.0 * relative_efficiency(workload, preset(network).topology, base, target, config)
 
 
@@ -81,7 +128,9 @@ def published_scenarios() -> tuple[Scenario, ...]:
         scheduler=SchedulerConfig(policy="fifo", bucket_bytes=0, first_bucket_bytes=0),
     )
     horovod_note = (
-        "P100 at 5.4 TFLOP/s sustained (DEVICES['p100']); 64 images/GPU; preset "
+        "P100 at its measured tf_cnn_benchmarks rate for the model (P100_TF_IMAGES_PER_S: "
+        "VGG-16 154, Inception V3 142 images/s; ResNet-101 interpolated between ResNet-50 and "
+        "-152); 64 images/GPU; preset "
         "horovod-pascal (4 GPUs on PCIe ~10 GB/s x 128 servers on 25 Gbit/s RoCE "
         "switch, 5 us/hop); NCCL2 flat ring over all 512 GPUs; Horovod tensor fusion "
         "64 MB, FIFO; allreduce overlaps backward only (TF synchronous step); "
@@ -96,9 +145,11 @@ def published_scenarios() -> tuple[Scenario, ...]:
             bound=BOUND_POINTS,
             assumptions=horovod_note,
             source="Horovod (Sergeev & Del Balso 2018): 128 servers x 4 Pascal, 25 Gbit/s RoCE",
-            predict=lambda m=model: _efficiency(m, "p100", 64, "horovod-pascal", 1, 512, horovod),
+            predict=lambda m=spec: _efficiency(
+                m, p100_measured(m), 64, "horovod-pascal", 1, 512, horovod
+            ),
         )
-        for name, model, measured in (
+        for name, spec, measured in (
             ("resnet101", "resnet101", 90.0),
             ("inception_v3", "inception_v3", 90.0),
             ("vgg16", "vgg16", 68.0),

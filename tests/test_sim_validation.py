@@ -1,0 +1,96 @@
+"""Validation groups added for issue 13: bus bandwidth of the testbed's collectives, and the
+published points' measured single-GPU rates. Predictions checked by hand from the alpha-beta
+formulas; the scenarios' shape (one per measured cell, training split left out) and the
+GB/s unit's relative error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaleout.cli.main import main
+from scaleout.sim.collective_cases import (
+    GLOO,
+    LINK_EFFICIENCY,
+    MEASURED,
+    collective_scenarios,
+    predicted_busbw,
+)
+from scaleout.sim.models import model, model_workload
+from scaleout.sim.published import P100_TF_IMAGES_PER_S, p100_measured
+from scaleout.sim.validation import Scenario, validate
+
+B = 1e9 / 8 * LINK_EFFICIENCY  # 1 Gbit/s x 0.98, bytes/s
+HOP = 2 * 50e-6  # host -> bridge -> host
+
+
+def test_busbw_golden_from_the_alpha_beta_formulas() -> None:
+    n = 16 << 20
+    ring_allreduce_2 = 2 * (HOP + n / 2 / B)  # RS + AG, one step each of n/2
+    assert predicted_busbw("allreduce", 2, "1gbit", n) == pytest.approx(n / ring_allreduce_2)
+    # torch's gloo reduce_scatter all-reduces the whole input: an all-reduce's time, and
+    # the reduce-scatter bus factor (p-1)/p: half the all-reduce's bus bandwidth at 2 ranks
+    assert predicted_busbw("reduce_scatter", 2, "1gbit", n) == pytest.approx(
+        n / ring_allreduce_2 / 2)
+    binomial_3 = 2 * (HOP + n / B)  # root -> 1, then root -> 2: two full-size steps
+    assert predicted_busbw("bcast", 3, "1gbit", n) == pytest.approx(n / binomial_3)
+    ring_allgather_3 = 2 * (HOP + n / 3 / B)
+    assert predicted_busbw("allgather", 3, "1gbit", n) == pytest.approx(
+        n / ring_allgather_3 * 2 / 3)
+    pairwise_3 = 2 * HOP + 2 * (n / 3) / B  # p-1 sends of n/p share one NIC, 2 hops each
+    assert predicted_busbw("alltoall", 3, "1gbit", n) == pytest.approx(n / pairwise_3 * 2 / 3)
+    assert predicted_busbw("allreduce", 2, "100mbit", n) < predicted_busbw("allreduce", 2, "1gbit", n)
+    with pytest.raises(ValueError, match="op must be one of"):
+        predicted_busbw("reduce", 2, "1gbit", n)
+    with pytest.raises(ValueError, match="rate must be one of"):
+        predicted_busbw("allreduce", 2, "10gbit", n)
+
+
+def test_collective_scenarios_cover_every_held_out_cell() -> None:
+    scenarios = collective_scenarios()
+    assert len(scenarios) == len(MEASURED) and len(MEASURED) >= 36
+    assert {s.group for s in scenarios} == {"collectives"}
+    assert {s.unit for s in scenarios} == {"GB/s"}
+    cells = {(p, r, op) for p, r, op, _, _ in MEASURED}
+    assert (2, "1gbit", "allreduce") not in cells  # the training split of LINK_EFFICIENCY
+    assert {op for _, _, op in cells} == set(GLOO)
+    first = scenarios[0]
+    p, rate, op, nbytes, ms = MEASURED[0]
+    factor = {"reduce_scatter": (p - 1) / p}[op]
+    assert first.measured == pytest.approx(nbytes / (ms / 1e3) * factor / 1e9)
+    assert all(s.source.startswith("bench collectives") and GLOO[s.name.split()[0]][2]
+               in s.assumptions for s in scenarios)
+
+
+def test_gbps_errors_are_relative_and_the_group_reports_its_median() -> None:
+    def scenario(predicted: float) -> Scenario:
+        return Scenario(name="x", group="collectives", measured=0.1, unit="GB/s", bound=0.15,
+                        source="s", assumptions="a", predict=lambda: predicted)
+
+    report = validate([scenario(0.11), scenario(0.13)])
+    assert [round(o.error, 6) for o in report.outcomes] == [0.1, 0.3]
+    assert [o.ok for o in report.outcomes] == [True, False] and not report.ok
+    assert report.summaries == ("collectives: 1/2 within bound; median |error| 20.0%",)
+    assert "0.110GB/s" in report.rows()[0]
+
+
+def test_p100_rates_are_the_measured_single_gpu_throughputs() -> None:
+    for name, images in P100_TF_IMAGES_PER_S.items():
+        work = model_workload(name, device=p100_measured(name), batch_size=64)
+        assert work.compute_s == pytest.approx(64 / images)
+    lo, hi = p100_measured("resnet50").flops, p100_measured("resnet152").flops
+    assert lo < p100_measured("resnet101").flops < hi
+    assert model("vgg16").flops * 3 * 154 > 10.6e12  # above peak: Winograd, not nominal FLOPs
+    with pytest.raises(ValueError, match="no measured P100 rate"):
+        p100_measured("bert_large")
+
+
+@pytest.mark.timeout(60)
+def test_validate_collectives_exit_code_matches(tmp_path, capsys) -> None:
+    out = tmp_path / "v.json"
+    rc = main(["sim", "validate", "--only", "collectives", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == (0 if report["ok"] else 1)
+    assert len(report["outcomes"]) == len(MEASURED)
+    assert "collectives:" in capsys.readouterr().out

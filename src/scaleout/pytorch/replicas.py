@@ -4,8 +4,8 @@ replicas are still identical, and names the first parameter where they are not.
 A replica drifts silently when something rank-dependent slips into the update (a layer used
 by one rank only, a non-deterministic kernel, a user editing weights on one rank, a bad
 codec). :class:`ReplicaCheck` catches it at the next check with one small collective: every
-rank computes two float64 checksums per parameter (the sum and the sum of squares of its
-values), packs them in one tensor and all-gathers it (16 bytes per parameter). Identical
+rank computes two checksums per parameter (the sum and the sum of squares of its values),
+packs them as float64 in one tensor and all-gathers it (16 bytes per parameter). Identical
 replicas give bit-identical checksums (same values, same reduction order); any rank whose
 checksums differ from another's raises :class:`ReplicaDivergenceError` on *every* rank,
 naming the first diverging parameter (in ``named_parameters()`` order), which ranks hold
@@ -79,13 +79,16 @@ def replica_interval(value: object, environ: Mapping[str, str] | None = None) ->
 
 
 def _checksums(params: list[torch.Tensor]) -> torch.Tensor:
-    """``(P, 2)`` float64: each parameter's sum and sum of squares."""
+    """``(P, 2)`` float64: each parameter's sum (accumulated in float64) and sum of squares
+    (a dot product in the parameter's dtype). Neither copies the parameter: a float64 copy
+    of ResNet-18's weights made the check 10x slower (307 ms instead of 38 ms here)."""
     if not params:
         return torch.zeros(0, 2, dtype=torch.float64)
     rows = []
     for param in params:
-        values = param.detach().reshape(-1).to(torch.float64)
-        rows.append(torch.stack([values.sum(), values.square().sum()]))
+        values = param.detach().reshape(-1)
+        rows.append(torch.stack([values.sum(dtype=torch.float64),
+                                 torch.dot(values, values).to(torch.float64)]))
     return torch.stack(rows)
 
 

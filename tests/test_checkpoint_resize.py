@@ -125,3 +125,24 @@ def test_sharded_state_splits_and_joins_at_any_size() -> None:
     del parts[1]["state"][2]
     with pytest.raises(ValueError, match="missing on ranks"):
         consolidate_optimizer_state(parts, shapes)
+
+
+def test_what_cannot_be_repartitioned_is_refused(tmp_path: Path) -> None:
+    """A rank-local (or tensor-parallel) parameter differs by rank: no other world size; a
+    plain model saved in one process consolidates (the optimizer state as it was)."""
+    from scaleout.pytorch.placement import Kind, Placement, place
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path / "plain", model, opt, step=1)
+    whole = checkpoint.consolidate(tmp_path / "plain")
+    assert whole["world_size"] == 1 and whole["step"] == 1
+    assert torch.equal(whole["optimizer"]["state"][0]["momentum_buffer"],
+                       opt.state[model.weight]["momentum_buffer"])
+    place(model.weight, Placement(kind=Kind.LOCAL, layer="table"))
+    checkpoint.save(tmp_path / "local", model, opt, step=1)
+    with pytest.raises(ValueError, match="rank-local parameters"):
+        checkpoint.consolidate(tmp_path / "local")
+    assert checkpoint.load(tmp_path / "local", model, opt) == (1, {})  # same world size: fine

@@ -123,6 +123,14 @@ def test_sighup_and_sigint_stop_the_benchmark_like_sigterm() -> None:
         # a rank killed by the same signal from outside: a failed configuration, not a stop
         assert not _launcher_stopped(128 + sig, [f"scaleout run: rank 1 failed first, with "
                                                  f"signal {name}"])
+    # the launcher took the first signal and the benchmark raised: a second one is ignored
+    with pytest.raises(Interrupted) as caught:
+        with _terminate_as_interrupt():
+            try:
+                raise Interrupted(signal.SIGTERM)
+            finally:
+                os.kill(os.getpid(), signal.SIGHUP)
+    assert caught.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # handlers restored
 
 

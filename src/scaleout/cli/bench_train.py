@@ -99,15 +99,16 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM, SIGHUP (``kill``, a job scheduler, a closed terminal) stop the run like
     Ctrl-C: ranks stopped, testbed removed. The first signal raises ``Interrupted``; later
-    ones are ignored so that they cannot cut the clean-up short. (While ranks run, the
-    launcher takes these signals, stops the ranks and the benchmark raises ``Interrupted``.)
-    Only in the main thread, where Python can take signals."""
+    ones, and any while an interrupt unwinds (while ranks run, the launcher takes the signal,
+    stops the ranks and the benchmark raises ``Interrupted`` itself), are ignored so that
+    they cannot cut the clean-up short. Only in the main thread, where Python can take
+    signals."""
     from scaleout.bench.train import Interrupted
 
     got: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
-        if not got:
+        if not got and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             got.append(signum)
             raise Interrupted(signum)
 

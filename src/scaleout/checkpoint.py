@@ -5,7 +5,7 @@ state: the model's ``state_dict()`` (with a :class:`~scaleout.pytorch.DataParall
 extra state: every codec's error-feedback residuals, which differ by rank), the optimizer's
 ``state_dict()`` (a sharded update's slices differ by rank too), the RNG states (torch, CUDA,
 Python, NumPy), the step and ``extra``. ``load(path, model, optimizer)`` restores them at the
-same world size.
+same world size, or re-partitions them at another (below).
 
 Layout and atomicity: ``path`` is a symbolic link to a version directory
 ``<path>.versions/<n>``. Each rank writes ``rank-<r>-of-<N>.pt`` into a new version
@@ -14,18 +14,31 @@ rank 0 points ``path`` at the new version by renaming a new link over it (one at
 rename) and removes older versions. A kill at any moment leaves ``path`` naming a complete
 checkpoint: the previous one until the rename, the new one after it.
 
+Another world size: a checkpoint taken at N ranks loads at M ranks when the model is
+replicated (no tensor-parallel or rank-local parameters; the data group is the whole job).
+The weights are rank 0's; the optimizer state is rank 0's on exact paths (it is the same on
+every rank) and, for the sharded update (``distributed_update=True``), every rank's owned
+slices joined and cut again for M ranks (:mod:`scaleout.pytorch.resharding`; also from
+unsharded to sharded and back). Codecs' error-feedback residuals are per-rank corrections with
+no owner at another size: they are reset (a ``UserWarning`` says so). RNG states: rank r < N
+takes old rank r's, the others keep theirs. :func:`consolidate` gives the joined state.
+
 Why not ``torch.distributed.checkpoint``: it writes into the target directory in place (a
 kill mid-save destroys the previous checkpoint unless the caller versions directories, which
 is what this module does), and its planner exchanges metadata with ``gather_object``, i.e. a
-pickle on the wire, which this library refuses. Files are read with ``weights_only=True``:
-loading a checkpoint never runs code from it.
+pickle on the wire, which this library refuses. Its re-sharding is for DTensor/FSDP layouts;
+scaleout's owned slices are flat blocks of each parameter, and joining them is a ``cat``
+(reading the N files is the only cost). Files are read with ``weights_only=True``: loading a
+checkpoint never runs code from it.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +48,15 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-__all__ = ["save", "load"]
+from scaleout.pytorch.placement import placement_of
+from scaleout.pytorch.resharding import (
+    consolidate_optimizer_state,
+    optimizer_shapes,
+    shard_group,
+    split_optimizer_state,
+)
+
+__all__ = ["save", "load", "consolidate"]
 
 _VERSIONS = ".versions"
 
@@ -142,8 +163,12 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     fresh = versions / str(number)
     fresh.mkdir(parents=True, exist_ok=True)
     _synchronize(model)
+    shards = shard_group(optimizer)
     payload = {
         "format": 1, "rank": rank, "world_size": world, "step": step,
+        "layout": {"replicated": all(placement_of(p) is None for p in model.parameters()),
+                   "shards": shards[0] if shards else None,
+                   "shapes": optimizer_shapes(optimizer) if optimizer is not None else None},
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "rng": _rng_state(), "extra": dict(extra or {}),
@@ -167,14 +192,19 @@ def save(path: str | os.PathLike[str], model: nn.Module,
 def load(path: str | os.PathLike[str], model: nn.Module,
          optimizer: torch.optim.Optimizer | None = None, *,
          map_location: str | torch.device | None = "cpu") -> tuple[int, dict[str, Any]]:
-    """Restore this rank's state saved by :func:`save` (at the same world size).
+    """Restore this rank's state saved by :func:`save`, at its world size or another one.
+
+    At the world size it was saved at (and the same sharding), each rank reads its own file.
+    Otherwise the state is re-partitioned (see the module's notes): the model must be
+    replicated, codec residuals are reset with a ``UserWarning``.
 
     Returns:
-        ``(step, extra)`` as saved.
+        ``(step, extra)`` as saved (at another world size, rank 0's ``extra``).
 
     Raises:
-        FileNotFoundError: there is no checkpoint at ``path``, or none for this rank.
-        ValueError: it was saved at another world size.
+        FileNotFoundError: there is no checkpoint at ``path``.
+        ValueError: it cannot be re-partitioned (tensor-parallel or rank-local parameters, a
+            model group, a file from before layouts were recorded), or holds no optimizer state.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -183,17 +213,111 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     current = _current(path)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    mine = current / f"rank-{rank}-of-{world}.pt"
-    if not mine.exists():
-        saved = sorted(p.name for p in current.glob("rank-*.pt"))
-        raise ValueError(f"checkpoint {path} was not saved at world size {world} for rank "
-                         f"{rank} (it holds {saved}); resume at the world size it was saved at")
-    payload = torch.load(mine, map_location=map_location, weights_only=True)
-    _synchronize(model)
-    model.load_state_dict(payload["model"])
+    saved_world = _saved_world(current)
+    shards = shard_group(optimizer)
+    own = _read(current, rank, saved_world, map_location) if rank < saved_world else None
+    layout = own.get("layout") if own is not None else None  # None: written before layouts
+    if saved_world == world and own is not None and (
+            layout is None or layout["shards"] == (shards[0] if shards else None)):
+        payload = own
+        _synchronize(model)
+        model.load_state_dict(payload["model"])
+        optimizer_state = payload["optimizer"]
+    else:
+        payload = consolidate(path, map_location=map_location)
+        if shards is not None and shards[0] != world:
+            raise ValueError(f"cannot re-partition checkpoint {path} for a sharded update over "
+                             f"{shards[0]} of {world} ranks (a model group): resume at world "
+                             f"size {saved_world}")
+        _synchronize(model)
+        same_ranks = saved_world == world and own is not None  # only the sharding changed
+        model.load_state_dict(own["model"] if same_ranks
+                              else _reset_codec_state(payload["model"], saved_world, world))
+        optimizer_state = payload["optimizer"]
+        if optimizer_state is not None and shards is not None:
+            optimizer_state = split_optimizer_state(optimizer_state, optimizer_shapes(optimizer),
+                                                    *shards)
     if optimizer is not None:
-        if payload["optimizer"] is None:
+        if optimizer_state is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state")
-        optimizer.load_state_dict(payload["optimizer"])
-    _set_rng_state(payload["rng"])
+        optimizer.load_state_dict(optimizer_state)
+    if own is not None:
+        _set_rng_state(own["rng"])
     return int(payload["step"]), dict(payload["extra"])
+
+
+def consolidate(path: str | os.PathLike[str], *,
+                map_location: str | torch.device | None = "cpu") -> dict[str, Any]:
+    """The checkpoint at ``path`` as one unsharded state (no process group needed).
+
+    Returns:
+        ``{"step", "extra", "world_size", "model", "optimizer"}``: rank 0's model state
+        (with rank 0's codec residuals, if any) and ``extra``; the optimizer state of an
+        unsharded optimizer (a sharded update's slices joined); ``None`` without one.
+
+    Raises:
+        FileNotFoundError: there is no checkpoint at ``path``.
+        ValueError: the model is not replicated, or the checkpoint predates layouts.
+    """
+    path = Path(path)
+    current = _current(path)
+    if current is None:
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    saved_world = _saved_world(current)
+    first = _read(current, 0, saved_world, map_location)
+    layout = first.get("layout")
+    if layout is None:
+        raise ValueError(f"checkpoint {path} was written before layouts were recorded: it "
+                         f"loads only at world size {saved_world}")
+    if not layout["replicated"]:
+        raise ValueError(f"checkpoint {path} holds tensor-parallel or rank-local parameters "
+                         f"(different on every rank): it loads only at world size {saved_world}")
+    optimizer = first["optimizer"]
+    if optimizer is not None and layout["shards"] is not None:
+        if layout["shards"] != saved_world:
+            raise ValueError(f"checkpoint {path} has a sharded update over {layout['shards']} "
+                             f"of {saved_world} ranks (a model group): it loads only at world "
+                             f"size {saved_world}")
+        states = [optimizer] + [_read(current, r, saved_world, map_location)["optimizer"]
+                                for r in range(1, saved_world)]
+        optimizer = consolidate_optimizer_state(states, [tuple(s) for s in layout["shapes"]])
+    return {"step": int(first["step"]), "extra": dict(first["extra"]),
+            "world_size": saved_world, "model": first["model"], "optimizer": optimizer}
+
+
+def _saved_world(current: Path) -> int:
+    """The world size of the checkpoint in version directory ``current``."""
+    sizes = {int(m.group(1)) for p in current.glob("rank-*-of-*.pt")
+             if (m := re.fullmatch(r"rank-\d+-of-(\d+)\.pt", p.name))}
+    if len(sizes) != 1:
+        raise ValueError(f"checkpoint directory {current} holds files of world sizes "
+                         f"{sorted(sizes)}; expected one")
+    return sizes.pop()
+
+
+def _read(current: Path, rank: int, world: int,
+          map_location: str | torch.device | None) -> dict[str, Any]:
+    file = current / f"rank-{rank}-of-{world}.pt"
+    if not file.exists():
+        raise FileNotFoundError(f"checkpoint file {file} is missing")
+    return torch.load(file, map_location=map_location, weights_only=True)
+
+
+def _reset_codec_state(state: Mapping[str, Any], saved_world: int,
+                       world: int) -> dict[str, Any]:
+    """``state`` with every DataParallel's codec state reset (a warning names the buckets):
+    error-feedback residuals belong to the ranks that made them."""
+    fresh = dict(state)
+    reset = []
+    for key, value in state.items():
+        if key.endswith("_extra_state") and isinstance(value, dict) and value.get("compression"):
+            reset += list(value["compression"])
+            fresh[key] = {**value, "compression": {
+                name: {"states": {name: {"step": 0, "buffers": {}}}}
+                for name in value["compression"]}}
+    if reset:
+        warnings.warn(f"checkpoint saved at {saved_world} ranks, loaded at {world}: the codec "
+                      f"state (error-feedback residuals) of {len(reset)} bucket(s) is reset, as "
+                      f"it belongs to the ranks that made it ({reset[0]}, ...)", UserWarning,
+                      stacklevel=3)
+    return fresh

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -247,6 +248,23 @@ def _placement(config: TrainBenchConfig) -> Iterator[Placement]:
                                                 f"each, links at {config.rate}"})
 
 
+class Interrupted(KeyboardInterrupt):
+    """The benchmark got SIGINT, SIGTERM or SIGHUP (it stops like Ctrl-C: ranks stopped,
+    testbed removed). ``signum`` is the signal."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+
+def _launcher_stopped(code: int, lines: list[str]) -> bool:
+    """Whether the launcher stopped the ranks because *it* got a signal (it says so, exit code
+    128 + N); a rank killed by that signal from outside exits with the same code but is a
+    failed configuration."""
+    return code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) and any(
+        line.startswith("scaleout run: got SIG") for line in lines[-3:])
+
+
 class _RankOutput:
     """Receives the ranks' output lines: progress marks drive the bar, the rest is kept."""
 
@@ -307,8 +325,8 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
     out = _RankOutput(bar)
     code = launch(_worker_args(config, name, path), launch_config, wrapper=place.wrapper,
                   out=out)  # type: ignore[arg-type]
-    if code == 130:
-        raise KeyboardInterrupt
+    if _launcher_stopped(code, out.lines):
+        raise Interrupted(code - 128)
     if code != 0 or not os.path.exists(path):
         tail = "\n".join(f"    {line}" for line in out.lines[-40:])
         raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}",
@@ -336,7 +354,8 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
 
     Raises:
         TestbedUnavailable: ``config.testbed`` but this machine cannot host one.
-        KeyboardInterrupt: on Ctrl-C, after every rank and the testbed are gone.
+        Interrupted: on Ctrl-C, SIGTERM or SIGHUP (a KeyboardInterrupt), after every rank and
+            the testbed are gone.
     """
     names = config.configurations
     bar = ProgressBar(total=config.rounds * len(names), enabled=progress)

@@ -98,19 +98,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=handler)
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (e.g. ``kill``, a job scheduler) stops the run like Ctrl-C: ranks stopped,
-    testbed removed. Only in the main thread, where Python can take signals."""
+    """SIGTERM, SIGHUP (``kill``, a job scheduler, a closed terminal) stop the run like
+    Ctrl-C: ranks stopped, testbed removed. The first signal raises ``Interrupted``; later
+    ones, and any while an interrupt unwinds (while ranks run, the launcher takes the signal,
+    stops the ranks and the benchmark raises ``Interrupted`` itself), are ignored so that
+    they cannot cut the clean-up short. Only in the main thread, where Python can take
+    signals."""
+    from scaleout.bench.train import Interrupted
+
+    got: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if not got and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            got.append(signum)
+            raise Interrupted(signum)
+
     try:
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _bytes(text: str) -> int:
@@ -165,10 +182,11 @@ def handler(args: argparse.Namespace) -> int:
     try:
         with _terminate_as_interrupt():
             raw = run_benchmark(config, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print("scaleout bench train: interrupted; ranks stopped and testbed removed",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"scaleout bench train: interrupted ({signal.Signals(signum).name}); ranks "
+              "stopped and testbed removed", file=sys.stderr)
+        return 128 + signum
     except TestbedError as err:
         return _error(f"the testbed failed: {err}")
     command = getattr(args, "command_line", ["scaleout", *sys.argv[1:]])

@@ -11,6 +11,7 @@ from scaleout.pytorch.embeddings import (
     plan_tables,
 )
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
+from scaleout.pytorch.replicas import ReplicaDivergenceError
 from scaleout.pytorch.spatial import (
     SpatialBatchNorm,
     SpatialConv,
@@ -29,6 +30,7 @@ from scaleout.pytorch.tensor_parallel import (
 
 __all__ = [
     "DataParallel", "DistributedOptimizer", "MODES", "optimizer_state_bytes",
+    "ReplicaDivergenceError",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
     "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
     "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "COLUMN_WISE", "SpatialConv",

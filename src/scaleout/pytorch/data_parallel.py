@@ -27,6 +27,7 @@ from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
 from scaleout.pytorch.placement import is_local, placement_of, registration
+from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
@@ -61,6 +62,8 @@ class DataParallel(nn.Module):
             each bucket's communication, exposed waits, updates) and writes
             ``trace.<rank>.json`` there on ``close()`` / ``write_trace()``; default from
             ``SCALEOUT_TRACE``. ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
+        verify_replicas: every N steps, check that the replicas are identical (debug; see
+            ``scaleout.pytorch.replicas``); default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -75,7 +78,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, distribution: Distribution | None = None, *,
                  scheduler: SchedulerConfig | None = None, distributed_update: bool = False,
                  compression: Any = None, broadcast_buffers: bool = True,
-                 trace: str | os.PathLike | None = None) -> None:
+                 trace: str | os.PathLike | None = None, verify_replicas: int | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -92,6 +95,7 @@ class DataParallel(nn.Module):
         # parsed here: a bad spec is a ValueError now, not at the first forward
         self._compression = None if compression is None else as_config(compression)
         self.comm = distribution.communicator(GroupType.DATA)
+        self.replicas = ReplicaCheck(self.comm, module, replica_interval(verify_replicas))
         self._model_comm = distribution.communicator(GroupType.MODEL)
         self._layers = find_layers(module)
         for layer in self._layers:  # a shard on another model group: a ValueError now
@@ -106,8 +110,7 @@ class DataParallel(nn.Module):
         self._pending_compression_state: dict[str, Any] = {}
         self._trace_dir = trace if trace is not None else os.environ.get("SCALEOUT_TRACE") or None
         self._trace = TraceRecorder(self.env.rank) if self._trace_dir else None
-        self._no_sync = False
-        self._backward_queued = False
+        self._no_sync = self._backward_queued = False
         self._used: dict[int, bool] = {}
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
@@ -119,7 +122,7 @@ class DataParallel(nn.Module):
         self._buffer_average = (
             BufferAverage(floats, distribution.duplicate(GroupType.DATA, "buffers"))
             if broadcast_buffers and floats else None)
-        self._handles = []
+        self._handles: list[Any] = []
         self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
@@ -209,6 +212,7 @@ class DataParallel(nn.Module):
     @torch.compiler.disable
     def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
+        self.replicas.before_forward(self.synchronize)
         self._stopwatch.begin()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
@@ -258,10 +262,8 @@ class DataParallel(nn.Module):
             self._session.load_compression_state_dict(state["compression"])
 
     def write_trace(self, **meta: Any) -> str | None:
-        """Write this rank's trace (when tracing) into the trace folder; its path.
-
-        ``meta``: ``workload``, ``batch_size``, ``device``, ``command`` for the file.
-        """
+        """Write this rank's trace (when tracing) into the trace folder; its path. ``meta``:
+        ``workload``, ``batch_size``, ``device``, ``command`` for the file."""
         if self._trace is None:
             return None
         meta.setdefault("device", str(self._device))
@@ -371,6 +373,7 @@ class DataParallel(nn.Module):
 
     def _end_backward(self) -> None:
         self._backward_queued = False
+        self.replicas.exchanged()
         used = []
         for layer in self._forward_order:
             for param, ps in zip(layer.params, layer.sets):

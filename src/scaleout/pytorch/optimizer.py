@@ -102,6 +102,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start, count = owned_range(param.numel(), self.model.comm.size, self.model.comm.rank)
         return param.detach().reshape(-1)[start: min(start + count, param.numel())]
 
+    def parameter_shapes(self) -> list[tuple[int, ...]]:
+        """Each parameter's full shape, in the order of this optimizer's state indices (with
+        the sharded update, the state holds slices of these: see ``pytorch.resharding``)."""
+        return [tuple(p.shape) for g in self._user_optimizer.param_groups for p in g["params"]]
+
     def refresh_shards(self) -> None:
         """Copy the model's current weights into the owned shards (after loading weights)."""
         with torch.no_grad():

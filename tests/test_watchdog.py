@@ -21,9 +21,10 @@ JOB = """
     if os.environ.get("FAKE_MACHINES"):  # as if every rank ran on its own host: no /proc view
         import scaleout.core.watchdog as wd, scaleout.launch.rendezvous as rv
         wd.machine = rv.machine = lambda: "host-" + os.environ["RANK"]
-    # The launcher stops the job at the first exit; ignoring its SIGTERM gives every survivor
-    # the launcher's grace period (3 s, then SIGKILL) to report what it found.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The launcher gives the others 5 s (LaunchConfig.settle) after the first failure;
+    # ignoring its SIGTERM adds the grace period (3 s, then SIGKILL) to report what they found.
+    if not os.environ.get("KEEP_SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = scaleout.init(timeout=120)  # far longer than the heartbeat limit
     d = env.create_distribution()
     victim, how = int(os.environ["VICTIM"]), os.environ["HOW"]
@@ -43,13 +44,16 @@ JOB = """
 
 
 def run_job(tmp_path: Path, nprocs: int, victim: int, how: str, limit: float,
-            fake_machines: bool = False) -> tuple[subprocess.CompletedProcess[str], float]:
+            fake_machines: bool = False, keep_sigterm: bool = False,
+            ) -> tuple[subprocess.CompletedProcess[str], float]:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     env = {**os.environ, "PYTHONPATH": SRC, "VICTIM": str(victim), "HOW": how,
            "SCALEOUT_HEARTBEAT": str(limit)}
     if fake_machines:
         env["FAKE_MACHINES"] = "1"
+    if keep_sigterm:
+        env["KEEP_SIGTERM"] = "1"
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", str(nprocs),
                              str(script)], env=env, capture_output=True, text=True, timeout=90)
@@ -87,6 +91,17 @@ def test_survivors_name_the_failed_rank(tmp_path: Path, nprocs: int, victim: int
         assert after < 4.0 + 3.0, out  # the heartbeat limit (4 s) + slack, never the 120 s timeout
     assert f"scaleout run: rank {victim} failed first" in out, out
     assert result.returncode != 0
+
+
+def test_every_survivor_names_the_failed_rank_before_it_is_stopped(tmp_path: Path) -> None:
+    """Ranks that take the launcher's SIGTERM: the launcher waits (settle) until the
+    survivors have said who failed and ended, instead of stopping them at the first exit."""
+    result, _ = run_job(tmp_path, 3, 1, "kill", limit=4.0, keep_sigterm=True)
+    out = result.stdout
+    found = detections(out)
+    assert sorted(found) == [0, 2], out + result.stderr
+    assert all(failed == 1 for failed, _ in found.values()), out
+    assert "scaleout run: rank 1 failed first" in out, out
 
 
 def test_heartbeat_names_a_frozen_remote_rank(tmp_path: Path) -> None:

@@ -81,6 +81,9 @@ class LaunchConfig:
         master_port: rendezvous port; ``None`` picks a free one (single node only).
         prefix_output: prefix every output line with ``[rank R]``.
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        settle: after the first rank fails, seconds the others get to end by themselves
+            (each survivor's watchdog names the failed rank within about a second on one
+            node) before they are stopped; they are stopped at once when all have ended.
         max_restarts: after a failure, start every rank again up to this many times
             (single node only: restarts across nodes are not coordinated).
         env: extra environment for every rank.
@@ -96,6 +99,7 @@ class LaunchConfig:
     master_port: int | None = None
     prefix_output: bool = True
     grace: float = 3.0
+    settle: float = 5.0
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -104,6 +108,11 @@ class LaunchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("grace", "settle"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if (isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int)
                 or self.max_restarts < 0):
             raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
@@ -233,7 +242,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)
-        ranks.watch()
+        ranks.watch(config.settle)
     finally:
         ranks.stop(config.grace)  # every rank, also after an exception
     return ranks

@@ -69,19 +69,27 @@ class Ranks:
             self.signal = signum
         self.changed.set()
 
-    def watch(self) -> tuple[int, int] | None:
-        """Wait until every rank exits (None), one fails ((rank, code)) or a signal (None)."""
+    def watch(self, settle: float = 0.0) -> tuple[int, int] | None:
+        """Wait until every rank exits (None), one fails ((rank, code)) or a signal (None).
+
+        After a failure the others get ``settle`` seconds to end by themselves (a survivor
+        that names the failed rank, then exits) before the caller stops them.
+        """
+        failed: list[tuple[int, int]] = []
+        until = float("inf")
         while self.signal is None:
             with self.lock:
                 failed = [(rank, code) for _, rank, code in self.exits if code != 0]
                 done = len(self.exits) == len(self.procs)
-            if failed:
-                return failed[0]
             if done:
-                return None
-            self.changed.wait(0.5)
+                break
+            if failed and until == float("inf"):
+                until = time.monotonic() + settle
+            if time.monotonic() >= until:
+                break
+            self.changed.wait(min(0.5, max(until - time.monotonic(), 0.0)))
             self.changed.clear()
-        return None
+        return failed[0] if failed and self.signal is None else None
 
     def stop(self, grace: float) -> None:
         """SIGTERM to every live rank's process group, SIGKILL after ``grace`` seconds."""

@@ -38,12 +38,16 @@ class OptimizerTraits:
         adaptive: Whether it normalises coordinates by a second moment (Adam and kin).
         momentum: The parameter group's momentum (0 without momentum).
         step: The group's effective step ``lr / (1 - momentum)``.
+        dampening: SGD's dampening (0 elsewhere).
+        nesterov: SGD's Nesterov flag (False elsewhere).
     """
 
     name: str
     adaptive: bool
     momentum: float
     step: float
+    dampening: float = 0.0
+    nesterov: bool = False
 
 
 def optimizer_traits(optimizer: torch.optim.Optimizer) -> list[OptimizerTraits]:
@@ -61,7 +65,8 @@ def optimizer_traits(optimizer: torch.optim.Optimizer) -> list[OptimizerTraits]:
         lr = float(group.get("lr", 0.0))
         step = lr / (1.0 - momentum) if momentum < 1.0 else float("inf")
         traits.append(OptimizerTraits(name=name, adaptive=name in ADAPTIVE, momentum=momentum,
-                                      step=step))
+                                      step=step, dampening=float(group.get("dampening", 0.0) or 0.0),
+                                      nesterov=bool(group.get("nesterov", False))))
     return traits
 
 

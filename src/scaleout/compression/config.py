@@ -43,8 +43,8 @@ class CompressionConfig:
             each rank keeps its momentum ``m = beta * m + g``, codecs compress ``m``, and the
             optimizer receives increments that rebuild the exchanged momentum in an
             ``SGD(momentum=beta)`` (:class:`~scaleout.compression.momentum.MomentumCodec`);
-            the optimizer must be SGD with this momentum. Needed by sign and top-k at the
-            usual lr 0.05-0.1 with momentum 0.9 (docs/codecs.md).
+            the optimizer must be SGD with this momentum. Sign needs it at the usual lr
+            0.05-0.1 with momentum 0.9; other codecs do better on gradients (docs/codecs.md).
 
     Raises:
         ValueError: For a bad spec or a negative count.

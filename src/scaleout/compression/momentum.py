@@ -9,9 +9,10 @@ optimizer and hyperparameters they know while the codec sees a smooth, slowly ch
 signal instead of the raw gradient. ``CompressionConfig(momentum=beta)`` wraps every
 codec it selects in :class:`MomentumCodec`.
 
-Why it helps (measured, docs/codecs.md): with the gradient compressed, the weights drift
-from exact training by about ``lr / (1 - beta)`` times the error-feedback residual; with
-the momentum compressed, the residual is corrected in the very next step's momentum.
+Measured (docs/codecs.md): sign carrying the momentum stays within a point of exact
+training at lr 0.1 and 0.05 with momentum 0.9, where sign of the gradient loses 1-11
+points. Top-k and PowerSGD did worse carrying the momentum than compressing gradients, and
+say so in their :meth:`~scaleout.compression.base.Codec.unsuited`.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class MomentumCodec(Codec):
         if abs(optimizer.momentum - self.momentum) > 1e-12:
             return (f"CompressionConfig(momentum={self.momentum}) needs the optimizer's "
                     f"momentum to be the same, got {optimizer.momentum}")
+        if optimizer.dampening or optimizer.nesterov:
+            return ("the increments rebuild the exchanged momentum in SGD without dampening "
+                    "and without Nesterov; set dampening=0, nesterov=False")
         return self.codec.unsuited(optimizer, compresses_momentum=True)
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], Any]:

@@ -13,8 +13,11 @@ up: the residual concentrates on them, the blocks grow heavy-tailed, the codec k
 and less of them, and the residual ends several times the gradient. The optimizer then
 runs on weights displaced by ``lr / (1 - momentum) * residual``: at lr 0.1 with momentum
 0.9 training diverges (digits MLP, 2 ranks: 17% against 92% uncompressed; docs/codecs.md
-has the measurements). The RMS pays large values out faster, the residual stays near
-the gradient's size, and training matches uncompressed at every learning rate measured.
+has the measurements). The RMS pays large values out faster and the residual stays nearer
+the gradient's size (2.3x instead of 5.8x late in training, in the probe of docs/codecs.md).
+That alone is not enough under momentum 0.9 at lr 0.1 (85% against 96%): compress the
+momentum instead (``CompressionConfig(momentum=0.9)``); :meth:`SignCodec.unsuited` says
+which optimizer settings each way converges with.
 
 The codec runs its own one-round exchange so that a step costs a few passes over
 reused buffers: signs are packed 8 bytes at a time with one multiplication, and
@@ -99,7 +102,7 @@ MOMENTUM_MIN_STEP = 0.5
 
 @dataclass(frozen=True, kw_only=True)
 class SignCodec(Codec):
-    """Signs (1 bit each) times the block's mean magnitude; gathered.
+    """Signs (1 bit each) times a per-block scale (RMS or mean magnitude); gathered.
 
     Tolerance: per block, the decode has the input's L2 norm (``scale="rms"``), so
     ``||x - decode(x)||_2 <= sqrt(2) ||x||_2``; with ``scale="mean"`` it has the input's
@@ -143,7 +146,7 @@ class SignCodec(Codec):
             raise ValueError(f"sign: scale must be one of {', '.join(_SCALES)}, got {self.scale!r}")
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], TensorMeta]:
-        """Pack the signs and per-block mean magnitudes; see :meth:`Codec.encode`.
+        """Pack the signs and per-block scales; see :meth:`Codec.encode`.
 
         Returns:
             ``([signs uint8, scales float32], meta)``.

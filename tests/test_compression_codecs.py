@@ -149,18 +149,23 @@ def test_blockquant_wire_format_leaves_headroom_for_the_sum() -> None:
 def test_sign_packs_bits_and_bounds_error() -> None:
     bits = rand(64) > 0
     assert torch.equal(unpack_bits(pack_bits(bits)), bits)
-    codec = SignCodec(block_size=64, error_feedback=False)
     x = rand(1000)
-    payload, ctx = codec.encode(x, CodecState())
-    assert payload[0].dtype == torch.uint8 and payload[0].numel() == 1024 // 8
-    assert payload[1].numel() == 16
-    y = codec.decode(payload, ctx)
-    assert torch.equal(y.sign(), torch.where(x < 0, -1.0, 1.0))
-    for xb, yb in zip(x.split(64), y.split(64)):
-        assert yb.abs().sum().item() == pytest.approx(xb.abs().sum().item(), rel=1e-5)  # L1 kept
-        assert (xb - yb).norm() <= xb.norm()  # contraction
-    same_magnitude = torch.tensor([0.5, -0.5, 0.5, 0.5, -0.5])
-    assert torch.equal(roundtrip(codec, same_magnitude), same_magnitude)
+    for scale in ("rms", "mean"):
+        codec = SignCodec(block_size=64, scale=scale, error_feedback=False)
+        payload, ctx = codec.encode(x, CodecState())
+        assert payload[0].dtype == torch.uint8 and payload[0].numel() == 1024 // 8
+        assert payload[1].numel() == 16
+        y = codec.decode(payload, ctx)
+        assert torch.equal(y.sign(), torch.where(x < 0, -1.0, 1.0))
+        for xb, yb in zip(x.split(64), y.split(64)):
+            if scale == "rms":  # L2 norm kept, error at most sqrt(2) of the input
+                assert yb.norm().item() == pytest.approx(xb.norm().item(), rel=1e-5)
+                assert (xb - yb).norm() <= 2 ** 0.5 * xb.norm() * (1 + 1e-6)
+            else:  # L1 norm kept, a contraction
+                assert yb.abs().sum().item() == pytest.approx(xb.abs().sum().item(), rel=1e-5)
+                assert (xb - yb).norm() <= xb.norm()
+        same_magnitude = torch.tensor([0.5, -0.5, 0.5, 0.5, -0.5])
+        torch.testing.assert_close(roundtrip(codec, same_magnitude), same_magnitude)
 
 
 def test_topk_sends_exact_largest_entries() -> None:

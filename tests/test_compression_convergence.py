@@ -1,108 +1,201 @@
-"""Convergence on real data: every codec trains scikit-learn's digits to within 1 point.
+"""Convergence on real data: every codec x {MLP, CNN} x {SGD momentum 0.9 at lr 0.1, 0.05,
+0.02; AdamW at lr 1e-3} x {overlap, sync} on scikit-learn's digits, through DataParallel.
 
-A plain data-parallel loop: every rank starts from the same weights, takes its
-shard of each global batch, exchanges each parameter's gradient with
-``Compressor.allreduce`` (averaged), and steps SGD. No codec may lose more than
-``TOLERANCE_PP`` percentage points of final test accuracy against uncompressed
-training with the same seeds, epochs and world size. Ending *above* the baseline is
-not a failure: on 360 test images one image is 0.28 points, and a lossy codec's
-different trajectory lands a few images either side of it (sign at 3 ranks: +1.1).
+Fast by construction: ONE 2-rank launch trains every configuration. For each (model,
+optimizer, mode) one DataParallel wraps an ensemble of independent copies of the model, one
+per (codec, lr), all starting from the same weights; parameter-name globs give each copy its
+codec (``nets.3.* -> sign``), the optimizer gives each its lr (one parameter group per copy),
+and the loss is the sum of the copies' losses, so each copy gets its own gradients. Copies of
+one codec (its three lrs) share buckets, as one model's layers do (docs/codecs.md, "The grid").
+
+Asserted, per configuration: the final test accuracy (mean of the last 3 epochs' accuracies
+on the 360 held-out images, which smooths the +-1 image a lossy trajectory lands either side)
+is within ``TOLERANCE_PP`` of uncompressed training with the same seeds, unless the codec
+declares the combination unsuited (``Codec.unsuited``), in which case building the
+DistributedOptimizer must have warned. Sync mode is run for the first epoch and must give the
+overlap run's weights bit for bit after that epoch (the codec sees the same gradients in the
+same order), so the overlap run's accuracy is the sync run's too.
+
+Run with ``-s`` to print the table recorded in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import scaleout
 from harness import run_ranks
-from scaleout import GroupType
-from scaleout.compression import CompressionConfig, Compressor
+from scaleout.compression import Codec, CompressionConfig, MomentumCodec, make_codec
+from scaleout.compression.advice import OptimizerTraits, codec_label
+from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 TOLERANCE_PP = 1.0
-EPOCHS = 30
-GLOBAL_BATCH = 96  # divisible by 2 and 3
-LR = 0.05
-MOMENTUM = 0.9
-
-# (spec, optimizer momentum, warm-up steps): DGC's momentum correction replaces the
-# optimizer's momentum.
-CODECS: list[tuple[str, float, int]] = [
-    ("cast:fp16", MOMENTUM, 0),
-    ("cast:bf16", MOMENTUM, 0),
-    ("blockquant", MOMENTUM, 0),
-    ("sign", MOMENTUM, 0),
-    ("topk:ratio=0.05", MOMENTUM, 0),
-    ("topk:ratio=0.05,momentum=0.9", 0.0, 0),
-    ("powersgd:rank=2", MOMENTUM, 0),
-]
+EPOCHS = 10
+LAST = 3  # epochs whose test accuracy is averaged
+GLOBAL_BATCH = 64
+SGD_LRS = (0.1, 0.05, 0.02)
+ADAMW_LR = 1e-3
+#: Codec specs; "+momentum" compresses the momentum (CompressionConfig(momentum=0.9)).
+CODECS = ("cast:fp16", "cast:bf16", "blockquant", "sign", "sign+momentum", "topk:ratio=0.05",
+          "powersgd:rank=2", "rows")
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _codec(label: str) -> Codec:
+    spec, plus, _ = label.partition("+momentum")
+    codec = make_codec(spec)
+    return MomentumCodec(codec=codec, momentum=0.9) if plus else codec
+SETTINGS = tuple(("sgd", lr) for lr in SGD_LRS) + (("adamw", ADAMW_LR),)
+
+
+def _data() -> tuple[torch.Tensor, ...]:
     x, y = sklearn_datasets.load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y, dtype=torch.int64)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
-    n_test = 360
-    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+    return x[360:], y[360:], x[:360], y[:360]
 
 
-def _train(spec: str, momentum: float, warmup: int, d: scaleout.Distribution) -> tuple[float, float]:
-    """Train one model; return (test accuracy in %, checksum of the weights)."""
+def _model(arch: str) -> nn.Module:
+    if arch == "mlp":
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(128, 10))
+
+
+class Ensemble(nn.Module):
+    """Independent copies of one model, all from the same initial weights."""
+
+    def __init__(self, arch: str, copies: int) -> None:
+        super().__init__()
+        nets = []
+        for _ in range(copies):
+            torch.manual_seed(0)
+            nets.append(_model(arch))
+        self.nets = nn.ModuleList(nets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([net(x) for net in self.nets])
+
+
+def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...], mode: str,
+           epochs: int) -> tuple[dict, list[str], list[torch.Tensor]]:
+    """Train every (codec, lr) copy; return accuracies, the warnings, and the weights after
+    the first epoch."""
     xtr, ytr, xte, yte = _data()
-    ranks, rank = d.size(GroupType.DATA), d.rank(GroupType.DATA)
-    torch.manual_seed(0)
-    # Bias-free: two gradient tensors per step keeps the test's collectives (about
-    # 1-3 ms each on gloo with 2 cores) within the time budget.
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 64, bias=False), torch.nn.ReLU(), torch.nn.Linear(64, 10, bias=False)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
-    comp = Compressor(CompressionConfig(codec=spec, min_numel=0, warmup_steps=warmup))
+    rank, ranks = d.rank(scaleout.GroupType.DATA), d.size(scaleout.GroupType.DATA)
+    keys = [(spec, lr) for lr in lrs for spec in ("none", *CODECS)]
+    ensemble = Ensemble(arch, len(keys))
+    layers = {f"nets.{i}.*": _codec(spec) for i, (spec, _) in enumerate(keys) if spec != "none"}
+    config = CompressionConfig(codec="none", layers=layers, min_numel=0)
+    model = DataParallel(ensemble, d, compression=config)
+    groups = [{"params": list(net.parameters()), "lr": lr} for net, (_, lr) in zip(ensemble.nets, keys)]
+    inner = (torch.optim.SGD(groups, lr=lrs[0], momentum=0.9) if opt == "sgd"
+             else torch.optim.AdamW(groups, lr=lrs[0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = DistributedOptimizer(inner, model, mode=mode)
+    warned = [str(w.message) for w in caught]
     shuffle = torch.Generator().manual_seed(1)
     local = GLOBAL_BATCH // ranks
-    for _ in range(EPOCHS):
+    accs = {(spec, lr): 0.0 for spec, lr in keys}
+    first: list[torch.Tensor] = []
+    for epoch in range(epochs):
         order = torch.randperm(len(xtr), generator=shuffle)
         for start in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
-            idx = order[start + rank * local : start + (rank + 1) * local]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            reqs = [comp.allreduce(name, p.grad, d, group=GroupType.DATA) for name, p in model.named_parameters()]
-            for req in reqs:
-                req.wait()
-            opt.step()
-    with torch.no_grad():
-        acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
-        checksum = sum(p.double().sum().item() for p in model.parameters())
-    return acc, checksum
+            idx = order[start + rank * local: start + (rank + 1) * local]
+            logits = model(xtr[idx])
+            loss = F.cross_entropy(logits.flatten(0, 1), ytr[idx].repeat(len(keys)),
+                                   reduction="sum") / len(idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.synchronize()
+        if epoch == 0:
+            first = [p.detach().clone() for p in ensemble.parameters()]
+        if epoch >= EPOCHS - LAST and epochs == EPOCHS:
+            with torch.no_grad():
+                for net, key in zip(ensemble.nets, keys):
+                    accs[key] += (net(xte).argmax(1) == yte).float().mean().item() * 100 / LAST
+    model.close()
+    return accs, warned, first
 
 
-def _run_all(specs: list[tuple[str, float, int]]) -> dict[str, tuple[float, float]]:
-    env = scaleout.init(timeout=60)
-    d = env.create_distribution(env.world_size, 1)
-    results = {f"{spec}/w{warm}": _train(spec, mom, warm, d) for spec, mom, warm in [("none", MOMENTUM, 0), *specs]}
+def _grid() -> dict:
+    # 120 s per collective: under a loaded suite one rank was once seen more than 60 s behind
+    # the other between two jobs (docs/codecs.md, "Not done").
+    env = scaleout.init(timeout=120)
+    d = env.create_distribution()
+    jobs = [(arch, opt, lrs) for arch in ("mlp", "cnn")
+            for opt, lrs in (("sgd", SGD_LRS), ("adamw", (ADAMW_LR,)))]
+    out: dict = {"acc": {}, "warned": {}, "sync_equal": {}, "seconds": {}}
+    for arch, opt, lrs in jobs:
+        started = time.perf_counter()
+        accs, warned, first = _train(d, arch, opt, lrs, "overlap", EPOCHS)
+        _, _, first_sync = _train(d, arch, opt, lrs, "sync", 1)
+        out["seconds"][(arch, opt)] = time.perf_counter() - started
+        out["sync_equal"][(arch, opt)] = all(torch.equal(a, b) for a, b in zip(first, first_sync))
+        out["warned"][(arch, opt)] = warned
+        for (spec, lr), acc in accs.items():
+            out["acc"][(arch, opt, lr, spec)] = acc
     env.finalize()
-    return results
+    return out
+
+
+def _table(out: dict) -> str:
+    head = "| model | codec | " + " | ".join(f"{o} lr {lr:g}" for o, lr in SETTINGS) + " |"
+    rows = [head, "|---|---|" + "---:|" * len(SETTINGS)]
+    for arch in ("mlp", "cnn"):
+        base = {s: out["acc"][(arch, *s, "none")] for s in SETTINGS}
+        rows.append(f"| {arch} | none | " + " | ".join(f"{base[s]:.1f}" for s in SETTINGS) + " |")
+        for spec in CODECS:
+            cells = []
+            for s in SETTINGS:
+                acc = out["acc"][(arch, *s, spec)]
+                mark = " (warned)" if _expected_warning(out, arch, s, spec) else ""
+                cells.append(f"{acc:.1f} ({acc - base[s]:+.1f}){mark}")
+            rows.append(f"| {arch} | {spec} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _expected_warning(out: dict, arch: str, setting: tuple[str, float], spec: str) -> bool:
+    """Whether the codec declares (arch-independent) this optimizer setting unsuited."""
+    opt, lr = setting
+    momentum = 0.9 if opt == "sgd" else 0.0
+    traits = OptimizerTraits(name="SGD" if opt == "sgd" else "AdamW", adaptive=opt == "adamw",
+                             momentum=momentum, step=lr / (1 - momentum))
+    return _codec(spec).unsuited(traits) is not None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_codec_converges_within_one_point(world_size: int) -> None:
-    per_rank = run_ranks(world_size, _run_all, CODECS, timeout=170)
-    results = per_rank[0]
-    for other in per_rank[1:]:  # every rank ends with identical weights
-        for spec, (acc, checksum) in other.items():
-            assert acc == results[spec][0] and checksum == pytest.approx(results[spec][1], abs=0.0)
-    baseline = results["none/w0"][0]
-    assert baseline > 90.0, f"uncompressed training reached only {baseline:.1f}%"
-    report = ", ".join(f"{spec}={acc:.2f}%" for spec, (acc, _) in results.items())
-    for spec, _, warm in CODECS:
-        acc = results[f"{spec}/w{warm}"][0]
-        assert acc >= baseline - TOLERANCE_PP, (
-            f"{spec} lost more than {TOLERANCE_PP} pp: {acc:.2f}% vs {baseline:.2f}% "
-            f"uncompressed at {world_size} ranks "
-            f"(tolerance {TOLERANCE_PP} pp); all: {report}"
-        )
+def test_every_codec_converges_or_is_warned_about() -> None:
+    out = run_ranks(2, _grid, timeout=240)[0]
+    print("\n" + _table(out))
+    print({k: round(v, 1) for k, v in out["seconds"].items()})
+    for job, equal in out["sync_equal"].items():
+        assert equal, f"{job}: sync mode gave other weights than overlap mode after one epoch"
+    failures = []
+    for arch in ("mlp", "cnn"):
+        for setting in SETTINGS:
+            opt, lr = setting
+            base = out["acc"][(arch, opt, lr, "none")]
+            assert base > 90.0, f"uncompressed {arch} {opt} lr {lr} reached only {base:.1f}%"
+            for spec in CODECS:
+                acc = out["acc"][(arch, opt, lr, spec)]
+                if _expected_warning(out, arch, setting, spec):
+                    if not any(f"codec {codec_label(_codec(spec))!r}" in w for w in out["warned"][(arch, opt)]):
+                        failures.append(f"{arch} {opt} lr {lr} {spec}: unsuited but not warned")
+                elif acc < base - TOLERANCE_PP:
+                    failures.append(f"{arch} {opt} lr {lr} {spec}: {acc:.1f}% vs {base:.1f}% "
+                                    f"uncompressed (tolerance {TOLERANCE_PP} pp)")
+    assert not failures, "\n".join(failures) + "\n" + _table(out)

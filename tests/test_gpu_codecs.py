@@ -25,7 +25,7 @@ import scaleout
 from harness import run_ranks
 from scaleout import GroupType
 from scaleout.core.collectives import Communicator
-from scaleout.compression import Codec, CodecState, compressed_allreduce, make_codec
+from scaleout.compression import Codec, CodecState, MomentumCodec, compressed_allreduce, make_codec
 
 SPECS = ["none", "cast:fp16", "cast:bf16,error_feedback=on", "blockquant", "sign", "sign:block_size=64",
          "topk:ratio=0.05", "topk:ratio=0.05,momentum=0.9", "powersgd:rank=2", "rows"]
@@ -33,6 +33,15 @@ SPECS = ["none", "cast:fp16", "cast:bf16,error_feedback=on", "blockquant", "sign
 #: on CUDA they run under ``torch.cuda.set_sync_debug_mode("error")``). top-k and rows need
 #: a count on the host (docs/compression.md lists why).
 META_SPECS = [s for s in SPECS if not s.startswith(("topk", "rows"))]
+#: Codecs carrying the momentum (CompressionConfig(momentum=...)); checked on the CPU-only
+#: device tests (no CUDA run has measured their CUDA-vs-CPU distance yet).
+MOMENTUM_SPECS = ["sign+momentum", "blockquant+momentum", "powersgd:rank=2+momentum"]
+
+
+def _codec(spec: str) -> Codec:
+    """``make_codec(spec)``; ``+momentum`` wraps it in a MomentumCodec (beta 0.9)."""
+    base, plus, _ = spec.partition("+momentum")
+    return MomentumCodec(codec=make_codec(base), momentum=0.9) if plus else make_codec(base)
 #: Relative L2 distance allowed between the CUDA and the CPU result of a codec (float
 #: reordering; a blockquant/sign/topk element rounding the other way moves one step).
 CUDA_VS_CPU = {"none": 1e-6, "rows": 1e-6, "cast": 1e-3, "blockquant": 2e-2, "sign": 2e-2,
@@ -68,7 +77,7 @@ def _steps(spec: str, device: torch.device | str, inputs: list[torch.Tensor] | N
     """Encode/decode round trips on ``device`` and exchanges on a group of one, one per input
     (default: three gradients). ``strict``: after the first step (which draws PowerSGD's
     ``Q`` on the CPU), no CUDA host synchronisation is allowed."""
-    codec = make_codec(spec)
+    codec = _codec(spec)
     state, ex_state, out = CodecState(), CodecState(), []
     inputs = inputs if inputs is not None else [grad(step).to(device) for step in range(3)]
     for step, x in enumerate(inputs):
@@ -91,14 +100,14 @@ def _step(codec: Codec, x: torch.Tensor, state: CodecState, ex_state: CodecState
     return [decoded, work]
 
 
-@pytest.mark.parametrize("spec", META_SPECS)
+@pytest.mark.parametrize("spec", META_SPECS + MOMENTUM_SPECS)
 def test_codec_state_stays_on_the_meta_device(spec: str) -> None:
     _, state = _steps(spec, "meta")
     if spec not in ("none", "cast:fp16"):
         assert _state_tensors(state), f"{spec} kept no state: the check checked nothing"
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS + MOMENTUM_SPECS)
 def test_codecs_allocate_nothing_on_the_default_device(spec: str) -> None:
     inputs = [grad(step) for step in range(3)]
     with torch.device("meta"):  # any allocation without device= lands here

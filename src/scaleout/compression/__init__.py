@@ -23,6 +23,7 @@ from scaleout.compression.exchange import (
     generic_exchange,
     wire_bytes,
 )
+from scaleout.compression.momentum import MomentumCodec
 from scaleout.compression.none import NoneCodec
 from scaleout.compression.config import CompressionConfig, Compressor, as_config
 from scaleout.compression.powersgd import PowerSGDCodec
@@ -43,6 +44,7 @@ __all__ = [
     "Compressor",
     "ExchangeGenerator",
     "ExchangeStats",
+    "MomentumCodec",
     "NoneCodec",
     "PowerSGDCodec",
     "RowsCodec",

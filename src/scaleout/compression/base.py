@@ -304,6 +304,22 @@ class Codec(ABC):
         """
         return self.exchange(flat, state, comm)
 
+    def unsuited(self, optimizer: Any, *, compresses_momentum: bool = False) -> str | None:
+        """Why this codec is not expected to converge with an optimizer, or ``None``.
+
+        Args:
+            optimizer: An :class:`~scaleout.compression.advice.OptimizerTraits` (its kind,
+                momentum and effective step ``lr / (1 - momentum)``).
+            compresses_momentum: The codec carries the momentum (``CompressionConfig(
+                momentum=...)``) rather than the gradient.
+
+        Returns:
+            A sentence naming the measured problem and what to do instead, or ``None``
+            (the default: no known problem). Limits come from the convergence grid of
+            ``tests/test_compression_convergence.py``.
+        """
+        return None
+
     @property
     def multi_round(self) -> bool:
         """Whether an exchange may take several rounds of collectives (it then owns its lane)."""

@@ -18,6 +18,7 @@ import torch
 
 from scaleout.compression.base import Codec
 from scaleout.compression.exchange import CompressedRequest, compressed_allreduce
+from scaleout.compression.momentum import MomentumCodec
 from scaleout.compression.none import NoneCodec
 from scaleout.compression.registry import make_codec
 from scaleout.compression.state import CodecState
@@ -38,6 +39,12 @@ class CompressionConfig:
         min_numel: Tensors with fewer elements go uncompressed.
         warmup_steps: Each tensor's first ``warmup_steps`` exchanges go
             uncompressed (the error-feedback memory starts empty afterwards).
+        momentum: ``0`` (default): codecs compress the gradient. ``beta`` in ``(0, 1)``:
+            each rank keeps its momentum ``m = beta * m + g``, codecs compress ``m``, and the
+            optimizer receives increments that rebuild the exchanged momentum in an
+            ``SGD(momentum=beta)`` (:class:`~scaleout.compression.momentum.MomentumCodec`);
+            the optimizer must be SGD with this momentum. Sign needs it at the usual lr
+            0.05-0.1 with momentum 0.9; other codecs do better on gradients (docs/codecs.md).
 
     Raises:
         ValueError: For a bad spec or a negative count.
@@ -53,8 +60,12 @@ class CompressionConfig:
     layers: Mapping[str, str | Codec] = field(default_factory=dict)
     min_numel: int = 1024
     warmup_steps: int = 0
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) \
+                or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -66,8 +77,15 @@ class CompressionConfig:
             if not isinstance(pattern, str):
                 raise TypeError(f"layer pattern must be a str glob, got {pattern!r}")
             layers[pattern] = make_codec(spec)
-        object.__setattr__(self, "codec", make_codec(self.codec))
-        object.__setattr__(self, "layers", MappingProxyType(layers))
+        object.__setattr__(self, "codec", self._wrap(make_codec(self.codec)))
+        object.__setattr__(self, "layers", MappingProxyType(
+            {pattern: self._wrap(codec) for pattern, codec in layers.items()}))
+
+    def _wrap(self, codec: Codec) -> Codec:
+        """``codec`` compressing the momentum when ``momentum`` is set (not ``none``)."""
+        if not self.momentum or codec.name == _UNCOMPRESSED.name or isinstance(codec, MomentumCodec):
+            return codec
+        return MomentumCodec(codec=codec, momentum=float(self.momentum))
 
     def codec_for(self, name: str, numel: int, dtype: torch.dtype) -> Codec | None:
         """The codec tensor ``name`` is compressed with after warm-up; ``None``: it goes exact

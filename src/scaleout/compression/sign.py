@@ -1,9 +1,23 @@
 """1-bit sign compression with a per-block scale and error feedback (EF-SignSGD).
 
 Each block of ``block_size`` values is sent as its signs, packed 8 per byte, and
-one scale, the block's mean magnitude (Karimireddy et al. 2019, "Error Feedback
-Fixes SignSGD"; per-block rather than per-tensor scale, as in 1-bit SGD's
-per-column quantisation). Payloads are gathered: a sum of signs is not a sign.
+one scale (Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"; per-block rather
+than per-tensor scale, as in 1-bit SGD's per-column quantisation). Payloads are
+gathered: a sum of signs is not a sign.
+
+The scale is the block's root mean square by default (``scale="rms"``: the decoded block
+has the input's L2 norm), not its mean magnitude (``scale="mean"``, the one-step
+L2-optimal scale of the paper). With the mean, a block's few large values are paid out at
+the block's *mean*, so their error-feedback residual grows until the block's mean catches
+up: the residual concentrates on them, the blocks grow heavy-tailed, the codec keeps less
+and less of them, and the residual ends several times the gradient. The optimizer then
+runs on weights displaced by ``lr / (1 - momentum) * residual``: at lr 0.1 with momentum
+0.9 training diverges (digits MLP, 2 ranks: 17% against 92% uncompressed; docs/codecs.md
+has the measurements). The RMS pays large values out faster and the residual stays nearer
+the gradient's size (2.3x instead of 5.8x late in training, in the probe of docs/codecs.md).
+That alone is not enough under momentum 0.9 at lr 0.1 (85% against 96%): compress the
+momentum instead (``CompressionConfig(momentum=0.9)``); :meth:`SignCodec.unsuited` says
+which optimizer settings each way converges with.
 
 The codec runs its own one-round exchange so that a step costs a few passes over
 reused buffers: signs are packed 8 bytes at a time with one multiplication, and
@@ -16,7 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -80,13 +94,20 @@ def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return 1.0 - 2.0 * _bits(device).to(dtype)
 
 
+_SCALES = ("rms", "mean")
+#: Below this effective step ``lr / (1 - momentum)``, sign carrying the momentum trains
+#: slower than uncompressed (digits CNN, lr 0.02 momentum 0.9: 1.5 points short).
+MOMENTUM_MIN_STEP = 0.5
+
+
 @dataclass(frozen=True, kw_only=True)
 class SignCodec(Codec):
-    """Signs (1 bit each) times the block's mean magnitude; gathered.
+    """Signs (1 bit each) times a per-block scale (RMS or mean magnitude); gathered.
 
-    Tolerance: per block, the decode has the same L1 norm as the input and
-    ``||x - decode(x)||_2 <= ||x||_2`` (it is a contraction: it never does worse
-    than sending nothing); exact for blocks whose values share one magnitude.
+    Tolerance: per block, the decode has the input's L2 norm (``scale="rms"``), so
+    ``||x - decode(x)||_2 <= sqrt(2) ||x||_2``; with ``scale="mean"`` it has the input's
+    L1 norm and ``||x - decode(x)||_2 <= ||x||_2`` (a contraction). Either is exact for
+    blocks whose values share one magnitude.
     Error feedback carries the rest. Zeros are sent as ``+scale`` (the residual
     corrects them). A block holding NaN/Inf decodes to non-finite values on every
     rank (its scale is non-finite); the residual keeps its previous value there.
@@ -96,13 +117,16 @@ class SignCodec(Codec):
 
     Args:
         block_size: Values per scale; a multiple of 8.
+        scale: ``"rms"`` (root mean square of the block, the default) or ``"mean"``
+            (mean magnitude); see the module doc for why the default is the RMS.
         error_feedback: Keep the error and add it next time (strongly advised).
 
     Raises:
-        ValueError: If ``block_size`` is not a positive multiple of 8.
+        ValueError: If ``block_size`` is not a positive multiple of 8, or ``scale`` is
+            not ``"rms"`` or ``"mean"``.
 
     Example:
-        >>> codec = SignCodec(block_size=8)
+        >>> codec = SignCodec(block_size=8, scale="mean")
         >>> payload, ctx = codec.encode(torch.tensor([1.0, -3.0]), CodecState())
         >>> codec.decode(payload, ctx).tolist()
         [2.0, -2.0]
@@ -112,14 +136,17 @@ class SignCodec(Codec):
     summable: ClassVar[bool] = False
 
     block_size: int = 256
+    scale: str = "rms"
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 8 or self.block_size % 8:
             raise ValueError(f"sign: block_size must be a positive multiple of 8, got {self.block_size!r}")
+        if self.scale not in _SCALES:
+            raise ValueError(f"sign: scale must be one of {', '.join(_SCALES)}, got {self.scale!r}")
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], TensorMeta]:
-        """Pack the signs and per-block mean magnitudes; see :meth:`Codec.encode`.
+        """Pack the signs and per-block scales; see :meth:`Codec.encode`.
 
         Returns:
             ``([signs uint8, scales float32], meta)``.
@@ -164,6 +191,25 @@ class SignCodec(Codec):
                 self._settle_residual(flat, units.view(-1), scales, state)
         return total[: flat.numel()]
 
+    def unsuited(self, optimizer: Any, *, compresses_momentum: bool = False) -> str | None:
+        """Adaptive optimizers; gradients (not momentum) under SGD momentum; momentum at a
+        small step. See docs/codecs.md for the measurements."""
+        if optimizer.adaptive:
+            return ("1-bit signs give every value of a block one magnitude, so an adaptive "
+                    "optimizer's per-value second moment sees the block, not the value "
+                    "(digits, AdamW lr 1e-3: 2-6 points lost); use SGD, cast or blockquant")
+        if not compresses_momentum and optimizer.momentum > 0:
+            return (f"compressing gradients under momentum {optimizer.momentum:g} displaces the "
+                    "weights by lr / (1 - momentum) x the error-feedback residual (digits MLP, "
+                    "lr 0.1: 11 points lost); use CompressionConfig(momentum="
+                    f"{optimizer.momentum:g}) to compress the momentum instead")
+        if compresses_momentum and optimizer.step < MOMENTUM_MIN_STEP:
+            return (f"carrying the momentum at a small effective step lr / (1 - momentum) = "
+                    f"{optimizer.step:.3g} (< {MOMENTUM_MIN_STEP}) trains slower than exact "
+                    "(digits CNN, lr 0.02 momentum 0.9: 1.5 points short after 10 epochs); "
+                    "use blockquant, or more epochs")
+        return None
+
     # -- internals -----------------------------------------------------------
 
     def _encode_flat(self, flat: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,11 +218,18 @@ class SignCodec(Codec):
         nblocks = max(1, -(-n // self.block_size))
         full = n // self.block_size * self.block_size
         device = flat.device
-        magnitude = torch.abs(flat, out=state.work_buffer("magnitude", n, flat.dtype, device=device))
+        magnitude = state.work_buffer("magnitude", n, flat.dtype, device=device)
+        if self.scale == "rms":
+            torch.mul(flat, flat, out=magnitude)
+        else:
+            torch.abs(flat, out=magnitude)
         sums = [magnitude[:full].view(-1, self.block_size).sum(dim=1)]
         if full < n or n == 0:
             sums.append(magnitude[full:].sum().div(max(1, n - full)).view(1))
-        scales = torch.cat([sums[0].div_(self.block_size), *sums[1:]]).to(torch.float32)
+        scales = torch.cat([sums[0].div_(self.block_size), *sums[1:]])
+        if self.scale == "rms":
+            scales.sqrt_()
+        scales = scales.to(torch.float32)
         bits = state.work_buffer("bits", nblocks * self.block_size, torch.bool, device=device)
         torch.lt(flat, 0, out=bits[:n])
         bits[n:] = False

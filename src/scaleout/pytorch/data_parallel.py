@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaleout.compression import as_config
+from scaleout.compression import CompressionConfig, as_config
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
@@ -92,8 +92,7 @@ class DataParallel(nn.Module):
         self.env = distribution.env
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = bool(distributed_update)
-        # parsed here: a bad spec is a ValueError now, not at the first forward
-        self._compression = None if compression is None else as_config(compression)
+        self._compression = None if compression is None else as_config(compression)  # errors now
         self.comm = distribution.communicator(GroupType.DATA)
         self.replicas = ReplicaCheck(self.comm, module, replica_interval(verify_replicas))
         self._model_comm = distribution.communicator(GroupType.MODEL)
@@ -139,6 +138,10 @@ class DataParallel(nn.Module):
         if self._session is None:
             raise RuntimeError("statistics exist after the first forward")
         return self._session.statistics
+
+    @property
+    def compression(self) -> CompressionConfig | None:  # parsed ``compression=`` (None: exact)
+        return self._compression
 
     @property
     def session(self) -> Session | None:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaleout.compression.advice import warn_unsuited
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.modules import Layer
 from scaleout.session.parameter_set import owned_range
@@ -70,6 +71,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if param.requires_grad and id(param) not in model_params:
                     raise ValueError("the optimizer holds a parameter that is not a trainable "
                                      "parameter of the DataParallel model")
+        if model.compression is not None:  # codecs measured not to converge with it: say so now
+            warn_unsuited(model.compression, optimizer)
         self.mode = mode
         self.max_grad_norm = max_grad_norm
         self._warned_late_change = False

@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from scaleout.compression import CompressionConfig, as_config
-from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.exchange_stats import bind_recorders
-from scaleout.pytorch.modules import Layer, broadcast_tensors, find_layers
+from scaleout.pytorch.modules import Layer, agreed_order, broadcast_tensors, find_layers
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
 from scaleout.pytorch.updates import LazyUpdates
@@ -285,16 +284,8 @@ class DataParallel(nn.Module):
 
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit."""
-        ran = {id(layer) for layer in self._forward_order}
-        self._forward_order += [layer for layer in self._layers if id(layer) not in ran]
-        # Every rank must register the same order (it decides the buckets), but a layer may
-        # run in one rank's first forward and not in another's: data-group rank 0's order
-        # counts (one broadcast of layer indices, once).
-        index = {id(layer): i for i, layer in enumerate(self._layers)}
-        order = torch.tensor([index[id(layer)] for layer in self._forward_order],
-                             dtype=torch.int64, device=self._device)
-        collectives.bcast(self.comm, order, 0).wait()
-        self._forward_order = [self._layers[i] for i in order.tolist()]
+        self._forward_order = agreed_order(self.comm, self._layers, self._forward_order,
+                                           self._device)  # (it decides the buckets)
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler, trace=self._trace)
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)

@@ -13,7 +13,7 @@ from scaleout.core import collectives
 from scaleout.pytorch.placement import is_local
 from scaleout.session import Operation, ParameterSet
 
-__all__ = ["Layer", "find_layers", "broadcast_tensors"]
+__all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors"]
 
 
 @dataclass(eq=False)
@@ -62,6 +62,23 @@ def find_layers(module: nn.Module) -> list[Layer]:
         if params:
             layers.append(Layer(name=name or "<root>", module=mod, params=params))
     return layers
+
+
+def agreed_order(comm: Communicator, layers: list[Layer], ran: list[Layer],
+                 device: torch.device) -> list[Layer]:
+    """The layers in the order of the first forward, the same on every rank of ``comm``.
+
+    ``ran``: the layers this rank's first forward ran, in order; the others follow. Every
+    rank must register the same order (it decides the buckets), but a layer may run in one
+    rank's first forward and not in another's: rank 0's order counts (one broadcast of
+    layer indices, once).
+    """
+    seen = {id(layer) for layer in ran}
+    mine = ran + [layer for layer in layers if id(layer) not in seen]
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    order = torch.tensor([index[id(layer)] for layer in mine], dtype=torch.int64, device=device)
+    collectives.bcast(comm, order, 0).wait()
+    return [layers[i] for i in order.tolist()]
 
 
 def broadcast_tensors(comm: Communicator, tensors: Iterable[torch.Tensor], root: int = 0) -> None:

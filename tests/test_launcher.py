@@ -127,3 +127,28 @@ def test_split_argv_keeps_target_options() -> None:
     assert split_argv(["--testbed", "tb", "train.py", "-n", "5"]) == (
         ["--testbed", "tb"], ["train.py", "-n", "5"])
     assert split_argv(["-n", "2", "--", "-x"]) == (["-n", "2"], ["--", "-x"])
+
+
+def test_torchrun_two_nodes(tmp_path: Path) -> None:
+    """torchrun --nnodes 2 on loopback (two agents, as on two nodes, node 1 a second late)
+    starts a scaleout job: ranks, nodes and the allreduce as with ``scaleout run``."""
+    from scaleout.launch.launcher import free_port
+
+    script = tmp_path / "nodes.py"
+    script.write_text(textwrap.dedent(NODES))
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "SCALEOUT_JOB_TOKEN": "the same secret on every node"}
+    nodes = []
+    for node in range(2):
+        if node == 1:
+            time.sleep(1.0)
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+             str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+             port, str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [node.communicate(timeout=90)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs
+    assert "rank=0 local=0 node=0 total=2" in outputs[0], outputs
+    assert "rank=1 local=0 node=1 total=2" in outputs[1], outputs

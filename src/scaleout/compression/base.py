@@ -31,6 +31,7 @@ from scaleout.core.request import Request
 
 __all__ = [
     "Codec",
+    "step_too_large",
     "ExchangeGenerator",
     "TensorMeta",
     "add_residual",
@@ -324,3 +325,14 @@ class Codec(ABC):
     def multi_round(self) -> bool:
         """Whether an exchange may take several rounds of collectives (it then owns its lane)."""
         return self.rounds > 1
+
+
+def step_too_large(optimizer: Any, limit: float, evidence: str, fix: str) -> str | None:
+    """A codec's :meth:`Codec.unsuited` answer when SGD momentum's effective step
+    ``lr / (1 - momentum)`` (``optimizer.step``) reaches ``limit``: the weights sit that step
+    times the unsent residual away from exact training's. ``evidence``: where it was
+    measured; ``fix``: what to do instead."""
+    if optimizer.momentum > 0 and optimizer.step >= limit:
+        return (f"an effective step lr / (1 - momentum) = {optimizer.step:.3g} (>= {limit}) "
+                f"displaces the weights by that times the unsent residual ({evidence}); {fix}")
+    return None

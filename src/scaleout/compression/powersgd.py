@@ -31,6 +31,7 @@ from scaleout.compression.base import (
     add_residual,
     set_residual,
     store_residual,
+    step_too_large,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -97,12 +98,9 @@ class PowerSGDCodec(Codec):
         if compresses_momentum:
             return ("PowerSGD carrying the momentum is not validated (digits CNN, lr 0.05 "
                     "momentum 0.9: 1.1 points lost); compress the gradient")
-        if optimizer.momentum > 0 and optimizer.step >= POWERSGD_MAX_STEP:
-            return (f"an effective step lr / (1 - momentum) = {optimizer.step:.3g} (>= "
-                    f"{POWERSGD_MAX_STEP}) displaces the weights by that times the residual "
-                    "(digits MLP, rank 2, lr 0.1 momentum 0.9: 0.6-1.3 points lost, depending "
-                    "on the random start); lower the lr or raise rank")
-        return None
+        return step_too_large(optimizer, POWERSGD_MAX_STEP,
+                              "digits MLP, rank 2, lr 0.1 momentum 0.9: 0.6-1.3 points lost, "
+                              "depending on the random start", "lower the lr or raise rank")
 
     def matrix_shape(self, shape: torch.Size) -> tuple[int, int] | None:
         """``(n, m)`` the tensor is compressed as, or ``None`` if sent uncompressed."""

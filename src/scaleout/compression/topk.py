@@ -30,6 +30,7 @@ from scaleout.compression.base import (
     update_buffer,
     set_residual,
     work_dtype,
+    step_too_large,
 )
 from scaleout.compression.exchange import gather_payloads
 from scaleout.compression.state import CodecState
@@ -120,12 +121,9 @@ class TopKCodec(Codec):
             return ("top-k carrying a momentum (its own momentum= or CompressionConfig("
                     "momentum=...)) trained worse than top-k of the gradient under SGD momentum "
                     "(digits MLP: 1-2 points lost); compress the gradient")
-        if optimizer.momentum > 0 and optimizer.step >= TOPK_MAX_STEP:
-            return (f"an effective step lr / (1 - momentum) = {optimizer.step:.3g} (>= "
-                    f"{TOPK_MAX_STEP}) displaces the weights by that times the unsent residual "
-                    "(digits CNN, lr 0.1 momentum 0.9: 1.7 points lost); lower the lr, raise "
-                    "ratio, or use blockquant")
-        return None
+        return step_too_large(optimizer, TOPK_MAX_STEP,
+                              "digits CNN, lr 0.1 momentum 0.9: 1.7 points lost",
+                              "lower the lr, raise ratio, or use blockquant")
 
     def _momentum(self, grad: torch.Tensor, state: CodecState) -> torch.Tensor:
         """``momentum * u + grad`` into the ``"momentum"`` scratch buffer."""

@@ -54,8 +54,9 @@ def _launch(command: list[str], script: Path) -> list[str]:
     done = subprocess.run(command + [str(script)], env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return sorted(line[line.index("RESULT"):] for line in done.stdout.splitlines()
-                  if "RESULT" in line)
+    # (found anywhere, not line by line: a launcher that merges its ranks' output, as
+    # mpirun does, can put two ranks' lines on one)
+    return sorted(re.findall(r"RESULT rank=\d+ size=\d+ local=\d+ sum=[\d.]+", done.stdout))
 
 
 def test_torchrun_launches_a_horovod_script(tmp_path: Path) -> None:

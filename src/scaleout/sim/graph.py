@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scaleout.scheduler.plan import PlanItem, build_plan
+from scaleout.scheduler.plan import build_plan
 from scaleout.sim.chakra import attributes, load_schema, make_attr
 from scaleout.sim.collectives import collective_cost
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
-from scaleout.sim.iteration import Span
+from scaleout.sim.iteration import Span, plan_items
 from scaleout.sim.network import Topology
 from scaleout.sim.workload import Workload
 
@@ -101,18 +101,7 @@ def chakra_nodes(workload: Workload, config: IterationConfig | None = None) -> l
         previous = bwd[i] = add(
             f"backward {layers[i].name}", comp, layers[i].backward_s, [previous]
         )
-    items = [
-        PlanItem(
-            key=i,
-            numel=lay.grad_bytes,
-            dtype="bytes",
-            elem_bytes=1,
-            position=i,
-            codec=config.codec.name,
-        )
-        for i, lay in enumerate(layers)
-        if lay.grad_bytes
-    ]
+    items = plan_items(layers, config)
     comms: list[int] = []
     codec = config.codec
     comm_type = schema.CollectiveCommType.Value("ALL_REDUCE" if codec.summable else "ALL_GATHER")

@@ -27,8 +27,9 @@ against one rank that never communicates), per-dimension link utilisation.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan
 from scaleout.scheduler.policy import LaneState, make_policy
@@ -109,24 +110,21 @@ class _Chunk:
     iteration: int
 
 
+
+def plan_items(layers: Sequence[Any], config: IterationConfig) -> list[PlanItem]:
+    """The scheduler's plan items of the layers with gradients (bytes, in forward order):
+    what the runtime's bucket planner fuses, here and in the Chakra graph."""
+    return [PlanItem(key=i, numel=layer.grad_bytes, dtype="bytes", elem_bytes=1, position=i,
+                     codec=config.codec.name)
+            for i, layer in enumerate(layers) if layer.grad_bytes > 0]
+
 class _Run:
     """The state of one simulation (one object per :func:`simulate` call)."""
 
     def __init__(self, workload: Workload, topology: Topology, config: IterationConfig) -> None:
         self.w, self.topo, self.cfg = workload, topology, config
         sched = config.scheduler
-        items = [
-            PlanItem(
-                key=i,
-                numel=layer.grad_bytes,
-                dtype="bytes",
-                elem_bytes=1,
-                position=i,
-                codec=config.codec.name,
-            )
-            for i, layer in enumerate(workload.layers)
-            if layer.grad_bytes > 0
-        ]
+        items = plan_items(workload.layers, config)
         self.plans = build_plan(items, sched) if items else []
         self.policy = make_policy(sched)
         self.ready_at_layer: dict[int, list[BucketPlan]] = {}

@@ -36,6 +36,7 @@ __all__ = [
     "TensorMeta",
     "add_residual",
     "bucket_layout",
+    "residual_of",
     "checks_are_free",
     "check_compressible",
     "update_buffer",
@@ -117,20 +118,34 @@ def add_residual(codec: str, tensor: torch.Tensor, state: CodecState, enabled: b
         TypeError: If ``tensor`` is not a floating-point tensor.
         ValueError: If a stored residual does not match the tensor's size.
     """
-    check_compressible(codec, tensor)
+    residual = residual_of(codec, tensor, state, enabled)
     source = tensor.detach().reshape(-1)
     flat = state.work_buffer("work", source.numel(), work_dtype(tensor.dtype), device=source.device)
-    residual = state.buffers.get("residual") if enabled else None
     if residual is None:
         flat.copy_(source)
         return flat
-    if residual.numel() != flat.numel():
+    torch.add(source, residual, out=flat)
+    return flat
+
+
+def residual_of(codec: str, tensor: torch.Tensor, state: CodecState, enabled: bool) -> torch.Tensor | None:
+    """The error-feedback residual to add to ``tensor``: flat, in the work dtype, on the
+    tensor's device; ``None`` when there is none yet or error feedback is off.
+
+    Raises:
+        TypeError: If ``tensor`` is not a floating-point tensor.
+        ValueError: If a stored residual does not match the tensor's size.
+    """
+    check_compressible(codec, tensor)
+    residual = state.buffers.get("residual") if enabled else None
+    if residual is None:
+        return None
+    if residual.numel() != tensor.numel():
         raise ValueError(
             f"codec {codec!r}: error-feedback residual has {residual.numel()} elements "
-            f"but the tensor has {flat.numel()}; one CodecState per tensor is required"
+            f"but the tensor has {tensor.numel()}; one CodecState per tensor is required"
         )
-    torch.add(source, residual.reshape(-1).to(device=flat.device, dtype=flat.dtype), out=flat)
-    return flat
+    return residual.reshape(-1).to(device=tensor.device, dtype=work_dtype(tensor.dtype))
 
 
 def store_residual(state: CodecState, compensated: torch.Tensor, sent: torch.Tensor, enabled: bool) -> None:
@@ -157,23 +172,37 @@ def store_residual(state: CodecState, compensated: torch.Tensor, sent: torch.Ten
     set_residual(state, new)
 
 
-def set_residual(state: CodecState, new: torch.Tensor) -> None:
+def set_residual(state: CodecState, new: torch.Tensor, *, masked: bool = False) -> None:
     """Make ``new`` the residual; non-finite elements keep the previous one (see store_residual).
 
     When ``new`` is the state's work buffer, the previous residual's storage becomes
-    the next work buffer (double buffering: no allocation per step).
+    the next work buffer (double buffering: no allocation per step). ``masked``: a fused
+    kernel already kept the previous values where ``new`` was not finite.
     """
-    update_buffer(state, "residual", new, scratch="work")
+    update_buffer(state, "residual", new, scratch="work", masked=masked)
 
 
-def update_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str) -> None:
+def update_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: str,
+                  masked: bool = False) -> None:
     """Make ``new`` the state's buffer ``name``; non-finite elements keep the previous value
-    (zero if there was none).
+    (zero if there was none), unless ``masked`` says that is done already.
 
     When ``new`` is the scratch buffer ``scratch``, the previous buffer's storage becomes
     that scratch buffer (double buffering: no allocation per step).
     """
     old = state.buffers.get(name)
+    if not masked:
+        _keep_finite(new, old)
+    if new is state.scratch.get(scratch):
+        if old is not None and old.dtype == new.dtype and old.numel() == new.numel():
+            state.scratch[scratch] = old.reshape(-1)
+        else:
+            del state.scratch[scratch]
+    state.buffers[name] = new
+
+
+def _keep_finite(new: torch.Tensor, old: torch.Tensor | None) -> None:
+    """Where ``new`` is not finite, put ``old`` back (zero without one), in place."""
     if not checks_are_free(new):  # no host sync: always mask (two passes on the device)
         if old is None:
             new.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -182,12 +211,6 @@ def update_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: s
     elif not bool(torch.isfinite(new.sum())):  # one reduction; exact check only if needed
         keep = torch.zeros_like(new) if old is None else old.reshape(-1).to(new.dtype)
         torch.where(torch.isfinite(new), new, keep, out=new)
-    if new is state.scratch.get(scratch):
-        if old is not None and old.dtype == new.dtype and old.numel() == new.numel():
-            state.scratch[scratch] = old.reshape(-1)
-        else:
-            del state.scratch[scratch]
-    state.buffers[name] = new
 
 
 def bucket_layout(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, int, tuple[int, ...]]]:

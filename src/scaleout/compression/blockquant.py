@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -30,10 +31,12 @@ from scaleout.compression.base import (
     TensorMeta,
     checks_are_free,
     add_residual,
+    residual_of,
     set_residual,
     store_residual,
     work_dtype,
 )
+from scaleout.compression.kernels import kernels_for
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
@@ -169,10 +172,10 @@ class BlockQuantCodec(Codec):
         Returns:
             ``([mantissas], ctx)``; mantissas are ``tensor.numel()`` integers.
         """
-        flat = add_residual(self.name, tensor, state, self.error_feedback)
-        own = self.exponents(flat) if exponents is None else exponents
-        return self._quantize_and_remember(flat, own, ranks, TensorMeta(tensor.shape, tensor.dtype),
-                                           state, saturate=exponents is not None)
+        flat, own, kernels = self._compensate(tensor, state, None, local=exponents is None)
+        return self._quantize_and_remember(flat, own if exponents is None else exponents, ranks,
+                                           TensorMeta(tensor.shape, tensor.dtype), state,
+                                           saturate=exponents is not None, kernels=kernels)
 
     def encode(self, tensor: torch.Tensor, state: CodecState) -> tuple[list[torch.Tensor], BlockQuantCtx]:
         """Encode with local exponents and ``L = 127``; see :meth:`Codec.encode`."""
@@ -180,28 +183,47 @@ class BlockQuantCodec(Codec):
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: BlockQuantCtx) -> torch.Tensor:
         """Mantissas (or their sum) times ``2**e / L``; see :meth:`Codec.decode`."""
-        return self._decode_flat(payload[0], ctx).to(ctx.meta.dtype).view(ctx.meta.shape)
+        kernels = kernels_for(self.name, payload[0].device, ctx.meta.dtype, ctx.block_size)
+        return self._decode_flat(payload[0], ctx, kernels=kernels).to(ctx.meta.dtype).view(ctx.meta.shape)
 
     def exchange(
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """Two rounds: MAX-allreduce the exponents, then SUM-allreduce mantissas."""
         ranks = comm.size
-        flat = add_residual(self.name, tensor, state, self.error_feedback)
-        exponents = self.exponents(
-            flat, state.work_buffer("quantized", flat.numel(), flat.dtype, device=flat.device))
+        flat, exponents, kernels = self._compensate(tensor, state, "quantized")
         exponents = yield collectives.allreduce(comm, exponents, ReduceOp.MAX)
         payload, ctx = self._quantize_and_remember(
-            flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False)
+            flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False,
+            kernels=kernels)
         summed = yield collectives.allreduce(comm, payload[0], ReduceOp.SUM)
         return self._decode_flat(summed, ctx, out=state.work_buffer(
-            "quantized", summed.numel(), flat.dtype, device=flat.device))
+            "quantized", summed.numel(), flat.dtype, device=flat.device), kernels=kernels)
 
     # -- internals -----------------------------------------------------------
     #
     # Every pass over the gradient costs CPU that, on a busy machine, training would have
     # used; the hot path makes about seven: add the residual, |x| into scratch, max per block,
     # scale, round, narrow to the wire type, and the residual (one multiply-add, in place).
+
+    def _compensate(self, tensor: torch.Tensor, state: CodecState, scratch: str | None, *,
+                    local: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, ModuleType | None]:
+        """``(flat, exponents, kernels)``: gradient plus residual in the work buffer, its
+        local block exponents, and the fused kernels when they serve (one pass for both),
+        else ``None`` (torch path; ``scratch`` names a buffer for ``|flat|``; the exponents
+        are ``None`` there unless ``local``)."""
+        kernels = kernels_for(self.name, tensor.device, tensor.dtype, self.block_size)
+        if kernels is None:
+            flat = add_residual(self.name, tensor, state, self.error_feedback)
+            if not local:
+                return flat, None, None
+            buffer = None if scratch is None else state.work_buffer(
+                scratch, flat.numel(), flat.dtype, device=flat.device)
+            return flat, self.exponents(flat, buffer), None
+        residual = residual_of(self.name, tensor, state, self.error_feedback)
+        flat = state.work_buffer("work", tensor.numel(), torch.float32, device=tensor.device)
+        exponents = kernels.prepare(tensor.detach().reshape(-1), residual, flat, self.block_size)
+        return flat, exponents, kernels
 
     def _num_blocks(self, numel: int) -> int:
         return max(-(-numel // self.block_size), 1)
@@ -224,7 +246,7 @@ class BlockQuantCodec(Codec):
 
     def _quantize_and_remember(
         self, flat: torch.Tensor, exponents: torch.Tensor, ranks: int, meta: TensorMeta,
-        state: CodecState, *, saturate: bool,
+        state: CodecState, *, saturate: bool, kernels: ModuleType | None = None,
     ) -> tuple[list[torch.Tensor], BlockQuantCtx]:
         """Quantise ``flat`` (compensated, owned by us) and keep ``flat - sent`` as residual."""
         levels, wire = self.wire_format(ranks)
@@ -232,6 +254,15 @@ class BlockQuantCodec(Codec):
         if exponents.shape != (blocks,):
             raise ValueError(f"blockquant: expected {blocks} block exponents, got shape {tuple(exponents.shape)}")
         exp = _floor_exponents(exponents.to(torch.int32), levels, flat.dtype)
+        if kernels is not None:  # one fused pass: mantissas and the finite-masked residual
+            mantissas = state.work_buffer("mantissas", flat.numel(), wire, device=flat.device)
+            ctx = BlockQuantCtx(meta, exp.to(torch.int8), levels, self.block_size)
+            old = state.buffers.get("residual") if self.error_feedback else None
+            kernels.quantize(flat, None if old is None else old.reshape(-1), mantissas,
+                             ctx.exponents, levels, self.block_size, self.error_feedback)
+            if self.error_feedback:
+                set_residual(state, flat, masked=True)
+            return [mantissas], ctx
         bad = exp == EXP_NONFINITE
         host = checks_are_free(flat)  # on a device: no data-dependent branch, same result
         any_bad = bool(bad.any()) if host else False
@@ -263,8 +294,11 @@ class BlockQuantCodec(Codec):
         return [mantissas], ctx
 
     def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kernels: ModuleType | None = None) -> torch.Tensor:
         dtype = work_dtype(ctx.meta.dtype)
+        if kernels is not None:
+            out = torch.empty(mantissas.numel(), dtype=dtype, device=mantissas.device) if out is None else out
+            return kernels.decode(mantissas, ctx.exponents, ctx.levels, ctx.block_size, out)
         scale = self._step_sizes(ctx.exponents.to(torch.int32), ctx.levels, dtype)
         values = mantissas.to(dtype) if out is None else out.copy_(mantissas)
         for segment, rows in self._segments(values):

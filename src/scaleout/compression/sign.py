@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -40,9 +41,11 @@ from scaleout.compression.base import (
     ExchangeGenerator,
     TensorMeta,
     add_residual,
+    residual_of,
     set_residual,
     work_dtype,
 )
+from scaleout.compression.kernels import kernels_for
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
@@ -151,9 +154,13 @@ class SignCodec(Codec):
         Returns:
             ``([signs uint8, scales float32], meta)``.
         """
+        meta = TensorMeta(tensor.shape, tensor.dtype)
+        kernels = kernels_for(self.name, tensor.device, tensor.dtype, self.block_size)
+        if kernels is not None:
+            signs, scales = self._encode_fused(kernels, tensor, state)
+            return [signs.clone(), scales], meta
         flat = add_residual(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
-        meta = TensorMeta(tensor.shape, tensor.dtype)
         units = self._units_into(signs, state, flat.dtype)
         self._settle_residual(flat, units, scales, state)
         return [signs.clone(), scales], meta
@@ -162,6 +169,10 @@ class SignCodec(Codec):
         """``scale * (+1 / -1)`` per value; see :meth:`Codec.decode`."""
         signs, scales = payload
         dtype = work_dtype(ctx.dtype)
+        kernels = kernels_for(self.name, signs.device, ctx.dtype, self.block_size)
+        if kernels is not None:
+            out = torch.empty(ctx.numel, dtype=dtype, device=signs.device)
+            return kernels.decode(signs, scales.to(dtype), self.block_size, out).to(ctx.dtype).view(ctx.shape)
         units = _units(dtype, signs.device)[signs.long()].view(-1, self.block_size)
         values = units.mul_(scales.to(dtype)[:, None]).reshape(-1)[: ctx.numel]
         return values.to(ctx.dtype).view(ctx.shape)
@@ -170,6 +181,9 @@ class SignCodec(Codec):
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
         """One allgather of every rank's scales and signs, then ``sum scale * sign``."""
+        kernels = kernels_for(self.name, tensor.device, tensor.dtype, self.block_size)
+        if kernels is not None:
+            return (yield from self._exchange_fused(kernels, tensor, state, comm))
         flat = add_residual(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
         nscale = scales.numel() * 4
@@ -211,6 +225,40 @@ class SignCodec(Codec):
         return None
 
     # -- internals -----------------------------------------------------------
+
+    def _encode_fused(self, kernels: ModuleType, tensor: torch.Tensor, state: CodecState,
+                      wire: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Signs and scales in one fused pass that also settles the residual; into ``wire``
+        (scales' bytes, then signs) when given, else into scratch buffers."""
+        n = tensor.numel()
+        nblocks = max(1, -(-n // self.block_size))
+        residual = residual_of(self.name, tensor, state, self.error_feedback)
+        if wire is None:
+            signs = state.work_buffer("signs", nblocks * self.block_size // 8, torch.uint8,
+                                      device=tensor.device)
+            scales = torch.empty(nblocks, dtype=torch.float32, device=tensor.device)
+        else:
+            scales, signs = wire[: 4 * nblocks].view(torch.float32), wire[4 * nblocks:]
+        new = (state.work_buffer("work", n, torch.float32, device=tensor.device)
+               if self.error_feedback else None)
+        kernels.encode(tensor.detach().reshape(-1), residual, new, signs, scales,
+                       self.block_size, self.scale == "rms")
+        if new is not None:
+            set_residual(state, new, masked=True)
+        return signs, scales
+
+    def _exchange_fused(self, kernels: ModuleType, tensor: torch.Tensor, state: CodecState,
+                        comm: Communicator) -> ExchangeGenerator:
+        """:meth:`exchange` with the fused kernels: encode into the wire buffer, gather,
+        and sum every rank's ``scale * sign`` in one pass."""
+        nblocks = max(1, -(-tensor.numel() // self.block_size))
+        nbytes = nblocks * self.block_size // 8
+        wire = state.work_buffer("wire", 4 * nblocks + nbytes, torch.uint8, device=tensor.device)
+        self._encode_fused(kernels, tensor, state, wire)
+        gathered = yield collectives.allgather(comm, wire)
+        total = state.work_buffer("sum", nbytes * 8, torch.float32, device=tensor.device)
+        kernels.gather_sum(gathered.view(comm.size, -1), 4 * nblocks, self.block_size, total)
+        return total[: tensor.numel()]
 
     def _encode_flat(self, flat: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
         """Signs (packed, in a scratch buffer) and float32 scales of the flat ``flat``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 from scaleout.core.communicator import Communicator, all_gather_single
 
@@ -22,9 +23,12 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     One 8-byte allgather of a digest; only on a mismatch, a second one of the descriptions
     (UTF-8 in a uint8 tensor, never a pickle) so that the error names each rank's call.
     """
+    if comm.size == 1:
+        return
+    device = _exchange_device(comm)
     digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
-    mine = torch.tensor([digest], dtype=torch.int64)
-    every = torch.empty(comm.size, dtype=torch.int64)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = torch.empty(comm.size, dtype=torch.int64, device=device)
     work = all_gather_single(every, mine, group=comm.group, async_op=True)
     comm.request(f"{operation} (consistency check)", [work], lambda: None).wait()
     if len(set(every.tolist())) == 1:
@@ -33,7 +37,8 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
     raw = description.encode()[:_DESCRIPTION_BYTES]
     text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8)
+    text = text.to(device)
+    texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8, device=device)
     work = all_gather_single(texts, text, group=comm.group, async_op=True)
     comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
     calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
@@ -42,6 +47,18 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     raise ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
                      f"called different collectives (operation, dtype, shape, op or root): "
                      f"{listing}")
+
+
+def _exchange_device(comm: Communicator) -> torch.device:
+    """Where the check's small tensors must live: the current GPU on a group that only
+    NCCL serves (it has no CPU backend), else the CPU."""
+    try:
+        backend = str(dist.get_backend(comm.group))
+    except (RuntimeError, ValueError):  # not a torch process group (a group of one)
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,

@@ -22,7 +22,10 @@ from scaleout.pytorch import DataParallel, DistributedOptimizer, optimizer_state
 TINY = dict(bucket_bytes=4096, first_bucket_bytes=1024, partition_bytes=1024, credit_bytes=2048,
             urgent_bytes=600)
 SCHEDULERS = {"fifo": SchedulerConfig(policy="fifo", **TINY),
-              "priority": SchedulerConfig(policy="priority", **TINY)}
+              "priority": SchedulerConfig(policy="priority", **TINY),
+              # buckets alternate between communicators, several on the wire at once
+              "fifo-2-channels": SchedulerConfig(policy="fifo", channels=2, **TINY),
+              "priority-3-channels": SchedulerConfig(policy="priority", channels=3, **TINY)}
 PER_RANK, STEPS = 4, 6
 
 
@@ -138,6 +141,12 @@ def test_matches_single_process(world: int, opt_name: str, policy: str, mode: st
     run_ranks(world, body_exact, opt_name, policy, mode, True, 1, False, timeout=120)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("policy", ["fifo-2-channels", "priority-3-channels"])
+def test_channels_match_single_process(world: int, policy: str) -> None:
+    run_ranks(world, body_exact, "adamw", policy, "overlap", True, 1, False, timeout=120)
+
+
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_micro_batch_accumulation(mode: str) -> None:
     run_ranks(2, body_exact, "sgd", "priority", mode, False, 2, False, timeout=120)
@@ -153,3 +162,28 @@ def test_distributed_update_matches_and_shrinks_state(world: int, opt_name: str)
     # every rank keeps state for about 1/world of the parameters
     for state in sharded:
         assert state <= full[0] / world * 1.2 + 64, (sharded, full)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_lone_rank_matches_single_process(mode: str, fast: str) -> None:
+    """World size 1: DataParallel steps aside (no hooks, no session) unless told not to
+    (``SCALEOUT_ALONE_FAST_PATH=0``); either way training equals the plain model's."""
+    run_ranks(1, body_exact, "adamw", "priority", mode, True, 1, False, timeout=120,
+              env={"SCALEOUT_ALONE_FAST_PATH": fast})
+    (committed,) = run_ranks(1, body_alone, timeout=60, env={"SCALEOUT_ALONE_FAST_PATH": fast})
+    assert committed == (fast == "0")
+
+
+def body_alone() -> bool:
+    env = scaleout.init(timeout=60)
+    model = DataParallel(Net(False), env.create_distribution())
+    model(torch.randn(2, 1, 8, 8)).sum().backward()
+    committed = model.session is not None
+    assert committed or list(model.statistics.as_dict()) == ["total"], model.statistics.as_dict()
+    assert model.module.fc2.weight.grad is not None
+    with pytest.raises(RuntimeError, match="first forward"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    model.close()
+    env.finalize()
+    return committed

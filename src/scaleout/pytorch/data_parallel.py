@@ -23,6 +23,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
+from scaleout.pytorch.dp_checkpoint import CheckpointSurface
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import Layer, agreed_order, broadcast_tensors, find_layers
 from scaleout.pytorch.placement import is_local, placement_of, registration
@@ -40,7 +41,7 @@ __all__ = ["DataParallel"]
 _USAGE = "<parameters used>"
 
 
-class DataParallel(nn.Module):
+class DataParallel(CheckpointSurface):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
@@ -109,6 +110,7 @@ class DataParallel(nn.Module):
         self._trace_dir = trace if trace is not None else os.environ.get("SCALEOUT_TRACE") or None
         self._trace = TraceRecorder(self.env.rank) if self._trace_dir else None
         self._no_sync = self._backward_queued = False
+        self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
@@ -133,7 +135,10 @@ class DataParallel(nn.Module):
 
     @property
     def statistics(self) -> Statistics:
-        """Compute / communication / exposed time per layer (after the first forward)."""
+        """Compute / communication / exposed time per layer (after the first forward; none
+        on a lone rank with exact gradients, which exchanges nothing: see ``_commit``)."""
+        if self._alone is not None:
+            return self._alone
         if self._session is None:
             raise RuntimeError("statistics exist after the first forward")
         return self._session.statistics
@@ -172,7 +177,7 @@ class DataParallel(nn.Module):
         Raises:
             RuntimeError: after the first forward, or with ``compression=`` (one or the other).
         """
-        if self._session is not None:
+        if self._session is not None or self._alone is not None:
             raise RuntimeError("register_comm_hook must be called before the first forward")
         if self._compression is not None:
             raise RuntimeError("register_comm_hook replaces compression=: pass one or the other")
@@ -187,13 +192,6 @@ class DataParallel(nn.Module):
                 if p.grad is not None and id(p) in self._sent_version
                 and p.grad._version != self._sent_version[id(p)]]
 
-    def module_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's own ``state_dict`` (loads into the bare model, keys without
-        ``module.``), after finishing pending updates. Codec state travels separately:
-        ``state_dict()`` holds it under ``_extra_state``."""
-        self.synchronize()
-        return self.module.state_dict(*args, **kwargs)
-
     def synchronize(self) -> None:
         """Finish every pending communication and update; afterwards all ranks agree."""
         if self._session is None:
@@ -202,6 +200,8 @@ class DataParallel(nn.Module):
         self._finish_buffers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._alone is not None:
+            return self.module(*args, **kwargs)
         self._before_forward(args)
         output = self.module(*args, **kwargs)
         self._after_forward()
@@ -236,33 +236,6 @@ class DataParallel(nn.Module):
             self.synchronize()
         return super().train(mode)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        self.synchronize()
-        return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load weights (and codec state); the optimizer's sharded copies follow them."""
-        self.synchronize()
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.updates.updater is not None:
-            self.updates.updater.refresh_shards()
-        return result
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with ``state_dict()``: the codecs' error-feedback state."""
-        if self._session is None:
-            return {"compression": dict(self._pending_compression_state)}
-        return {"compression": self._session.compression_state_dict()}
-
-    def set_extra_state(self, state: Any) -> None:
-        """Restored by ``load_state_dict()`` (applied at the first forward if not yet built)."""
-        if not isinstance(state, dict) or "compression" not in state:
-            raise ValueError("DataParallel extra state must be a dict with a 'compression' entry")
-        if self._session is None:
-            self._pending_compression_state = dict(state["compression"])
-        else:
-            self._session.load_compression_state_dict(state["compression"])
-
     def write_trace(self, **meta: Any) -> str | None:
         """Write this rank's trace (when tracing) into the trace folder; its path. ``meta``:
         ``workload``, ``batch_size``, ``device``, ``command`` for the file."""
@@ -283,7 +256,15 @@ class DataParallel(nn.Module):
     # -- set-up ------------------------------------------------------------------------
 
     def _commit(self) -> None:
-        """Register the layers in the order the first forward ran them, then commit."""
+        """Register the layers in the order the first forward ran them, then commit; or, on
+        a lone rank with nothing to exchange, step aside (:meth:`_nothing_to_exchange`)."""
+        if self._nothing_to_exchange():
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._forward_order, self._buffer_average = [], None
+            self._alone = Statistics()
+            return
         self._forward_order = agreed_order(self.comm, self._layers, self._forward_order,
                                            self._device)  # (it decides the buckets)
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler, trace=self._trace)
@@ -325,6 +306,16 @@ class DataParallel(nn.Module):
         bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
+
+    def _nothing_to_exchange(self) -> bool:
+        """A lone rank (data and model groups of one) with exact gradients and nothing
+        recorded: averaging over one rank is the identity, so no hook, bucket or progress
+        thread is set up and the optimizer steps on ``.grad`` as a plain one would (per-layer
+        hooks alone cost a launch-bound GPU model a third of its iteration: RESULTS.md,
+        issue 11). ``SCALEOUT_ALONE_FAST_PATH=0`` keeps the whole machinery (to measure it)."""
+        return (self.comm.size == 1 and self._model_comm.size == 1 and self._compression is None
+                and self._comm_hook is None and self._trace is None and not self.distributed_update
+                and os.environ.get("SCALEOUT_ALONE_FAST_PATH", "1") != "0")
 
     # -- hooks -------------------------------------------------------------------------
 

@@ -55,6 +55,24 @@ def test_priority_bulk_lane_keeps_within_its_credit() -> None:
     assert policy.choose([lane(), lane(queued=1, next_bytes=64 * KB)]) == 1
 
 
+
+def test_priority_bulk_lane_keeps_one_chunk_per_channel_in_flight() -> None:
+    policy = PriorityPolicy(credit_bytes=4 * KB, channels=2)
+    big = dict(queued=2, next_bytes=8 * KB)
+    assert policy.choose([lane(), lane(**big, inflight=1, inflight_bytes=8 * KB)]) == 1
+    assert policy.choose([lane(), lane(**big, inflight=2, inflight_bytes=16 * KB)]) is None
+    # the urgent lane still pre-empts
+    assert policy.choose([lane(queued=1, next_bytes=KB), lane(**big, inflight=1)]) == 0
+
+
+def test_channels_are_checked() -> None:
+    from scaleout import SchedulerConfig
+
+    assert SchedulerConfig(channels=3).channels == 3 and SchedulerConfig().channels is None
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="channels"):
+            SchedulerConfig(channels=bad)
+
 # -- the engine ----------------------------------------------------------------------------
 
 class FakeRequest(Request):
@@ -198,3 +216,16 @@ def test_engine_fails_a_job_whose_chunk_outlives_the_timeout() -> None:
     with pytest.raises(CommunicationTimeout, match="gradient communication of stuck"):
         job.wait(5.0)
     engine.close()
+
+
+def test_open_choices_are_resolved_for_the_buffers() -> None:
+    """Policy and channels left open: fifo on two channels for CUDA tensors over gloo (no
+    chunks, so nothing to pre-empt), priority on one elsewhere; explicit choices stay."""
+    from scaleout import SchedulerConfig
+
+    gloo_cuda = SchedulerConfig().resolved(cuda_over_gloo=True)
+    assert (gloo_cuda.policy, gloo_cuda.channels, gloo_cuda.lanes) == ("fifo", 2, 1)
+    other = SchedulerConfig().resolved(cuda_over_gloo=False)
+    assert (other.policy, other.channels, other.lanes) == ("priority", 1, 2)
+    kept = SchedulerConfig(policy="priority", channels=3).resolved(cuda_over_gloo=True)
+    assert (kept.policy, kept.channels) == ("priority", 3)

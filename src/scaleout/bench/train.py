@@ -79,7 +79,8 @@ class TrainBenchConfig:
         compression: scaleout variants to measure, one per codec spec (``"cast:bf16"``);
             ``"none"`` is exact gradients. Each variant is its own configuration,
             ``scaleout`` for ``"none"`` and ``scaleout+SPEC`` otherwise.
-        policy: scaleout's scheduling policy, ``"priority"`` or ``"fifo"``.
+        policy: scaleout's scheduling policy, ``"priority"``, ``"fifo"`` or ``"auto"``
+            (``SchedulerConfig(policy=None)``: priority, fifo for CUDA tensors over gloo).
         mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
         threads: torch intra-op threads per rank.
         seed: model and data seed (the same for every configuration).
@@ -109,7 +110,7 @@ class TrainBenchConfig:
     warmup: int = 2
     batch: int | None = None
     compression: tuple[str, ...] = ("none",)
-    policy: str = "priority"
+    policy: str = "auto"
     mode: str = "overlap"
     threads: int = 1
     seed: int = 0
@@ -139,8 +140,8 @@ class TrainBenchConfig:
                              f"{', '.join(PEERS)} or ddp-tuned:MB (MB an int >= 1)")
         if len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in (*POLICIES, "auto"):
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, auto, got {self.policy!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
         if isinstance(self.compression, str) or not self.compression:

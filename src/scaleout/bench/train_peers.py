@@ -72,7 +72,7 @@ class SetupOptions:
     Attributes:
         workload: the model, data and loss.
         seed: model seed (the same on every rank and in every configuration).
-        policy: scaleout's scheduling policy (``"priority"`` or ``"fifo"``).
+        policy: scaleout's scheduling policy (``"priority"``, ``"fifo"`` or ``"auto"``).
         mode: scaleout's DistributedOptimizer mode (``"overlap"`` or ``"sync"``).
         compression: scaleout's codec spec, or ``None`` for exact gradients.
         timeout_s: rendezvous and collective timeout in seconds.
@@ -83,12 +83,18 @@ class SetupOptions:
 
     workload: Workload
     seed: int = 0
-    policy: str = "priority"
+    policy: str = "auto"
     mode: str = "overlap"
     compression: str | None = None
     timeout_s: float = 300.0
     memory_budget: int | None = None
     device: str = "cpu"
+
+    def scheduler(self) -> Any:
+        """scaleout's SchedulerConfig for ``policy`` (``"auto"``: left to scaleout)."""
+        import scaleout
+
+        return scaleout.SchedulerConfig(policy=None if self.policy == "auto" else self.policy)
 
     def torch_device(self) -> torch.device:
         """The device: the CPU, or ``cuda:LOCAL_RANK % GPUs``."""
@@ -165,7 +171,7 @@ def _scaleout(options: SetupOptions) -> Setup:
     env = scaleout.init(timeout=options.timeout_s)
     net = options.build_model()
     model = DataParallel(net, env.create_distribution(),
-                         scheduler=scaleout.SchedulerConfig(policy=options.policy),
+                         scheduler=options.scheduler(),
                          compression=options.compression)
     optimizer = DistributedOptimizer(_sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = _statistics_of(model)
@@ -314,7 +320,7 @@ def _hybrid(options: SetupOptions) -> Setup:
     net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     sparse = list(net.embeddings.parameters())
-    model = DataParallel(net, dist, scheduler=scaleout.SchedulerConfig(policy=options.policy))
+    model = DataParallel(net, dist, scheduler=options.scheduler())
     dense_opt = DistributedOptimizer(_sgd(dense), model, mode=options.mode)
     table_opt = torch.optim.SGD(sparse, lr=LR) if sparse else None
 

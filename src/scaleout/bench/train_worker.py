@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", default="priority")
+    parser.add_argument("--policy", default="auto")
     parser.add_argument("--mode", default="overlap")
     parser.add_argument("--compression", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)

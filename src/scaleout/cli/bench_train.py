@@ -65,8 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a scaleout variant with this gradient codec, e.g. cast:bf16, "
                              "powersgd:2, topk:ratio=0.01; repeat for several variants in the "
                              "same run; 'none' is exact gradients (default: only 'none')")
-    parser.add_argument("--policy", default="priority", choices=("priority", "fifo"),
-                        help="scaleout's scheduling policy (default priority)")
+    parser.add_argument("--policy", default="auto", choices=("auto", "priority", "fifo"),
+                        help="scaleout's scheduling policy (default auto: priority, but fifo for "
+                             "CUDA tensors over gloo)")
     parser.add_argument("--mode", default="overlap", choices=("overlap", "sync"),
                         help="scaleout's DistributedOptimizer mode (default overlap)")
     parser.add_argument("--threads", type=int, default=1,

@@ -119,7 +119,7 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
         raise ValueError(f"plan items must have distinct keys, got {keys}")
     lanes = _lanes(items, config)
     order = sorted(items, key=lambda i: (-i.position, i.key))
-    split = config.policy == "priority"
+    split = config.policy != "fifo"
     groups: list[list[PlanItem]] = []
     # One open bucket per (lane, dtype, codec): compressed weights interleaved with
     # small exact tensors (biases, norms) still fuse with each other.

@@ -61,18 +61,20 @@ class PriorityPolicy(Policy):
     Lane 0 (parameters the next forward needs first) sends at once. A lower lane sends
     its next chunk only while no higher lane has anything queued or in flight, and only
     while its own bytes in flight stay within ``credit_bytes`` — so urgent data waits behind
-    at most one credit's worth of bulk data.
+    at most one credit's worth of bulk data. With several channels per lane, each channel
+    may carry one chunk whatever the credit (urgent data has channels of its own).
     """
 
-    def __init__(self, credit_bytes: int) -> None:
+    def __init__(self, credit_bytes: int, channels: int = 1) -> None:
         self.credit_bytes = credit_bytes
+        self.channels = channels
 
     def choose(self, lanes: Sequence[LaneState]) -> int | None:
         for index, lane in enumerate(lanes):
             if index == 0:
                 if lane.can_send:
                     return 0
-            elif lane.can_send and (lane.inflight == 0
+            elif lane.can_send and (lane.inflight < self.channels
                                     or lane.inflight_bytes + lane.next_bytes <= self.credit_bytes):
                 return index
             if lane.queued or lane.inflight:
@@ -80,8 +82,8 @@ class PriorityPolicy(Policy):
         return None
 
 
-def make_policy(config: SchedulerConfig) -> Policy:
-    """The policy object for ``config.policy``."""
+def make_policy(config: SchedulerConfig, channels: int = 1) -> Policy:
+    """The policy object for ``config.policy``, over lanes of ``channels`` communicators."""
     if config.policy == "fifo":
         return FifoPolicy()
-    return PriorityPolicy(config.credit_bytes)
+    return PriorityPolicy(config.credit_bytes, channels)

@@ -28,7 +28,7 @@ from scaleout.session.timing import stopwatch_for
 if TYPE_CHECKING:
     from scaleout.session.parameter_set import ParameterSet
 
-__all__ = ["GradBucket", "CommHook"]
+__all__ = ["GradBucket", "CommHook", "cuda_over_gloo"]
 
 #: ``hook(state, bucket)`` starts the bucket's communication; its result is the averaged
 #: flat gradient (or, with the sharded update, this rank's averaged owned slice).
@@ -219,10 +219,16 @@ def _into(target: torch.Tensor, result: Any) -> torch.Tensor:
     return target
 
 
+def cuda_over_gloo(comm: Communicator, device: torch.device) -> bool:
+    """Whether tensors on ``device`` travel over ``comm`` as CUDA tensors through gloo (every
+    call a round trip through host memory): not on the CPU, nor on NCCL, nor alone."""
+    if device.type != "cuda" or comm.group is None or comm.size == 1:
+        return False
+    return "nccl" not in str(tdist.get_backend(comm.group))
+
+
 def _chunks_pay(comm: Communicator, device: torch.device) -> bool:
     """Whether sending a bucket in chunks is worth it: not for CUDA tensors over gloo, where
     every chunk is a round trip through host memory of its own (pre-emption at chunk
     boundaries then costs more than it saves)."""
-    if device.type != "cuda" or comm.group is None:
-        return True
-    return "nccl" in str(tdist.get_backend(comm.group))
+    return not cuda_over_gloo(comm, device)

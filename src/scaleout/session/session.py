@@ -15,7 +15,7 @@ from scaleout.core.env import Environment
 from scaleout.core.grid import GroupType
 from scaleout.scheduler import PlanItem, ProgressEngine, SchedulerConfig, build_plan, make_policy
 from scaleout.session.activation import ActivationSpec
-from scaleout.session.bucket import CommHook, GradBucket
+from scaleout.session.bucket import CommHook, GradBucket, cuda_over_gloo
 from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, reduce_scatter_hook
 from scaleout.session.operation import Operation
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
@@ -171,9 +171,15 @@ class Session:
             self._commit_distribution(dists[key], sets)
 
     def _commit_distribution(self, dist: Distribution, sets: list[ParameterSet]) -> None:
-        config = self.scheduler
+        devices = {ps.spec.device for ps in sets if ps.spec.device.type == "cuda"}
+        if len(devices) > 1:
+            raise ValueError(f"the parameter sets of one distribution must live on one GPU, "
+                             f"got {sorted(map(str, devices))}")
+        device = next(iter(devices), torch.device("cpu"))
+        config = self.scheduler.resolved(
+            cuda_over_gloo=cuda_over_gloo(dist.communicator(GroupType.DATA), device))
         if self._hook is not None:  # one lane, fixed order: see register_comm_hook
-            config = replace(config, policy="fifo")
+            config = replace(config, policy="fifo", channels=1)
         codecs = [_codec_of(ps) for ps in sets]  # chosen once, here
         items = [PlanItem(key=k, numel=ps.local_count,
                           dtype=str(ps.spec.dtype).removeprefix("torch."),
@@ -187,7 +193,10 @@ class Session:
             verify_plan(dist.communicator(GroupType.DATA), "bucket plan",
                         [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec)
                          for plan in plans])
+        channels = config.channels or 1
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
+        extra = {(i, c): dist.duplicate(GroupType.DATA, f"data-lane{i}-channel{c}")
+                 for i in range(config.lanes) for c in range(1, channels)}
         increments = dist.duplicate(GroupType.DATA, "data-increments")
         lengths = [0] * config.lanes
         buckets = []
@@ -195,12 +204,14 @@ class Session:
             members = [sets[k] for k in plan.keys]
             head, codec = members[0], codecs[plan.keys[0]]
             size = lanes[plan.lane].size
+            channel = lengths[plan.lane] % channels  # a lane's buckets take the channels in turn
+            comm = lanes[plan.lane] if channel == 0 else extra[plan.lane, channel]
             numel = head.owned_count * size if head.spec.distributed_update else plan.numel
             state, hook = self._hook or self._builtin_hook(members, codec)
             bucket = GradBucket(
                 index=plan.index, lane=plan.lane, order=lengths[plan.lane], members=members,
                 offsets=plan.offsets, numel=numel, dtype=head.spec.dtype,
-                device=head.spec.device, comm=lanes[plan.lane], hook=hook, state=state,
+                device=head.spec.device, comm=comm, hook=hook, state=state,
                 chunks=plan.chunks, last=plan.index == len(plans) - 1,
                 exclusive=self._hook is not None or (codec is not None and codec.multi_round),
                 statistics=self.statistics)
@@ -208,12 +219,8 @@ class Session:
             for ps in members:
                 ps.bucket, ps.increment_comm = bucket, increments
             buckets.append(bucket)
-        devices = {ps.spec.device for ps in sets if ps.spec.device.type == "cuda"}
-        if len(devices) > 1:
-            raise ValueError(f"the parameter sets of one distribution must live on one GPU, "
-                             f"got {sorted(map(str, devices))}")
         stream = torch.cuda.Stream(device=devices.pop()) if devices else None
-        engine = ProgressEngine(lanes, [max(n, 1) for n in lengths], make_policy(config),
+        engine = ProgressEngine(lanes, [max(n, 1) for n in lengths], make_policy(config, channels),
                                 self.env.timeout, stream=stream)
         for bucket in buckets:
             bucket.engine, bucket.stream = engine, stream

@@ -17,7 +17,9 @@ Which waiting chunk phase a free dimension serves next is the intra-dimension po
 (ASTRA-sim's ``intra-dimension-scheduling``): ``fifo`` in arrival order; ``scf`` (smallest
 chunk first, introduced with Themis in the same ISCA'22 paper) inserts a phase before the first
 waiting phase at least as large (a phase's size is the larger of its input and output), except
-a chunk's last phase, which joins the back (``Sys.cc``'s ``SmallestFirst``). Without it a
+a phase with exactly one phase left after it, which joins the back (ASTRA-sim's ``Sys.cc``,
+``insert_stream`` under ``SmallestFirst``, tests ``phases_to_go.size() == 1`` after the current
+phase was popped from that list). Without it a
 Themis order stalls: every chunk's first phase, full-size, queues on its least-loaded
 dimension at once, and the small later phases that would keep the other dimensions busy wait
 behind them.
@@ -157,7 +159,7 @@ def pipelined_allreduce(
         dim = stages[chunk][stage][0]
         queue_ = waiting[dim]
         at = len(queue_)
-        if intra == "scf" and stage < len(stages[chunk]) - 1:
+        if intra == "scf" and stage != len(stages[chunk]) - 2:  # see the module docstring
             mine = _phase_size(stages[chunk][stage])
             at = next(
                 (k for k, (c, s) in enumerate(queue_)

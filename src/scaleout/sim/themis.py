@@ -11,7 +11,9 @@ so phases of different chunks overlap on different dimensions.
   the dimensions least-loaded first, then charges them: a reduce-scatter of ``m`` bytes on a
   dimension of size ``d`` adds ``m (d-1)/d / B_d`` and shrinks the chunk to ``m/d``; the
   matching all-gather adds ``m (d-1) / B_d`` on the way back (Themis, ISCA'22; REFERENCES.md
-  §5, with the load in seconds rather than relative to dimension 0's bandwidth).
+  §5, with the load in seconds rather than relative to dimension 0's bandwidth). While the
+  loads differ by less than 1/16 of a chunk (the gap converted to bytes on the least-loaded
+  dimension) it keeps the fixed order, as ASTRA-sim's ``OfflineGreedy`` does.
 
 Which waiting chunk phase a free dimension serves next is the intra-dimension policy
 (ASTRA-sim's ``intra-dimension-scheduling``): ``fifo`` in arrival order; ``scf`` (smallest
@@ -80,6 +82,10 @@ def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> l
     orders = []
     for _ in range(chunks):
         order = sorted(active, key=lambda i: (load[i], i))
+        first, dim = order[0], topology.dims[order[0]]
+        gap = (load[order[-1]] - load[first]) * dim.bandwidth * dim.npus / (dim.npus - 1)
+        if gap < nbytes / chunks / 16:  # nearly balanced: keep the fixed order
+            order = list(active)
         size = nbytes / chunks
         for i in order:  # reduce-scatter up
             d, bw = topology.dims[i].npus, topology.dims[i].bandwidth

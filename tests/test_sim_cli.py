@@ -147,6 +147,23 @@ def test_sweep_and_trace_workload(tmp_path, capsys) -> None:
     assert points[0]["compute_s"] == pytest.approx(0.06)  # batch 8 from a trace at batch 4
 
 
+def test_run_host_cost(tmp_path, capsys) -> None:
+    from scaleout.sim.trace import write_trace
+    from scaleout.sim.workload import Layer, Workload
+
+    trace = tmp_path / "t.json"
+    layer = Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20)
+    write_trace(trace, Workload(name="rec", batch_size=4, layers=(layer,)))
+    args = ["sim", "run", "--trace", str(trace), "--topology", "2", "--bandwidth", "8Mbps",
+            "--latency", "0us", "--mode", "sync", "--policy", "fifo", "--json"]
+    times = []
+    for cost in ("0", "2"):
+        assert main([*args, "--host-cost", cost]) == 0
+        times.append(json.loads(capsys.readouterr().out)["iteration_s"])
+    # 2 ranks: the all-reduce moves 1 MiB at 1e6 B/s; with 2 s of CPU per MB it takes 2 s
+    assert times == pytest.approx([0.03 + 1.048576, 0.03 + 2.0])
+
+
 def test_validate_prints_sources_writes_json_and_exit_code_matches(tmp_path, capsys) -> None:
     out = tmp_path / "v.json"
     rc = main(["sim", "validate", "--only", "published", "--json", str(out)])

@@ -232,3 +232,36 @@ def test_pipelined_and_themis_allreduce_inside_an_iteration() -> None:
     assert themis < min(base, plain)
     with pytest.raises(ValueError, match="pipeline"):
         IterationConfig(pipeline="random")
+
+
+def _host_case(host: float) -> float:
+    # backward runs b (1 s, 8 B of gradients) then a (20 s, none): b's all-reduce (2 ranks,
+    # 1 B/s: 8 s on the wire) runs entirely under a's backward
+    work = Workload(
+        name="host",
+        layers=(
+            Layer(name="a", forward_s=0.0, backward_s=20.0, grad_bytes=0),
+            Layer(name="b", forward_s=1.0, backward_s=1.0, grad_bytes=8),
+        ),
+    )
+    topo = parse_topology("2", bandwidths=[1.0], latencies=[0.0], kinds=["ring"])
+    cfg = IterationConfig(
+        scheduler=SchedulerConfig(policy="fifo"), mode="sync", host_s_per_byte=host
+    )
+    return simulate(work, topo, cfg).iteration_s
+
+
+def test_host_cpu_per_byte_charges_compute_only_while_it_overlaps() -> None:
+    assert _host_case(0.0) == pytest.approx(22.0)  # 1 + 1 + 20, the 8 s transfer hidden
+    # 0.5 s/B: 4 s of CPU done while computing lengthens the next compute span by 4 s
+    assert _host_case(0.5) == pytest.approx(26.0)
+    # exposed traffic: CPU done while waiting costs nothing; a transfer lasts >= its CPU
+    one = Workload(name="one", layers=(Layer(name="a", forward_s=1.0, backward_s=1.0,
+                                              grad_bytes=8),))
+    topo = parse_topology("2", bandwidths=[1.0], latencies=[0.0], kinds=["ring"])
+    sync = SchedulerConfig(policy="fifo")
+    for host, expected in ((0.5, 10.0), (2.0, 18.0)):  # max(8 s wire, 8 x host) after 2 s
+        cfg = IterationConfig(scheduler=sync, mode="sync", host_s_per_byte=host)
+        assert simulate(one, topo, cfg).iteration_s == pytest.approx(expected)
+    with pytest.raises(ValueError, match="host_s_per_byte"):
+        IterationConfig(host_s_per_byte=-1.0)

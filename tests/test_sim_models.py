@@ -160,3 +160,22 @@ def test_docstring_examples_run() -> None:
         module = importlib.import_module(f"scaleout.sim.{name}")
         failed, _ = doctest.testmod(module)
         assert failed == 0, name
+
+
+def test_themis_smallest_chunk_first_keeps_dimensions_fed() -> None:
+    topo = parse_topology(
+        "4x8x8", bandwidths=["200GB/s", "100GB/s", "50GB/s"], latencies="500ns",
+        kinds=["ring", "fully_connected", "switch"],
+    )
+    runs = {
+        intra: pipelined_allreduce(topo, nbytes=2**30, chunks=16, scheduler="themis", intra=intra)
+        for intra in ("fifo", "scf")
+    }
+    # FIFO: every chunk's full-size first phase queues ahead of the small later ones
+    assert runs["scf"].time < 0.9 * runs["fifo"].time
+    default = pipelined_allreduce(topo, nbytes=2**30, chunks=16, scheduler="themis")
+    assert default.time == runs["scf"].time  # Themis comes with SCF, the baseline with FIFO
+    base = pipelined_allreduce(topo, nbytes=2**30, chunks=16)
+    assert base.time == pipelined_allreduce(topo, nbytes=2**30, chunks=16, intra="fifo").time
+    with pytest.raises(ValueError, match="intra"):
+        pipelined_allreduce(topo, nbytes=1, intra="lifo")

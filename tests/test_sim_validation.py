@@ -18,7 +18,13 @@ from scaleout.sim.collective_cases import (
     predicted_busbw,
 )
 from scaleout.sim.models import model, model_workload
-from scaleout.sim.published import P100_TF_IMAGES_PER_S, p100_measured
+from scaleout.sim.network import preset
+from scaleout.sim.published import (
+    GOYAL_BACKPROP_S,
+    P100_TF_IMAGES_PER_S,
+    goyal_p100,
+    p100_measured,
+)
 from scaleout.sim.validation import Scenario, validate
 
 B = 1e9 / 8 * LINK_EFFICIENCY  # 1 Gbit/s x 0.98, bytes/s
@@ -84,6 +90,14 @@ def test_p100_rates_are_the_measured_single_gpu_throughputs() -> None:
     assert model("vgg16").flops * 3 * 154 > 10.6e12  # above peak: Winograd, not nominal FLOPs
     with pytest.raises(ValueError, match="no measured P100 rate"):
         p100_measured("bert_large")
+
+
+def test_goyal_setup_as_published() -> None:
+    work = model_workload("resnet50", device=goyal_p100(), batch_size=32)
+    assert sum(layer.backward_s for layer in work.layers) == pytest.approx(GOYAL_BACKPROP_S)
+    inner, outer = preset("goyal-bigbasin").topology.dims
+    # one 50 Gbit/s card per server, shared by its 8 GPUs (a dimension's link is one NPU's)
+    assert outer.bandwidth * inner.npus == pytest.approx(50e9 / 8)
 
 
 @pytest.mark.timeout(60)

@@ -100,6 +100,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--codec-gather", action="store_true", help="codec payloads are all-gathered"
         )
+        p.add_argument(
+            "--host-cost",
+            type=float,
+            default=0.0,
+            help="CPU seconds per wire MB the host spends moving bytes on the cores its compute "
+            "uses (charged while it overlaps compute; 0: offloaded network)",
+        )
         network_args(p, default_topology=None)
         json_arg(p)
         if name == "run":

@@ -38,6 +38,7 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
         trace=bool(getattr(args, "chrome", None)),
         pipeline=args.pipeline,
         pipeline_chunks=args.pipeline_chunks,
+        host_s_per_byte=args.host_cost / (1 << 20),
         scheduler=SchedulerConfig(
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),

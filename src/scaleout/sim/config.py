@@ -121,6 +121,11 @@ class IterationConfig:
             whose phases overlap across dimensions, in fixed order or Themis' order
             (:mod:`scaleout.sim.themis`; one algorithm for every dimension).
         pipeline_chunks: pieces per all-reduce when ``pipeline`` is set.
+        host_s_per_byte: CPU seconds a rank spends per byte it puts on the wire, on the cores
+            its compute uses (a host without offload, e.g. TCP on a shared CPU). A chunk then
+            takes at least ``host_s_per_byte x bytes``, and the share of that work done while
+            the rank computes lengthens its compute (processor sharing); work done while it
+            waits costs nothing more. 0: the network has its own engine.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -132,6 +137,7 @@ class IterationConfig:
     trace: bool = False
     pipeline: str | None = None
     pipeline_chunks: int = 16
+    host_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -156,6 +162,9 @@ class IterationConfig:
                 )
             if len(set(names)) != 1 or self.flat:
                 raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
+        host = self.host_s_per_byte
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
+            raise ValueError(f"host_s_per_byte must be >= 0, got {host!r}")
         chunks = self.pipeline_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

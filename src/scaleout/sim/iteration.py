@@ -147,6 +147,14 @@ class _Run:
         self.starts: list[float] = []
         self.comm_s = 0.0
         self.busy = [0.0] * len(topology.dims)
+        self.computed = 0.0  # compute seconds done before ``computing`` (processor sharing)
+        self.computing: float | None = None  # start of the compute span running now
+        self.debt = 0.0  # host work owed to the next compute span
+
+    def compute_clock(self) -> float:
+        """Seconds this rank has computed so far (the running span included)."""
+        running = self.q.now - self.computing if self.computing is not None else 0.0
+        return self.computed + running
 
     # -- network ---------------------------------------------------------------------------
     def cost(self, nbytes: float) -> CollectiveCost:
@@ -207,15 +215,18 @@ class _Run:
             return
         chunk = self.net.popleft()
         cost = self.cost(chunk.nbytes)
-        duration = cost.time + chunk.nbytes * self.cfg.codec.seconds_per_byte
+        host = chunk.nbytes * self.cfg.codec.ratio * self.cfg.host_s_per_byte
+        duration = max(cost.time, host) + chunk.nbytes * self.cfg.codec.seconds_per_byte
         self.net_busy = True
-        start = self.q.now
+        start, clock = self.q.now, self.compute_clock()
         if chunk.iteration == 1:  # a steady-state iteration's traffic, counted once
             self.comm_s += duration
             self.busy = [b + c for b, c in zip(self.busy, cost.link_busy)]
 
         def finish() -> None:
             self.net_busy = False
+            if host and duration > 0:  # the host work done while the rank computed
+                self.debt += host * (self.compute_clock() - clock) / duration
             lane = chunk.bucket.lane
             self.inflight[lane] -= 1
             self.inflight_bytes[lane] -= chunk.nbytes
@@ -246,8 +257,16 @@ class _Run:
         return all((iteration, b) in self.done_at for b in indices)
 
     def compute(self, name: str, seconds: float, iteration: int, then: Callable[[], None]) -> None:
-        start = self.q.now
-        self.q.after(seconds, lambda: (self.record("compute", name, start, iteration), then()))
+        start, self.computing = self.q.now, self.q.now
+        seconds, self.debt = seconds + self.debt, 0.0
+
+        def end() -> None:
+            self.computed += self.q.now - start
+            self.computing = None
+            self.record("compute", name, start, iteration)
+            then()
+
+        self.q.after(seconds, end)
 
     def wait(self, iteration: int, layer: int, then: Callable[[], None]) -> None:
         if self.ready(iteration, layer):

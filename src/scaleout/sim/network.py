@@ -247,11 +247,13 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             _preset(
                 "goyal-bigbasin",
                 "8x32",
-                ["20GB/s", "50Gbps"],
+                ["20GB/s", "6.25Gbps"],
                 ["2us", "5us"],
                 ["ring", "switch"],
-                "Goyal et al. 2017: 32 Big Basin servers x 8 P100 (NVLink), 50 Gbit/s Ethernet "
-                "(REFERENCES.md §2); NVLink ring ~20 GB/s per direction assumed",
+                "Goyal et al. 2017: 32 Big Basin servers x 8 P100 (NVLink), one Mellanox "
+                "ConnectX-4 50 Gbit/s Ethernet card per server (REFERENCES.md §2): a link here "
+                "is one NPU's, so the 8 GPUs' share is 50/8 Gbit/s each; NVLink ring ~20 GB/s "
+                "per direction assumed",
             ),
             _preset(
                 "knl-omnipath",

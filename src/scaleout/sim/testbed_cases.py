@@ -17,7 +17,15 @@ What goes in, and nothing else:
 * two parameters fitted on a stated training split, the ``lockstep`` and ``lockstep-traffic``
   rows of ``resnet18-1gbit-ceilings`` (runs that train no shared model, so none of the
   predicted rows): ranks sharing the two cores compute ``lockstep / single`` = 785.3 / 735.7
-  slower, and every MB of gradients moved costs (959.0 - 785.3) / 44.70 = 3.89 ms of compute.
+  slower, and every MB moved costs (959.0 - 785.3) / 44.70 = 3.89 ms of CPU
+  (``IterationConfig.host_s_per_byte``). In the training split the traffic (365 ms on the wire)
+  ran entirely under the 785 ms of compute, so that CPU lengthened the compute in full; the
+  simulator charges it the same way only for the share of a transfer that runs while the rank
+  computes (processor sharing), and a transfer takes at least that CPU time. Before, it was
+  added to the compute whatever the overlap, which double-counted it when the traffic is
+  exposed (DLRM: 7 ms of compute, 43 ms on the wire at 1 Gbit/s). This change of the model's
+  form was made after the held-out errors had been seen (docs/simulator.md); the two fitted
+  numbers are unchanged.
 """
 
 from __future__ import annotations
@@ -86,17 +94,12 @@ def _spec(workload: str) -> ModelSpec:
     )
 
 
-def testbed_workload(
-    workload: str, single_ms: float, grad_mb: float, wire_mb: float | None = None
-) -> Workload:
-    """One rank's layers for a testbed row: measured time split by FLOPs, bytes by parameters.
-
-    ``wire_mb`` (default ``grad_mb``) is what travels, which the CPU-per-MB charge counts.
-    """
+def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
+    """One rank's layers for a testbed row: measured time (x ``SLOWDOWN``) split by FLOPs,
+    bytes by parameters."""
     spec = _spec(workload)
     flops, params = spec.flops, spec.params
-    moved = grad_mb if wire_mb is None else wire_mb
-    compute_s = (single_ms * SLOWDOWN + MS_PER_MB * moved) / 1e3
+    compute_s = single_ms * SLOWDOWN / 1e3
     return Workload(
         name=workload,
         layers=tuple(
@@ -115,16 +118,20 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
     codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
     rate_bps = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}[rate] / 8 * 0.98
     topology = parse_topology("2", bandwidths=[rate_bps], latencies=["50us"], kinds=["switch"])
+    host = MS_PER_MB / 1e3 / MB
     if peer.startswith("scaleout"):
-        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec)
+        config = IterationConfig(
+            scheduler=SchedulerConfig(), mode="overlap", codec=codec, host_s_per_byte=host
+        )
     else:
         config = IterationConfig(
             mode="sync",
             scheduler=SchedulerConfig(
                 policy="fifo", bucket_bytes=25 * MB, first_bucket_bytes=1 * MB
             ),
+            host_s_per_byte=host,
         )
-    work = testbed_workload(workload, single_ms, grad_mb, grad_mb * codec.ratio)
+    work = testbed_workload(workload, single_ms, grad_mb)
     return simulate(work, topology, config).iteration_s * 1e3
 
 
@@ -147,7 +154,7 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                     assumptions=(
                         f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
                         "50 us/hop; slowdown and CPU per MB from resnet18-1gbit-ceilings' "
-                        "lockstep rows; "
+                        "lockstep rows, the CPU charged to compute only while both run; "
                         + {
                             "scaleout": "priority, overlap",
                             "ddp": "FIFO 25 MB buckets, sync",

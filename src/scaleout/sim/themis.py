@@ -11,10 +11,25 @@ so phases of different chunks overlap on different dimensions.
   the dimensions least-loaded first, then charges them: a reduce-scatter of ``m`` bytes on a
   dimension of size ``d`` adds ``m (d-1)/d / B_d`` and shrinks the chunk to ``m/d``; the
   matching all-gather adds ``m (d-1) / B_d`` on the way back (Themis, ISCA'22; REFERENCES.md
-  §5, with the load in seconds rather than relative to dimension 0's bandwidth).
+  §5, with the load in seconds rather than relative to dimension 0's bandwidth). While the
+  loads differ by less than 1/16 of a chunk (the gap converted to bytes on the least-loaded
+  dimension) it keeps the fixed order, as ASTRA-sim's ``OfflineGreedy`` does.
+
+Which waiting chunk phase a free dimension serves next is the intra-dimension policy
+(ASTRA-sim's ``intra-dimension-scheduling``): ``fifo`` in arrival order; ``scf`` (smallest
+chunk first, introduced with Themis in the same ISCA'22 paper) inserts a phase before the first
+waiting phase at least as large (a phase's size is the larger of its input and output), except
+a phase with exactly one phase left after it, which joins the back (ASTRA-sim's ``Sys.cc``,
+``insert_stream`` under ``SmallestFirst``, tests ``phases_to_go.size() == 1`` after the current
+phase was popped from that list). Without it a
+Themis order stalls: every chunk's first phase, full-size, queues on its least-loaded
+dimension at once, and the small later phases that would keep the other dimensions busy wait
+behind them.
 
 The gain reported is ``baseline time / themis time`` for the same bytes, i.e. the ratio of
-all-reduce bandwidth utilisations.
+all-reduce bandwidth utilisations (bytes carried / (time x the summed bandwidth of the
+dimensions): every order moves the same bytes in all). :func:`themis_gain` compares Themis
+with SCF, as the paper proposes it, against the baseline with FIFO (ASTRA-sim's defaults).
 
 Example:
     >>> from scaleout.sim.network import parse_topology
@@ -32,9 +47,10 @@ from scaleout.sim.collectives import phase_time
 from scaleout.sim.events import EventQueue
 from scaleout.sim.network import Topology
 
-__all__ = ["SCHEDULERS", "PipelineResult", "pipelined_allreduce", "themis_gain"]
+__all__ = ["SCHEDULERS", "INTRA", "PipelineResult", "pipelined_allreduce", "themis_gain"]
 
 SCHEDULERS = ("baseline", "themis")
+INTRA = ("fifo", "scf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +82,10 @@ def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> l
     orders = []
     for _ in range(chunks):
         order = sorted(active, key=lambda i: (load[i], i))
+        first, dim = order[0], topology.dims[order[0]]
+        gap = (load[order[-1]] - load[first]) * dim.bandwidth * dim.npus / (dim.npus - 1)
+        if gap < nbytes / chunks / 16:  # nearly balanced: keep the fixed order
+            order = list(active)
         size = nbytes / chunks
         for i in order:  # reduce-scatter up
             d, bw = topology.dims[i].npus, topology.dims[i].bandwidth
@@ -86,6 +106,7 @@ def pipelined_allreduce(
     chunks: int = 64,
     algorithm: str = "ring",
     scheduler: str = "baseline",
+    intra: str | None = None,
 ) -> PipelineResult:
     """Simulate a chunked all-reduce, every dimension serving one chunk phase at a time.
 
@@ -95,12 +116,18 @@ def pipelined_allreduce(
         chunks: pieces it is cut into (ASTRA-sim's preferred-dataset-splits).
         algorithm: the per-dimension algorithm (``ring``, ``direct``, ``halving_doubling``).
         scheduler: ``"baseline"`` (fixed order) or ``"themis"``.
+        intra: which waiting phase a dimension serves next: ``"fifo"`` or ``"scf"``;
+            ``None``: the paper's pairing, FIFO for the baseline and SCF for Themis.
 
     Raises:
-        ValueError: an unknown scheduler or a chunk count < 1.
+        ValueError: an unknown scheduler or intra policy, or a chunk count < 1.
     """
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+    if intra is None:
+        intra = "scf" if scheduler == "themis" else "fifo"
+    if intra not in INTRA:
+        raise ValueError(f"intra must be one of {INTRA}, got {intra!r}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     orders = _orders(topology, float(nbytes), chunks, scheduler)
@@ -136,7 +163,16 @@ def pipelined_allreduce(
             finished[0] = max(finished[0], queue.now)
             return
         dim = stages[chunk][stage][0]
-        waiting[dim].append((chunk, stage))
+        queue_ = waiting[dim]
+        at = len(queue_)
+        if intra == "scf" and stage != len(stages[chunk]) - 2:  # see the module docstring
+            mine = _phase_size(stages[chunk][stage])
+            at = next(
+                (k for k, (c, s) in enumerate(queue_)
+                 if _phase_size(stages[c][s]) >= mine),
+                at,
+            )
+        queue_.insert(at, (chunk, stage))
         start(dim)
 
     def done(dim: int, chunk: int, stage: int) -> None:
@@ -155,10 +191,16 @@ def pipelined_allreduce(
     )
 
 
+def _phase_size(stage: tuple[int, str, float]) -> float:
+    """A phase's larger end: a reduce-scatter's input, an all-gather's output (as stored)."""
+    return stage[2]
+
+
 def themis_gain(
     topology: Topology, *, nbytes: float, chunks: int = 64, algorithm: str = "ring"
 ) -> tuple[float, PipelineResult, PipelineResult]:
-    """``(baseline time / themis time, baseline result, themis result)``."""
+    """``(baseline time / themis time, baseline result, themis result)``: the baseline in
+    fixed order with FIFO dimensions, Themis with smallest-chunk-first ones."""
     base = pipelined_allreduce(
         topology, nbytes=nbytes, chunks=chunks, algorithm=algorithm, scheduler="baseline"
     )

@@ -21,6 +21,7 @@ Run with ``-s`` to print the table recorded in benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -89,13 +90,13 @@ class Ensemble(nn.Module):
 
 
 def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...], mode: str,
-           epochs: int) -> tuple[dict, list[str], list[torch.Tensor]]:
-    """Train every (codec, lr) copy; return accuracies, the warnings, and the weights after
-    the first epoch."""
-    xtr, ytr, xte, yte = _data()
+           epochs: int, device: str) -> tuple[dict, list[str], list[torch.Tensor]]:
+    """Train every (codec, lr) copy on ``device``; return accuracies, the warnings, and the
+    weights after the first epoch."""
+    xtr, ytr, xte, yte = (t.to(device) for t in _data())
     rank, ranks = d.rank(scaleout.GroupType.DATA), d.size(scaleout.GroupType.DATA)
     keys = [(spec, lr) for lr in lrs for spec in ("none", *CODECS)]
-    ensemble = Ensemble(arch, len(keys))
+    ensemble = Ensemble(arch, len(keys)).to(device)
     layers = {f"nets.{i}.*": _codec(spec) for i, (spec, _) in enumerate(keys) if spec != "none"}
     config = CompressionConfig(codec="none", layers=layers, min_numel=0)
     model = DataParallel(ensemble, d, compression=config)
@@ -131,18 +132,21 @@ def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...]
     return accs, warned, first
 
 
-def _grid() -> dict:
+def _grid(device: str = "cpu") -> dict:
     # 120 s per collective: under a loaded suite one rank was once seen more than 60 s behind
     # the other between two jobs (docs/codecs.md, "Not done").
-    env = scaleout.init(timeout=120)
+    if device == "cuda":  # sync and overlap must agree bit for bit: deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    env = scaleout.init(timeout=120)  # on one GPU: two ranks share it over gloo
     d = env.create_distribution()
     jobs = [(arch, opt, lrs) for arch in ("mlp", "cnn")
             for opt, lrs in (("sgd", SGD_LRS), ("adamw", (ADAMW_LR,)))]
     out: dict = {"acc": {}, "warned": {}, "sync_equal": {}, "seconds": {}}
     for arch, opt, lrs in jobs:
         started = time.perf_counter()
-        accs, warned, first = _train(d, arch, opt, lrs, "overlap", EPOCHS)
-        _, _, first_sync = _train(d, arch, opt, lrs, "sync", 1)
+        accs, warned, first = _train(d, arch, opt, lrs, "overlap", EPOCHS, device)
+        _, _, first_sync = _train(d, arch, opt, lrs, "sync", 1, device)
         out["seconds"][(arch, opt)] = time.perf_counter() - started
         out["sync_equal"][(arch, opt)] = all(torch.equal(a, b) for a, b in zip(first, first_sync))
         out["warned"][(arch, opt)] = warned
@@ -185,7 +189,19 @@ def test_every_codec_converges_or_is_warned_about() -> None:
     # thread left by an earlier test held an import lock deadlocks such an import; the
     # whole suite saw this test's ranks stall twice (once "more than 60 s behind", once
     # past the 240 s limit) while it passed every time on its own.
-    out = run_ranks(2, _grid, timeout=240, start_method="spawn")[0]
+    _check(run_ranks(2, _grid, timeout=240, start_method="spawn")[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_codec_converges_on_cuda_too() -> None:
+    """The same grid on CUDA tensors (two ranks sharing one GPU over gloo; blockquant and
+    sign through their fused kernels), held to the same tolerance."""
+    _check(run_ranks(2, _grid, "cuda", timeout=240, start_method="spawn")[0])
+
+
+def _check(out: dict) -> None:
     print("\n" + _table(out))
     print({k: round(v, 1) for k, v in out["seconds"].items()})
     for job, equal in out["sync_equal"].items():

@@ -27,6 +27,7 @@ from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import Layer, agreed_order, broadcast_tensors, find_layers
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
+from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
@@ -63,6 +64,9 @@ class DataParallel(nn.Module):
             ``SCALEOUT_TRACE``. ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
         verify_replicas: every N steps, check that the replicas are identical (debug; see
             ``scaleout.pytorch.replicas``); default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off.
+        tune: choose ``scheduler`` (and codecs) from the first iterations' measurements:
+            ``True`` (exact), ``"lossy"`` (codecs per layer allowed) or a ``TuneConfig``
+            (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -77,7 +81,8 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, distribution: Distribution | None = None, *,
                  scheduler: SchedulerConfig | None = None, distributed_update: bool = False,
                  compression: Any = None, broadcast_buffers: bool = True,
-                 trace: str | os.PathLike | None = None, verify_replicas: int | None = None) -> None:
+                 trace: str | os.PathLike | None = None, verify_replicas: int | None = None,
+                 tune: Any = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -92,6 +97,7 @@ class DataParallel(nn.Module):
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = bool(distributed_update)
         self._compression = None if compression is None else as_config(compression)  # errors now
+        self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
         self.replicas = ReplicaCheck(self.comm, module, replica_interval(verify_replicas))
         self._model_comm = distribution.communicator(GroupType.MODEL)
@@ -143,6 +149,20 @@ class DataParallel(nn.Module):
         return self._compression
 
     @property
+    def tuning(self) -> Any:
+        """What ``tune=`` chose and why (a :class:`~scaleout.sim.tuning.TuneChoice`:
+        ``summary()``, ``as_dict()``), or ``None`` before it tuned (or without ``tune=``)."""
+        return None if self._tuner is None else self._tuner.choice
+
+    def tune_now(self) -> Any:
+        """Tune now with the iterations measured so far (every rank; after one measured
+        iteration; once), e.g. at the end of a warm-up; returns :attr:`tuning`."""
+        if self._tuner is None:
+            raise RuntimeError("tune_now() needs DataParallel(..., tune=...)")
+        self._tuner.before_forward(self, now=True)
+        return self.tuning
+
+    @property
     def session(self) -> Session | None:
         """The committed session (None before the first forward)."""
         return self._session
@@ -174,8 +194,9 @@ class DataParallel(nn.Module):
         """
         if self._session is not None:
             raise RuntimeError("register_comm_hook must be called before the first forward")
-        if self._compression is not None:
-            raise RuntimeError("register_comm_hook replaces compression=: pass one or the other")
+        if self._compression is not None or self._tuner is not None:
+            raise RuntimeError("register_comm_hook replaces compression= and tune=: pass one "
+                               "or the other")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = (state, hook)
@@ -215,6 +236,8 @@ class DataParallel(nn.Module):
     def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
         self.replicas.before_forward(self.synchronize)
+        if self._tuner is not None and self._session is not None:
+            self._tuner.before_forward(self)  # measures; at its iteration, tunes and rebuilds
         self._stopwatch.begin()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
@@ -281,6 +304,13 @@ class DataParallel(nn.Module):
         self._handles.clear()
 
     # -- set-up ------------------------------------------------------------------------
+
+    def _rebuild(self, scheduler: SchedulerConfig, compression: CompressionConfig | None) -> None:
+        """Plan again with new options (the tuner's; every rank, nothing in flight)."""
+        assert self._session is not None
+        self._scheduler, self._compression = scheduler, compression
+        self._session.close()
+        self._commit()
 
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit."""

@@ -119,3 +119,23 @@ def test_bad_arguments_raise() -> None:
             TuneConfig(**kwargs)
     assert as_tune_config(False) is None and as_tune_config(True).allow_lossy is False
     assert as_tune_config("lossy").allow_lossy is True
+
+
+def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> None:
+    from scaleout.bench.train import TrainBenchConfig
+
+    config = TrainBenchConfig(workload="digits-mlp", compression=("none", "auto", "auto-exact"),
+                              warmup=3, testbed=False)
+    assert config.configurations[1:4] == ("scaleout", "scaleout+auto", "scaleout+auto-exact")
+    with pytest.raises(ValueError, match="warm-up"):
+        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=2, testbed=False)
+
+
+def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
+    from scaleout.cli.main import main
+
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "3",
+                 "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "codecs: none (exact)" in out and "measured after tuning" in out
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "2"]) == 2

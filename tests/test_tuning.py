@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,12 @@ def _net() -> nn.Module:
                          nn.Linear(256, 10))
 
 
-def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6) -> dict:
-    env = scaleout.init(timeout=60)
-    net = _net()
+def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
+         cuda: bool = False) -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    env = scaleout.init(backend=("nccl" if world == 1 else "gloo") if cuda else None, timeout=60)
+    device = torch.device("cuda" if cuda else "cpu")
+    net = _net().to(device)
     model = DataParallel(net, env.create_distribution(), tune=tune)
     inner = (torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer == "adamw"
              else torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
@@ -34,7 +39,7 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6)
     for step in range(steps):
         x = torch.randn(16, 128, generator=generator)
         y = torch.randint(0, 10, (16,), generator=generator)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
         if tuned_at is None and model.tuning is not None:
             tuned_at = step + 1  # the forward that tuned
         opt.step()
@@ -43,7 +48,7 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6)
     total = model.statistics.total()
     out = {"key": repr(model.tuning.key()), "summary": model.tuning.summary(),
            "codecs": dict(model.tuning.codecs), "tuned_at": tuned_at,
-           "params": [p.detach().clone() for p in net.parameters()],
+           "params": [p.detach().cpu() for p in net.parameters()],
            "bytes": total.bytes, "raw_bytes": total.raw_bytes}
     model.close()
     env.finalize()
@@ -78,6 +83,21 @@ def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:
     assert results[0]["bytes"] < results[0]["raw_bytes"]  # after tuning, compressed on the wire
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])  # NCCL alone; gloo with CUDA tensors (one GPU)
+def test_tuning_on_a_gpu(world: int) -> None:
+    link = LinkModel(ranks=world, latency_s=1e-3, seconds_per_byte=1e-6)
+    results = run_ranks(world, body, TuneConfig(allow_lossy=True, link=link), "sgd", True, 6,
+                        True, timeout=180)
+    assert len({r["key"] for r in results}) == 1
+    if world == 2:
+        assert results[0]["codecs"], results[0]["summary"]
+        for a, b in zip(results[0]["params"], results[1]["params"]):
+            assert torch.equal(a, b)
+    else:
+        assert "one rank" in results[0]["summary"]
 
 
 def test_lossy_tuning_without_a_known_optimizer_stays_exact() -> None:

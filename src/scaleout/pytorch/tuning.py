@@ -36,7 +36,8 @@ from scaleout.core.collectives import ReduceOp, allreduce
 from scaleout.core.consistency import verify_plan
 from scaleout.scheduler import SchedulerConfig
 from scaleout.sim.config import CodecModel
-from scaleout.sim.tuning import LinkModel, TuneChoice, choose, workload_of
+from scaleout.sim.tuning import LinkModel, TuneChoice, choose
+from scaleout.sim.workload import Layer, Workload
 
 __all__ = ["TuneConfig", "Tuner", "as_tune_config", "tuner_for", "LOSSY_CODECS"]
 
@@ -87,7 +88,7 @@ class TuneConfig:
             raise TypeError(f"codecs must be a tuple of codec specs, got {self.codecs!r}")
         for spec in self.codecs:
             if make_codec(spec).name == "none":
-                raise ValueError(f"codecs lists lossy codecs; 'none' is always a candidate")
+                raise ValueError("codecs lists lossy codecs; 'none' is always a candidate")
         object.__setattr__(self, "codecs", tuple(self.codecs))
         for name, low in (("skip", 0), ("measure", 1)):
             value = getattr(self, name)
@@ -273,7 +274,11 @@ class Tuner:
             total, backward = values[2 + 2 * i] / iterations, values[3 + 2 * i] / iterations
             grad = sum(p.numel() * p.element_size() for p in layer.params)
             rows.append((layer.name, total - backward, backward, grad))
-        workload = workload_of("measured", rows) if rows else None
+        if not rows:
+            raise RuntimeError("tuning needs at least one layer with parameters")
+        workload = Workload(name="measured", layers=tuple(
+            Layer(name=n, forward_s=max(f, 0.0), backward_s=max(b, 0.0), grad_bytes=g)
+            for n, f, b, g in rows))
         models: dict[str, dict[str, CodecModel]] = {}
         offset = 2 + 2 * len(layers)
         for i, (name, _, _, grad) in enumerate(rows):
@@ -285,10 +290,7 @@ class Tuner:
                     models.setdefault(name, {})[spec] = CodecModel(
                         name=spec, ratio=ratio, seconds_per_byte=values[offset + k] / grad,
                         summable=codec.summable, multi_round=codec.multi_round)
-        mode = model.updates.mode
-        if workload is None:
-            raise RuntimeError("tuning needs at least one layer with parameters")
-        choice = choose(workload, link_model, mode=mode, default=model._scheduler, codecs=models,
+        choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler, codecs=models,
                         min_gain_exact=config.min_gain_exact, min_gain_lossy=config.min_gain_lossy,
                         codec_competes=model._device.type == "cpu")
         if reason:

@@ -13,7 +13,7 @@ is predicted to gain at least ``min_gain_exact``, and a lossy codec is chosen on
 it is predicted to gain at least ``min_gain_lossy`` over the best exact configuration.
 
 Example:
-    >>> from scaleout.sim.workload import Layer, Workload
+    >>> from scaleout.sim.workload import Workload
     >>> w = Workload(name="toy", layers=tuple(Layer(name=f"l{i}", forward_s=0.01,
     ...     backward_s=0.02, grad_bytes=4 << 20) for i in range(4)))
     >>> link = LinkModel(ranks=2, latency_s=1e-4, seconds_per_byte=1 / 12.5e6)  # ~100 Mbit/s
@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
@@ -35,9 +35,9 @@ from scaleout.sim.config import MODES, CodecModel, IterationConfig
 from scaleout.sim.iteration import simulate
 from scaleout.sim.network import Dimension, Topology
 from scaleout.sim.units import format_bytes, format_time
-from scaleout.sim.workload import Layer, Workload
+from scaleout.sim.workload import Workload
 
-__all__ = ["LinkModel", "Candidate", "TuneChoice", "choose", "workload_of", "SEARCH"]
+__all__ = ["LinkModel", "Candidate", "TuneChoice", "choose", "SEARCH"]
 
 KB = 1 << 10
 
@@ -395,9 +395,3 @@ def _trivial(workload: Workload, link: LinkModel, default: SchedulerConfig) -> T
                       reasons=(f"{why}: the defaults stay",),
                       candidates=(Candidate("defaults", default, MappingProxyType({}), seconds),))
 
-
-def workload_of(name: str, layers: Sequence[tuple[str, float, float, int]]) -> Workload:
-    """A :class:`Workload` from measured ``(name, forward_s, backward_s, grad_bytes)`` rows."""
-    return Workload(name=name, layers=tuple(
-        Layer(name=n, forward_s=max(f, 0.0), backward_s=max(b, 0.0), grad_bytes=int(g))
-        for n, f, b, g in layers))

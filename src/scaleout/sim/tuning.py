@@ -160,14 +160,15 @@ class TuneChoice:
     def summary(self, top: int = 6) -> str:
         """A readable report: what was chosen, why, and the best candidates' predictions."""
         s = self.scheduler
-        codecs = sorted(set(self.codecs.values()))
+        specs = list(self.codecs.values())
+        codecs = ", ".join(f"{spec} on {specs.count(spec)} layers" for spec in sorted(set(specs)))
         lines = [
             f"link: {self.link.describe()}; compute {format_time(self.compute_s)}/it",
             f"chosen: policy={s.policy} bucket={format_bytes(s.bucket_bytes)} "
             f"first_bucket={format_bytes(s.first_bucket_bytes)} "
             f"chunk={format_bytes(s.partition_bytes)} credit={format_bytes(s.credit_bytes)} "
             f"urgent={format_bytes(s.urgent_bytes)}; codecs: "
-            + (f"{', '.join(codecs)} on {len(self.codecs)} layers" if codecs else "none (exact)"),
+            + (codecs or "none (exact)"),
             f"predicted per iteration: chosen {format_time(self.predicted_s)}, best exact "
             f"{format_time(self.exact_s)}, defaults {format_time(self.default_s)}",
             *(f"why: {reason}" for reason in self.reasons),
@@ -367,8 +368,10 @@ def choose(workload: Workload, link: LinkModel, *, mode: str = "overlap",
             gain = 1 - lossy.predicted_s / exact.predicted_s
             if gain >= min_gain_lossy:
                 chosen = lossy
-                reasons.append(f"codecs: {lossy.label.split(',')[0]} is predicted {gain:.1%} "
-                               f"faster than exact gradients (needs {min_gain_lossy:.0%})")
+                moved = "" if lossy.scheduler == exact.scheduler else \
+                    f" (with {_label(lossy.scheduler)})"
+                reasons.append(f"codecs: {lossy.label.split(',')[0]}{moved} is predicted "
+                               f"{gain:.1%} faster than exact gradients (needs {min_gain_lossy:.0%})")
             else:
                 reasons.append(f"codecs: the best ({lossy.label.split(',')[0]}) is predicted "
                                f"{gain:+.1%} against exact gradients, below the "

@@ -215,7 +215,7 @@ class Tuner:
     def before_forward(self, model: Any, now: bool = False) -> None:
         """At the start of every forward of ``model`` (every rank): measure; at the tuning
         iteration (or ``now``, once an iteration was measured) settle, tune and rebuild the
-        model's plan with the choice.
+        model's plan with the choice (when it differs from the plan in use).
 
         Raises:
             RuntimeError: ``now`` before one iteration was measured.
@@ -227,7 +227,9 @@ class Tuner:
         if self.due(model.statistics, model._forward_order) or (now and not self.done):
             model.synchronize()
             self.tune(model)
-            model._rebuild(self.scheduler(), self.compression(model))
+            compression = self.compression(model)
+            if compression is not None or self.scheduler() != model._scheduler:
+                model._rebuild(self.scheduler(), compression)  # (unchanged: the plan stays)
 
     def due(self, statistics: Any, layers: Sequence[Any]) -> bool:
         """Called at the start of every forward: snapshot the compute figures after
@@ -247,20 +249,15 @@ class Tuner:
         assert self._start is not None
         end = _compute(model.statistics, layers)
         iterations = max(model.statistics.iterations - self._start_iteration, 1)
-        compute = [(end[l.name][0] - self._start[l.name][0],
-                    end[l.name][1] - self._start[l.name][1]) for l in layers]
+        compute = [x for l in layers for x in (end[l.name][0] - self._start[l.name][0],
+                                               end[l.name][1] - self._start[l.name][1])]
         specs, reason = self._allowed_codecs(model)
         min_numel = CompressionConfig().min_numel
-        payloads, codec_s = [], []
-        for layer in layers:
-            for spec in specs:
-                nbytes, seconds = measure_codec(spec, layer.params, min_numel)
-                payloads.append(nbytes)
-                codec_s.append(seconds)
+        codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
         link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
                 else [0.0, 0.0])
-        flat = [*link, *(x for pair in compute for x in pair), *codec_s]
-        agreed = torch.tensor(flat, dtype=torch.float64, device=model._device)
+        agreed = torch.tensor([*link, *compute, *(seconds for _, seconds in codecs)],
+                              dtype=torch.float64, device=model._device)
         if comm.size > 1:  # the slowest rank's figures: every rank then decides alike
             _wait(allreduce(comm, agreed, ReduceOp.MAX), model._device)
         values = agreed.tolist()
@@ -269,29 +266,13 @@ class Tuner:
         if link_model.ranks != comm.size:
             raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
                              f"has {comm.size}")
-        rows = []
-        for i, layer in enumerate(layers):
-            total, backward = values[2 + 2 * i] / iterations, values[3 + 2 * i] / iterations
-            grad = sum(p.numel() * p.element_size() for p in layer.params)
-            rows.append((layer.name, total - backward, backward, grad))
-        if not rows:
-            raise RuntimeError("tuning needs at least one layer with parameters")
-        workload = Workload(name="measured", layers=tuple(
-            Layer(name=n, forward_s=max(f, 0.0), backward_s=max(b, 0.0), grad_bytes=g)
-            for n, f, b, g in rows))
-        models: dict[str, dict[str, CodecModel]] = {}
-        offset = 2 + 2 * len(layers)
-        for i, (name, _, _, grad) in enumerate(rows):
-            for j, spec in enumerate(specs):
-                k = i * len(specs) + j
-                ratio = payloads[k] / grad if grad else 1.0
-                if grad and 0 < ratio < 1:
-                    codec = make_codec(spec)
-                    models.setdefault(name, {})[spec] = CodecModel(
-                        name=spec, ratio=ratio, seconds_per_byte=values[offset + k] / grad,
-                        summable=codec.summable, multi_round=codec.multi_round)
-        choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler, codecs=models,
-                        min_gain_exact=config.min_gain_exact, min_gain_lossy=config.min_gain_lossy,
+        workload = _workload(layers, values[2:2 + 2 * len(layers)], iterations)
+        seconds = values[2 + 2 * len(layers):]
+        models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
+                                                  in zip(codecs, seconds)])
+        choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
+                        codecs=models, min_gain_exact=config.min_gain_exact,
+                        min_gain_lossy=config.min_gain_lossy,
                         codec_competes=model._device.type == "cpu")
         if reason:
             choice = _with_reason(choice, reason)
@@ -341,6 +322,35 @@ def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, f
     """Each layer's accumulated (compute, backward) seconds."""
     return {l.name: (statistics.operation(l.name).compute_s,
                      statistics.operation(l.name).backward_s) for l in layers}
+
+
+def _workload(layers: Sequence[Any], compute: Sequence[float], iterations: int) -> Workload:
+    """The measured workload: per layer, ``compute`` holds (compute, backward) seconds summed
+    over ``iterations``."""
+    if not layers:
+        raise RuntimeError("tuning needs at least one layer with parameters")
+    return Workload(name="measured", layers=tuple(
+        Layer(name=layer.name, forward_s=max(total - backward, 0.0) / iterations,
+              backward_s=max(backward, 0.0) / iterations,
+              grad_bytes=sum(p.numel() * p.element_size() for p in layer.params))
+        for layer, total, backward in zip(layers, compute[::2], compute[1::2])))
+
+
+def _codec_models(workload: Workload, specs: Sequence[str],
+                  measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
+    """Per layer and spec, the measured codec (``measured``: (payload bytes, seconds) per layer
+    and spec, in that order); a codec that does not shrink a layer is left out for it."""
+    models: dict[str, dict[str, CodecModel]] = {}
+    for i, layer in enumerate(workload.layers):
+        for j, spec in enumerate(specs):
+            payload, seconds = measured[i * len(specs) + j]
+            if layer.grad_bytes and 0 < payload < layer.grad_bytes:
+                codec = make_codec(spec)
+                models.setdefault(layer.name, {})[spec] = CodecModel(
+                    name=spec, ratio=payload / layer.grad_bytes,
+                    seconds_per_byte=seconds / layer.grad_bytes, summable=codec.summable,
+                    multi_round=codec.multi_round)
+    return models
 
 
 def _with_reason(choice: TuneChoice, reason: str) -> TuneChoice:

@@ -115,7 +115,8 @@ class IterationConfig:
         flat: one ring over all NPUs instead of the hierarchical decomposition.
         codec: the codec's byte ratio and cost.
         layer_codecs: layer name -> the codec of that layer's gradients (others: ``codec``),
-            as with a per-layer ``CompressionConfig``; items of one codec fuse together.
+            as with a per-layer ``CompressionConfig``; items of one codec fuse together
+            (the iteration model; the Chakra graph prices every bucket with ``codec``).
         iterations: simulated back to back (>= 3); the steady state is reported.
         trace: keep every span for a Chrome trace.
         pipeline: ``None``: a multi-dimensional all-reduce runs its phases one after the

@@ -16,10 +16,14 @@ from scaleout.pytorch.tuning import TuneConfig, as_tune_config
 from scaleout.sim.tuning import LinkModel
 
 SLOW = LinkModel(ranks=2, latency_s=1e-3, seconds_per_byte=1e-6)  # ~1 MB/s: codecs pay
+LATENCY_BOUND = LinkModel(ranks=2, latency_s=0.2, seconds_per_byte=1e-10)
 
 
-def _net() -> nn.Module:
+def _net(wide: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if wide:  # 8 layers of 1 MB: a latency-bound link wants fewer, bigger messages
+        return nn.Sequential(nn.Linear(128, 512), *(nn.Linear(512, 512) for _ in range(8)),
+                             nn.Linear(512, 10))
     return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                          nn.Linear(256, 10))
 
@@ -29,7 +33,7 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
     world = int(os.environ["WORLD_SIZE"])
     env = scaleout.init(backend=("nccl" if world == 1 else "gloo") if cuda else None, timeout=60)
     device = torch.device("cuda" if cuda else "cpu")
-    net = _net().to(device)
+    net = _net(wide=isinstance(tune, TuneConfig) and tune.link is LATENCY_BOUND).to(device)
     model = DataParallel(net, env.create_distribution(), tune=tune)
     inner = (torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer == "adamw"
              else torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
@@ -46,7 +50,8 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
         opt.zero_grad()
     model.synchronize()
     total = model.statistics.total()
-    out = {"key": repr(model.tuning.key()), "summary": model.tuning.summary(),
+    out = {"key": repr(model.tuning.key()), "in_use": model.session.scheduler,
+           "chosen": model.tuning.scheduler, "summary": model.tuning.summary(),
            "codecs": dict(model.tuning.codecs), "tuned_at": tuned_at,
            "params": [p.detach().cpu() for p in net.parameters()],
            "bytes": total.bytes, "raw_bytes": total.raw_bytes}
@@ -81,6 +86,18 @@ def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:
     assert chosen and chosen <= {"cast:bf16", "blockquant"}, results[0]["summary"]
     assert "unsuited to AdamW" in results[0]["summary"]
     assert results[0]["bytes"] < results[0]["raw_bytes"]  # after tuning, compressed on the wire
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_latency_bound_link_rebuilds_the_plan_with_fewer_messages() -> None:
+    from scaleout.scheduler import SchedulerConfig
+
+    results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND), "sgd", timeout=120)
+    assert results[0]["key"] == results[1]["key"]
+    chosen = results[0]["chosen"]
+    assert chosen != SchedulerConfig(), results[0]["summary"]
+    assert results[0]["in_use"] == chosen  # the session was rebuilt with it
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
 

@@ -25,41 +25,19 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from scaleout.bench.train_peers import PEERS, is_configuration
+from scaleout.bench.train_failures import BenchFailed, failure_reason
+from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
 from scaleout.bench.train_progress import ProgressBar
 from scaleout.bench.train_worker import PROGRESS_MARK
 from scaleout.launch.launcher import LaunchConfig, RankWrapper, launch
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
-__all__ = ["TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation", "trace_folder"]
+__all__ = ["AUTO_WARMUP", "run_configuration", "TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation", "trace_folder"]
 
 
-class BenchFailed(RuntimeError):
-    """A configuration run failed; the message names it and holds its output.
-
-    Attributes:
-        reason: one line saying why (the last error line of the output, else the exit code).
-    """
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def failure_reason(lines: list[str], code: int) -> str:
-    """The line of a failed run's output that says why: the last that names an error or an
-    exception (``RuntimeError: ...``, ``ValueError: ...``), else the exit code.
-
-    Example:
-        >>> failure_reason(["Traceback ...", "  x()", "RuntimeError: boom", "exit"], 1)
-        'RuntimeError: boom'
-    """
-    for line in reversed(lines):
-        text = line.strip()
-        if text and ("Error" in text.split(":")[0] or "Exception" in text.split(":")[0]):
-            return text
-    return f"exit code {code}"
+#: The fewest warm-up iterations with ``compression="auto"`` (plan, measure, run the tuned plan).
+AUTO_WARMUP = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +56,12 @@ class TrainBenchConfig:
         batch: samples per rank (``None``: the workload's default).
         compression: scaleout variants to measure, one per codec spec (``"cast:bf16"``);
             ``"none"`` is exact gradients. Each variant is its own configuration,
-            ``scaleout`` for ``"none"`` and ``scaleout+SPEC`` otherwise.
-        policy: scaleout's scheduling policy, ``"priority"``, ``"fifo"`` or ``"auto"``
+            ``scaleout`` for ``"none"`` and ``scaleout+SPEC`` otherwise; ``"auto"``
+            (``scaleout+auto``) tunes itself during the warm-up (``DataParallel(tune="lossy")``,
+            the policy and codecs its own choice; ``"auto-exact"`` the same without codecs);
+            it tunes before the last warm-up iteration,
+            so ``warmup`` must be >= :data:`AUTO_WARMUP`).
+        policy: scaleout's scheduling policy, ``"priority"``, ``"fifo"`` or ``"default"``
             (``SchedulerConfig(policy=None)``: priority, fifo for CUDA tensors over gloo).
         mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
         threads: torch intra-op threads per rank.
@@ -110,7 +92,7 @@ class TrainBenchConfig:
     warmup: int = 2
     batch: int | None = None
     compression: tuple[str, ...] = ("none",)
-    policy: str = "auto"
+    policy: str = "default"
     mode: str = "overlap"
     threads: int = 1
     seed: int = 0
@@ -140,8 +122,9 @@ class TrainBenchConfig:
                              f"{', '.join(PEERS)} or ddp-tuned:MB (MB an int >= 1)")
         if len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
-        if self.policy not in (*POLICIES, "auto"):
-            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, auto, got {self.policy!r}")
+        if self.policy not in (*POLICIES, "default"):
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, default, got "
+                             f"{self.policy!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
         if isinstance(self.compression, str) or not self.compression:
@@ -151,8 +134,13 @@ class TrainBenchConfig:
             raise ValueError(f"compression: each codec once, got {', '.join(self.compression)}")
         from scaleout.compression import make_codec
 
+        if set(AUTO) & set(self.compression) and self.warmup < AUTO_WARMUP:
+            raise ValueError(f"compression 'auto' tunes during the warm-up: warmup must be >= "
+                             f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, one "
+                             f"runs the tuned plan), got {self.warmup}")
         for spec in self.compression:
-            make_codec(spec)  # raises ValueError naming the valid codecs
+            if spec not in AUTO:
+                make_codec(spec)  # raises ValueError naming the valid codecs
         if self.testbed:
             from scaleout.testbed import TestbedConfig
 
@@ -337,6 +325,25 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
     if traces is not None and os.path.isdir(traces):  # configurations without DataParallel
         result["trace_dir"] = traces                    # (single, ddp, ...) record nothing
     return result
+
+
+def run_configuration(config: TrainBenchConfig, name: str, *,
+                      progress: bool = True) -> dict[str, object]:
+    """Run one configuration once (no rounds, no peers): what its rank 0 wrote.
+
+    Raises:
+        BenchFailed: it failed (the message holds its output).
+        TestbedUnavailable, Interrupted: as :func:`run_benchmark`.
+    """
+    bar = ProgressBar(total=1, enabled=progress)
+    try:
+        with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
+            bar.start(name)
+            result = _run_once(config, name, place, tmp, bar)
+            bar.finish_run("done")
+    finally:
+        bar.close()
+    return {**result, "network": place.network}
 
 
 def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[str, object]:

@@ -33,9 +33,10 @@ memory budget, whether they fit it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from torch import nn
 from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.workloads import Workload
 
-__all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
+__all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
@@ -57,6 +58,10 @@ POWERSGD_RANK = 2
 #: PowerSGD's ``start_powerSGD_iter``: plain allreduce before it. torch requires > 1 with
 #: error feedback or warm start (both on by default), so 2 is the earliest.
 POWERSGD_START = 2
+
+#: ``compression`` values of scaleout tuning itself, and whether they allow lossy codecs
+#: (``bench train --compression auto``; ``auto-exact``: scheduling only).
+AUTO: Mapping[str, bool] = MappingProxyType({"auto": True, "auto-exact": False})
 
 #: ``ddp-tuned``'s bucket size when none is named (torch's default; ``ddp-tuned:MB`` sweeps).
 TUNED_BUCKET_MB = 25
@@ -72,29 +77,34 @@ class SetupOptions:
     Attributes:
         workload: the model, data and loss.
         seed: model seed (the same on every rank and in every configuration).
-        policy: scaleout's scheduling policy (``"priority"``, ``"fifo"`` or ``"auto"``).
+        policy: scaleout's scheduling policy (``"priority"``, ``"fifo"`` or ``"default"``).
         mode: scaleout's DistributedOptimizer mode (``"overlap"`` or ``"sync"``).
-        compression: scaleout's codec spec, or ``None`` for exact gradients.
+        compression: scaleout's codec spec, ``None`` for exact gradients, or ``"auto"``:
+            ``DataParallel(tune=...)`` chooses scheduling and codecs during the warm-up
+            (``"auto-exact"``: scheduling only).
         timeout_s: rendezvous and collective timeout in seconds.
         device: where the model trains, ``"cpu"`` or ``"cuda"`` (this rank's GPU).
         memory_budget: bytes of parameters one rank may hold (``hybrid`` plans its tables
             under it); ``None``: unlimited.
+        warmup: untimed iterations: ``"auto"`` measures all but the first and the last and
+            tunes before the last (which then runs the tuned plan).
     """
 
     workload: Workload
     seed: int = 0
-    policy: str = "auto"
+    policy: str = "default"
     mode: str = "overlap"
     compression: str | None = None
     timeout_s: float = 300.0
     memory_budget: int | None = None
     device: str = "cpu"
+    warmup: int = 4
 
     def scheduler(self) -> Any:
-        """scaleout's SchedulerConfig for ``policy`` (``"auto"``: left to scaleout)."""
+        """scaleout's SchedulerConfig for ``policy`` (``"default"``: left to scaleout)."""
         import scaleout
 
-        return scaleout.SchedulerConfig(policy=None if self.policy == "auto" else self.policy)
+        return scaleout.SchedulerConfig(policy=None if self.policy == "default" else self.policy)
 
     def torch_device(self) -> torch.device:
         """The device: the CPU, or ``cuda:LOCAL_RANK % GPUs``."""
@@ -167,14 +177,23 @@ def _single(options: SetupOptions) -> Setup:
 def _scaleout(options: SetupOptions) -> Setup:
     import scaleout
     from scaleout.pytorch import DataParallel, DistributedOptimizer
+    from scaleout.pytorch.tuning import TuneConfig
 
     env = scaleout.init(timeout=options.timeout_s)
     net = options.build_model()
+    auto = options.compression in AUTO
     model = DataParallel(net, env.create_distribution(),
                          scheduler=options.scheduler(),
-                         compression=options.compression)
+                         compression=None if auto else options.compression,
+                         tune=TuneConfig(allow_lossy=AUTO[options.compression], skip=1,
+                                         measure=max(options.warmup - 2, 1)) if auto else None)
     optimizer = DistributedOptimizer(_sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = _statistics_of(model)
+
+    def settle() -> None:  # "auto" tunes at the latest when the warm-up ends
+        if auto:
+            model.tune_now()
+        model.synchronize()
 
     def close() -> None:
         model.close()
@@ -182,9 +201,8 @@ def _scaleout(options: SetupOptions) -> Setup:
 
     details = {"policy": options.policy, "mode": options.mode,
                "compression": options.compression, "backend": env.backend}
-    return Setup(model=model, optimizer=optimizer, settle=model.synchronize, reset=reset,
-                 statistics=statistics,
-                 close=close, details=details)
+    return Setup(model=model, optimizer=optimizer, settle=settle, reset=reset,
+                 statistics=statistics, close=close, details=details)
 
 
 def _statistics_of(model: Any) -> tuple[Callable[[], dict[str, float]], Callable[[], None]]:

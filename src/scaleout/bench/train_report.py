@@ -185,6 +185,11 @@ def format_report(report: dict) -> str:
         notes.append(f"ddp-powersgd: matrix_approximation_rank {psgd['matrix_approximation_rank']}"
                      f", start_powerSGD_iter {psgd['start_powerSGD_iter']} (plain allreduce "
                      "before), error feedback and warm start on")
+    for name in ("scaleout+auto", "scaleout+auto-exact"):
+        tuned = (summary.get(name, {}).get("details") or {}).get("tuning")
+        if tuned:  # what the self-tuning variant chose in the first round, on rank 0
+            notes.append(f"{name} tuned itself (first round):\n      "
+                         + tuned["summary"].replace("\n", "\n      "))
     notes += failed
     if not net.get("testbed"):
         notes.append("NO TESTBED: ranks talk over loopback with no rate limit; these numbers "

@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", default="auto")
+    parser.add_argument("--policy", default="default")
     parser.add_argument("--mode", default="overlap")
     parser.add_argument("--compression", default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
                            mode=args.mode, compression=args.compression,
                            timeout_s=args.timeout, device=args.device,
-                           memory_budget=args.memory_budget)
+                           memory_budget=args.memory_budget, warmup=args.warmup)
     device = options.torch_device()
     cuda = device.type == "cuda"
     if cuda:
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(args.warmup):
         iteration(step)
     setup.settle()
+    tuning = getattr(setup.model, "tuning", None)  # what a self-tuning model chose
+    if tuning is not None:
+        setup.details["tuning"] = {**tuning.as_dict(), "summary": tuning.summary()}
     setup.reset()
     if distributed:
         torch.distributed.barrier()

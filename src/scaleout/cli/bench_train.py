@@ -57,17 +57,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed iterations before them (default 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed iterations before them (default 2; 4 with --compression "
+                             "auto, which tunes during them)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",
                         help="a scaleout variant with this gradient codec, e.g. cast:bf16, "
                              "powersgd:2, topk:ratio=0.01; repeat for several variants in the "
-                             "same run; 'none' is exact gradients (default: only 'none')")
-    parser.add_argument("--policy", default="auto", choices=("auto", "priority", "fifo"),
-                        help="scaleout's scheduling policy (default auto: priority, but fifo for "
-                             "CUDA tensors over gloo)")
+                             "same run; 'none' is exact gradients, 'auto' lets scaleout tune "
+                             "itself (scheduling and codecs) during the warm-up, 'auto-exact' "
+                             "scheduling only (default: only 'none')")
+    parser.add_argument("--policy", default="default", choices=("default", "priority", "fifo"),
+                        help="scaleout's scheduling policy (default: scaleout's, which is "
+                             "priority, but fifo for CUDA tensors over gloo)")
     parser.add_argument("--mode", default="overlap", choices=("overlap", "sync"),
                         help="scaleout's DistributedOptimizer mode (default overlap)")
     parser.add_argument("--threads", type=int, default=1,
@@ -147,6 +150,13 @@ def _error(message: str) -> int:
     return 2
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    """``--warmup``, or its default: 2, or 4 when a variant tunes itself (``auto``)."""
+    if args.warmup is not None:
+        return args.warmup
+    return 4 if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+
+
 def handler(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write ``--json`` / ``--plot``; the exit code."""
     from scaleout.bench.train import TrainBenchConfig, run_benchmark
@@ -161,7 +171,7 @@ def handler(args: argparse.Namespace) -> int:
         config = TrainBenchConfig(
             workload=args.workload, ranks=args.ranks, rate=args.rate, peers=peers,
             memory_budget=budget,
-            rounds=args.rounds, iters=args.iters, warmup=args.warmup, batch=args.batch,
+            rounds=args.rounds, iters=args.iters, warmup=_warmup(args), batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
             timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None))

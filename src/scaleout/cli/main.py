@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, imported lazily so that ``scaleout --help`` stays fast.
-_SUBCOMMANDS = ("run", "bench", "testbed", "sim")
+_SUBCOMMANDS = ("run", "bench", "testbed", "sim", "tune")
 
 # The line `scaleout --help` shows for a subcommand, so that it need not import the module
 # (some import torch). A subcommand missing here is imported to register its parser.
@@ -22,6 +22,7 @@ _SUMMARIES = {
     "bench": "benchmarks, scaleout vs its peers side by side",
     "testbed": "emulated cluster: hosts as network namespaces on a shaped switch",
     "sim": "predict scale-out performance (simulator)",
+    "tune": "tune scheduling (and codecs) for a workload and a network",
 }
 
 

@@ -25,21 +25,19 @@ from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface
 from scaleout.pytorch.exchange_stats import bind_recorders
-from scaleout.pytorch.modules import Layer, agreed_order, broadcast_tensors, find_layers
+from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
+                                      register_layers)
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
+from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
-from scaleout.session import ParameterSetSpec, Phase, Session, Statistics
+from scaleout.session import Phase, Session, Statistics
 from scaleout.session.bucket import CommHook
 from scaleout.session.timing import stopwatch_for
 from scaleout.session.trace import TraceRecorder
 
 __all__ = ["DataParallel"]
-
-#: The operation whose one parameter set carries, per parameter, whether this rank used it.
-_USAGE = "<parameters used>"
-
 
 class DataParallel(CheckpointSurface):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
@@ -64,6 +62,9 @@ class DataParallel(CheckpointSurface):
             ``SCALEOUT_TRACE``. ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
         verify_replicas: every N steps, check that the replicas are identical (debug; see
             ``scaleout.pytorch.replicas``); default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off.
+        tune: choose ``scheduler`` (and codecs) from the first iterations' measurements:
+            ``True`` (exact), ``"lossy"`` (codecs per layer allowed) or a ``TuneConfig``
+            (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -78,7 +79,8 @@ class DataParallel(CheckpointSurface):
     def __init__(self, module: nn.Module, distribution: Distribution | None = None, *,
                  scheduler: SchedulerConfig | None = None, distributed_update: bool = False,
                  compression: Any = None, broadcast_buffers: bool = True,
-                 trace: str | os.PathLike | None = None, verify_replicas: int | None = None) -> None:
+                 trace: str | os.PathLike | None = None, verify_replicas: int | None = None,
+                 tune: Any = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -93,6 +95,7 @@ class DataParallel(CheckpointSurface):
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = bool(distributed_update)
         self._compression = None if compression is None else as_config(compression)  # errors now
+        self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
         self.replicas = ReplicaCheck(self.comm, module, replica_interval(verify_replicas))
         self._model_comm = distribution.communicator(GroupType.MODEL)
@@ -148,6 +151,20 @@ class DataParallel(CheckpointSurface):
         return self._compression
 
     @property
+    def tuning(self) -> Any:
+        """What ``tune=`` chose and why (a :class:`~scaleout.sim.tuning.TuneChoice`:
+        ``summary()``, ``as_dict()``), or ``None`` before it tuned (or without ``tune=``)."""
+        return None if self._tuner is None else self._tuner.choice
+
+    def tune_now(self) -> Any:
+        """Tune now with the iterations measured so far (every rank; after one measured
+        iteration; once), e.g. at the end of a warm-up; returns :attr:`tuning`."""
+        if self._tuner is None:
+            raise RuntimeError("tune_now() needs DataParallel(..., tune=...)")
+        self._tuner.before_forward(self, now=True)
+        return self.tuning
+
+    @property
     def session(self) -> Session | None:
         """The committed session (None before the first forward)."""
         return self._session
@@ -179,8 +196,9 @@ class DataParallel(CheckpointSurface):
         """
         if self._session is not None or self._alone is not None:
             raise RuntimeError("register_comm_hook must be called before the first forward")
-        if self._compression is not None:
-            raise RuntimeError("register_comm_hook replaces compression=: pass one or the other")
+        if self._compression is not None or self._tuner is not None:
+            raise RuntimeError("register_comm_hook replaces compression= and tune=: pass one "
+                               "or the other")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = (state, hook)
@@ -215,6 +233,8 @@ class DataParallel(CheckpointSurface):
     def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
         self.replicas.before_forward(self.synchronize)
+        if self._tuner is not None and self._session is not None:
+            self._tuner.before_forward(self)  # measures; at its iteration, tunes and rebuilds
         self._stopwatch.begin()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
@@ -255,6 +275,13 @@ class DataParallel(CheckpointSurface):
 
     # -- set-up ------------------------------------------------------------------------
 
+    def _rebuild(self, scheduler: SchedulerConfig, compression: CompressionConfig | None) -> None:
+        """Plan again with new options (the tuner's; every rank, nothing in flight)."""
+        assert self._session is not None
+        self._scheduler, self._compression = scheduler, compression
+        self._session.close()
+        self._commit()
+
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit; or, on
         a lone rank with nothing to exchange, step aside (:meth:`_nothing_to_exchange`)."""
@@ -270,25 +297,10 @@ class DataParallel(CheckpointSurface):
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler, trace=self._trace)
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)
-        params = [p for layer in self._forward_order for p in layer.params]
-        usage = None
-        if params:
-            # Registered first, so it shares the bucket of the first layers' gradients (the
-            # last to be ready in backward): knowing who used what costs no collective of its own.
-            spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=_USAGE,
-                                    device=params[0].device, model_split=False)
-            usage = session.add_operation(_USAGE, self.distribution,
-                                          parameter_sets=[spec]).parameter_sets[0]
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        for layer in self._forward_order:
-            specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
-                                      distributed_update=self.distributed_update,
-                                      compression=self._compression, shape=shape,
-                                      device=p.device, model_split=split)
-                     for p in layer.params
-                     for count, shape, split in [registration(p, self._model_comm)]]
-            layer.op = session.add_operation(layer.name, self.distribution, parameter_sets=specs)
-            layer.sets = layer.op.parameter_sets
+        usage = register_layers(session, self.distribution, self._forward_order,
+                                {id(p): n for n, p in self.module.named_parameters()},
+                                distributed_update=self.distributed_update,
+                                compression=self._compression)
         session.commit()
         param_of = {id(ps): p for layer in self._forward_order
                     for p, ps in zip(layer.params, layer.sets)}
@@ -315,7 +327,7 @@ class DataParallel(CheckpointSurface):
         issue 11). ``SCALEOUT_ALONE_FAST_PATH=0`` keeps the whole machinery (to measure it)."""
         return (self.comm.size == 1 and self._model_comm.size == 1 and self._compression is None
                 and self._comm_hook is None and self._trace is None and not self.distributed_update
-                and os.environ.get("SCALEOUT_ALONE_FAST_PATH", "1") != "0")
+                and self._tuner is None and os.environ.get("SCALEOUT_ALONE_FAST_PATH", "1") != "0")
 
     # -- hooks -------------------------------------------------------------------------
 

@@ -1,19 +1,23 @@
-"""Module discovery (which modules become Operations) and the broadcast of their tensors."""
+"""Module discovery (which modules become Operations), their registration with a session,
+and the broadcast of their tensors."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from scaleout.core.collectives import Communicator
 from scaleout.core import collectives
-from scaleout.pytorch.placement import is_local
-from scaleout.session import Operation, ParameterSet
+from scaleout.core.distribution import Distribution
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.placement import is_local, registration
+from scaleout.session import Operation, ParameterSet, ParameterSetSpec, Session
 
-__all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors"]
+__all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors", "register_layers", "USAGE"]
 
 
 @dataclass(eq=False)
@@ -95,3 +99,35 @@ def broadcast_tensors(comm: Communicator, tensors: Iterable[torch.Tensor], root:
             for tensor in group:
                 tensor.copy_(flat[offset: offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
+
+
+#: The operation whose one parameter set carries, per parameter, whether this rank used it.
+USAGE = "<parameters used>"
+
+
+def register_layers(session: Session, distribution: Distribution, layers: list[Layer],
+                    names: dict[int, str], *, distributed_update: bool,
+                    compression: Any) -> ParameterSet | None:
+    """Add one Operation per layer (in ``layers``' order) to ``session``, one ParameterSet per
+    parameter, after the operation that carries who used what; return that one's set.
+
+    The usage set is registered first, so it shares the bucket of the first layers'
+    gradients (the last to be ready in backward): knowing who used what costs no collective
+    of its own. ``names``: parameter id to qualified name.
+    """
+    params = [p for layer in layers for p in layer.params]
+    usage = None
+    if params:
+        spec = ParameterSetSpec(count=len(params), dtype=params[0].dtype, name=USAGE,
+                                device=params[0].device, model_split=False)
+        usage = session.add_operation(USAGE, distribution, parameter_sets=[spec]).parameter_sets[0]
+    model_comm = distribution.communicator(GroupType.MODEL)
+    for layer in layers:
+        specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
+                                  distributed_update=distributed_update, compression=compression,
+                                  shape=shape, device=p.device, model_split=split)
+                 for p in layer.params
+                 for count, shape, split in [registration(p, model_comm)]]
+        layer.op = session.add_operation(layer.name, distribution, parameter_sets=specs)
+        layer.sets = layer.op.parameter_sets
+    return usage

@@ -18,6 +18,7 @@ class OperationStats:
 
     Attributes:
         compute_s: time in the operation's own forward and backward computation.
+        backward_s: the part of ``compute_s`` spent in backward.
         comm_s: time its gradient communication was in flight (issue to completion).
         exposed_s: time the training loop was blocked waiting for that communication.
         bytes: payload bytes handed to collectives for it (after compression).
@@ -26,6 +27,7 @@ class OperationStats:
     """
 
     compute_s: float = 0.0
+    backward_s: float = 0.0
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes: int = 0
@@ -69,7 +71,7 @@ class Statistics:
     def total(self) -> OperationStats:
         total = OperationStats(iterations=self.iterations)
         for stats in self._ops.values():
-            for key in ("compute_s", "comm_s", "exposed_s", "bytes", "raw_bytes"):
+            for key in ("compute_s", "backward_s", "comm_s", "exposed_s", "bytes", "raw_bytes"):
                 setattr(total, key, getattr(total, key) + getattr(stats, key))
         return total
 

@@ -29,10 +29,16 @@ def _trace(statistics: Statistics, operations: Operations, phase: str, start: fl
         statistics.trace.span("compute", operations, start, end, phase=phase)
 
 
-def _add(statistics: Statistics, operations: Operations, field: str, seconds: float) -> None:
+def _add(statistics: Statistics, operations: Operations, field: str, seconds: float,
+         phase: str = "") -> None:
+    """Add ``seconds`` to ``field`` (and compute in backward to ``backward_s`` as well)."""
     shares = [(operations, 1.0)] if isinstance(operations, str) else operations
+    backward = field == "compute_s" and phase == "backward"
     for name, share in shares:
-        statistics.add(name, **{field: seconds * share})
+        if backward:
+            statistics.add(name, compute_s=seconds * share, backward_s=seconds * share)
+        else:
+            statistics.add(name, **{field: seconds * share})
 
 
 class Stopwatch:
@@ -54,7 +60,7 @@ class Stopwatch:
         """Add the seconds since the previous lap or restart to ``operation``'s ``field``
         (and, with a ``phase`` and a trace, log the span as compute of that phase)."""
         now = time.perf_counter()
-        _add(statistics, operation, field, now - self._last)
+        _add(statistics, operation, field, now - self._last, phase)
         _trace(statistics, operation, phase, self._last, now)
         self._last = now
 
@@ -81,7 +87,7 @@ class CudaStopwatch:
         self._stream = torch.cuda.current_stream(device)
         self._free: list[Any] = []
         self._uses: dict[int, int] = {}  # id(event) -> pending laps that use it
-        self._pending: deque[tuple[Operations, str, Any, Any]] = deque()
+        self._pending: deque[tuple[Operations, str, str, Any, Any]] = deque()
         self._last = self._event()
         self._host = time.perf_counter()  # for traces: when the work was issued
 
@@ -107,7 +113,7 @@ class CudaStopwatch:
     def lap(self, statistics: Statistics, operation: Operations, field: str = "compute_s",
             phase: str = "") -> None:
         start, end = self._last, self._event()
-        self._pending.append((operation, field, start, end))
+        self._pending.append((operation, field, phase, start, end))
         for event in (start, end):
             self._uses[id(event)] = self._uses.get(id(event), 0) + 1
         self._last = end
@@ -117,9 +123,9 @@ class CudaStopwatch:
 
     def flush(self, statistics: Statistics) -> None:
         """Add every lap whose end event has completed, in order (never blocks)."""
-        while self._pending and self._pending[0][3].query():
-            operation, field, start, end = self._pending.popleft()
-            _add(statistics, operation, field, start.elapsed_time(end) / 1e3)
+        while self._pending and self._pending[0][4].query():
+            operation, field, phase, start, end = self._pending.popleft()
+            _add(statistics, operation, field, start.elapsed_time(end) / 1e3, phase)
             for event in (start, end):
                 self._uses[id(event)] -= 1
                 self._release(event)

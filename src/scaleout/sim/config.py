@@ -114,6 +114,9 @@ class IterationConfig:
         algorithm: collective algorithm, or one per dimension.
         flat: one ring over all NPUs instead of the hierarchical decomposition.
         codec: the codec's byte ratio and cost.
+        layer_codecs: layer name -> the codec of that layer's gradients (others: ``codec``),
+            as with a per-layer ``CompressionConfig``; items of one codec fuse together
+            (the iteration model; the Chakra graph prices every bucket with ``codec``).
         iterations: simulated back to back (>= 3); the steady state is reported.
         trace: keep every span for a Chrome trace.
         pipeline: ``None``: a multi-dimensional all-reduce runs its phases one after the
@@ -133,6 +136,7 @@ class IterationConfig:
     algorithm: str | tuple[str, ...] = "ring"
     flat: bool = False
     codec: CodecModel = field(default_factory=CodecModel)
+    layer_codecs: Mapping[str, CodecModel] = field(default_factory=dict)
     iterations: int = 3
     trace: bool = False
     pipeline: str | None = None
@@ -168,3 +172,15 @@ class IterationConfig:
         chunks = self.pipeline_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")
+        if not isinstance(self.codec, CodecModel):
+            raise TypeError(f"codec must be a CodecModel, got {type(self.codec).__name__}")
+        if not isinstance(self.layer_codecs, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, CodecModel)
+                for k, v in self.layer_codecs.items()):
+            raise TypeError("layer_codecs must map layer names (str) to CodecModel, got "
+                            f"{self.layer_codecs!r}")
+        object.__setattr__(self, "layer_codecs", MappingProxyType(dict(self.layer_codecs)))
+
+    def codec_of(self, layer: str) -> CodecModel:
+        """The codec of layer ``layer``'s gradients."""
+        return self.layer_codecs.get(layer, self.codec)

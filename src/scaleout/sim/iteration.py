@@ -85,22 +85,9 @@ class IterationResult:
 
     def as_dict(self) -> dict:
         """JSON-ready fields (spans left out)."""
-        out = {
-            k: getattr(self, k)
-            for k in (
-                "workload",
-                "npus",
-                "iteration_s",
-                "compute_s",
-                "exposed_s",
-                "comm_s",
-                "efficiency",
-                "buckets",
-                "chunks",
-            )
-        }
-        out["utilisation"] = list(self.utilisation)
-        return out
+        names = ("workload", "npus", "iteration_s", "compute_s", "exposed_s", "comm_s",
+                 "efficiency", "buckets", "chunks")
+        return {**{k: getattr(self, k) for k in names}, "utilisation": list(self.utilisation)}
 
 
 @dataclass
@@ -110,13 +97,13 @@ class _Chunk:
     iteration: int
 
 
-
 def plan_items(layers: Sequence[Any], config: IterationConfig) -> list[PlanItem]:
     """The scheduler's plan items of the layers with gradients (bytes, in forward order):
     what the runtime's bucket planner fuses, here and in the Chakra graph."""
     return [PlanItem(key=i, numel=layer.grad_bytes, dtype="bytes", elem_bytes=1, position=i,
-                     codec=config.codec.name)
+                     codec=config.codec_of(layer.name).name)
             for i, layer in enumerate(layers) if layer.grad_bytes > 0]
+
 
 class _Run:
     """The state of one simulation (one object per :func:`simulate` call)."""
@@ -137,6 +124,8 @@ class _Run:
         self.lanes: list[deque[_Chunk]] = [deque() for _ in range(sched.lanes)]
         self.inflight = [0] * sched.lanes
         self.inflight_bytes = [0] * sched.lanes
+        self.blocking = [0] * sched.lanes  # multi-round exchanges in flight (they own the lane)
+        self.codecs = [config.codec_of(layer.name) for layer in workload.layers]
         self.net: deque[_Chunk] = deque()
         self.net_busy = False
         self.left: dict[tuple[int, int], int] = {}  # (iteration, bucket) -> chunks not done
@@ -157,12 +146,21 @@ class _Run:
         return self.computed + running
 
     # -- network ---------------------------------------------------------------------------
-    def cost(self, nbytes: float) -> CollectiveCost:
-        if nbytes not in self.costs:
-            codec = self.cfg.codec
-            wire = nbytes * codec.ratio
+    def wire(self, chunk: _Chunk) -> tuple[float, float, bool]:
+        """``(wire bytes, codec seconds, summable)`` of a chunk: an exact chunk as it is, a
+        compressed bucket (always whole) by each of its layers' codec."""
+        if not chunk.bucket.codec:
+            return float(chunk.nbytes), 0.0, True
+        layers, codecs = self.w.layers, self.codecs
+        wire = sum(layers[k].grad_bytes * codecs[k].ratio for k in chunk.bucket.keys)
+        seconds = sum(layers[k].grad_bytes * codecs[k].seconds_per_byte for k in chunk.bucket.keys)
+        return wire, seconds, codecs[chunk.bucket.keys[0]].summable
+
+    def cost(self, wire: float, summable: bool = True) -> CollectiveCost:
+        """The collective that carries ``wire`` bytes (all-reduced, else all-gathered)."""
+        if (wire, summable) not in self.costs:
             op, size = (
-                ("allreduce", wire) if codec.summable else ("allgather", wire * self.topo.npus)
+                ("allreduce", wire) if summable else ("allgather", wire * self.topo.npus)
             )
             active = sum(d.npus > 1 for d in self.topo.dims)
             if self.cfg.pipeline and op == "allreduce" and active > 1:
@@ -174,7 +172,7 @@ class _Run:
                     algorithm=algorithm if isinstance(algorithm, str) else algorithm[0],
                     scheduler=self.cfg.pipeline,
                 )
-                self.costs[nbytes] = CollectiveCost(
+                self.costs[wire, summable] = CollectiveCost(
                     op=op,
                     algorithm=f"{self.cfg.pipeline}-pipelined",
                     nbytes=size,
@@ -183,11 +181,11 @@ class _Run:
                     phases=(),
                     link_busy=piped.busy,
                 )
-                return self.costs[nbytes]
-            self.costs[nbytes] = collective_cost(
+                return self.costs[wire, summable]
+            self.costs[wire, summable] = collective_cost(
                 self.topo, op=op, algorithm=self.cfg.algorithm, nbytes=size, flat=self.cfg.flat
             )
-        return self.costs[nbytes]
+        return self.costs[wire, summable]
 
     def dispatch(self) -> None:
         while True:
@@ -197,7 +195,7 @@ class _Run:
                     next_bytes=q[0].nbytes if q else 0,
                     inflight=self.inflight[i],
                     inflight_bytes=self.inflight_bytes[i],
-                    blocked=self.cfg.codec.multi_round and self.inflight[i] > 0,
+                    blocked=self.blocking[i] > 0,
                 )
                 for i, q in enumerate(self.lanes)
             ]
@@ -207,16 +205,21 @@ class _Run:
             chunk = self.lanes[lane].popleft()
             self.inflight[lane] += 1
             self.inflight_bytes[lane] += chunk.nbytes
+            self.blocking[lane] += self.multi_round(chunk)
             self.net.append(chunk)
             self.serve()
+
+    def multi_round(self, chunk: _Chunk) -> bool:
+        return bool(chunk.bucket.codec) and self.codecs[chunk.bucket.keys[0]].multi_round
 
     def serve(self) -> None:
         if self.net_busy or not self.net:
             return
         chunk = self.net.popleft()
-        cost = self.cost(chunk.nbytes)
-        host = chunk.nbytes * self.cfg.codec.ratio * self.cfg.host_s_per_byte
-        duration = max(cost.time, host) + chunk.nbytes * self.cfg.codec.seconds_per_byte
+        wire, codec_s, summable = self.wire(chunk)
+        cost = self.cost(wire, summable)
+        host = wire * self.cfg.host_s_per_byte  # the CPU the wire bytes cost (testbed)
+        duration = max(cost.time, host) + codec_s
         self.net_busy = True
         start, clock = self.q.now, self.compute_clock()
         if chunk.iteration == 1:  # a steady-state iteration's traffic, counted once
@@ -230,6 +233,7 @@ class _Run:
             lane = chunk.bucket.lane
             self.inflight[lane] -= 1
             self.inflight_bytes[lane] -= chunk.nbytes
+            self.blocking[lane] -= self.multi_round(chunk)
             self.record("comm", f"bucket{chunk.bucket.index}", start, chunk.iteration)
             key = (chunk.iteration, chunk.bucket.index)
             self.left[key] -= 1

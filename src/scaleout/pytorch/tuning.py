@@ -1,0 +1,357 @@
+"""The autotuner of :class:`~scaleout.pytorch.DataParallel`: measure, agree, choose, rebuild once.
+
+With ``DataParallel(..., tune=True)`` the first iterations run with the default scheduling
+options while they are measured: each layer's forward and backward compute (the model's
+:class:`~scaleout.session.Statistics`), then, at the start of a later forward, the link (a few
+all-reduces of two sizes on the data group: latency and bytes per second) and, when lossy
+codecs are allowed, what each candidate codec costs and saves on each layer (encode + decode
+of tensors of that layer's shapes). Every rank's measurements are combined with an
+all-reduce (the slowest rank's figure counts), so every rank feeds the same numbers to the
+same deterministic search (:func:`scaleout.sim.tuning.choose`, the simulator pricing the
+runtime's own plans) and makes the same choice, which is verified across ranks before the
+plan is rebuilt with it.
+
+Example (every rank):
+    >>> model = DataParallel(net, dist, tune=TuneConfig(allow_lossy=True))
+    >>> opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model)
+    >>> for step in range(100): ...                    # tunes itself at iteration 4
+    >>> print(model.tuning.summary())                  # what it chose and why
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from scaleout.compression import CompressionConfig, make_codec
+from scaleout.compression.advice import optimizer_traits
+from scaleout.compression.state import CodecState
+from scaleout.core.collectives import ReduceOp, allreduce
+from scaleout.core.consistency import verify_plan
+from scaleout.scheduler import SchedulerConfig
+from scaleout.sim.config import CodecModel
+from scaleout.sim.tuning import LinkModel, TuneChoice, choose
+from scaleout.sim.workload import Layer, Workload
+
+__all__ = ["TuneConfig", "Tuner", "as_tune_config", "tuner_for", "LOSSY_CODECS"]
+
+log = logging.getLogger("scaleout.tune")
+
+#: Codecs a lossy tuning may choose from (each also filtered by ``Codec.unsuited``).
+LOSSY_CODECS = ("cast:bf16", "blockquant", "powersgd:rank=2", "topk:ratio=0.01")
+#: The two all-reduce sizes that measure the link (bytes), and timed repetitions of each.
+PROBE_BYTES = (16 << 10, 4 << 20)
+PROBE_REPEATS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    """How :class:`~scaleout.pytorch.DataParallel` tunes itself.
+
+    Attributes:
+        allow_lossy: may choose lossy codecs (per layer); ``False``: exact gradients only.
+        codecs: the codec specs a lossy tuning may choose from.
+        skip: iterations left unmeasured first (the first builds the plan).
+        measure: iterations whose compute is measured; tuning happens at the start of the
+            forward after them (iteration ``skip + measure + 1``).
+        min_gain_lossy: a codec must be predicted this much faster than exact gradients.
+        min_gain_exact: a scheduling change must be predicted this much faster than the
+            defaults.
+        optimizer: the torch optimizer, for ``Codec.unsuited`` advice when no
+            DistributedOptimizer is attached (lossy tuning without either stays exact).
+        link: a :class:`~scaleout.sim.tuning.LinkModel` to tune for instead of measuring the
+            link (what-if tuning; tests). Its ranks must be the data group's size.
+
+    Raises:
+        ValueError / TypeError: a bad value (an unknown codec spec included).
+    """
+
+    allow_lossy: bool = False
+    codecs: tuple[str, ...] = LOSSY_CODECS
+    skip: int = 1
+    measure: int = 2
+    min_gain_lossy: float = 0.10
+    min_gain_exact: float = 0.01
+    optimizer: torch.optim.Optimizer | None = None
+    link: LinkModel | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_lossy, bool):
+            raise TypeError(f"allow_lossy must be a bool, got {self.allow_lossy!r}")
+        if isinstance(self.codecs, str) or not all(isinstance(c, str) for c in self.codecs):
+            raise TypeError(f"codecs must be a tuple of codec specs, got {self.codecs!r}")
+        for spec in self.codecs:
+            if make_codec(spec).name == "none":
+                raise ValueError("codecs lists lossy codecs; 'none' is always a candidate")
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+        for name, low in (("skip", 0), ("measure", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name in ("min_gain_lossy", "min_gain_exact"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+        if self.link is not None and not isinstance(self.link, LinkModel):
+            raise TypeError(f"link must be a LinkModel or None, got {type(self.link).__name__}")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch optimizer, got {type(self.optimizer).__name__}")
+
+    @property
+    def after(self) -> int:
+        """Iterations run before the tuning."""
+        return self.skip + self.measure
+
+
+def as_tune_config(tune: Any) -> TuneConfig | None:
+    """``DataParallel``'s ``tune=`` as a :class:`TuneConfig`: ``False``/``None`` off, ``True``
+    exact only, ``"lossy"`` lossy codecs allowed, a TuneConfig as it is.
+
+    Raises:
+        ValueError / TypeError: anything else.
+    """
+    if tune is None or tune is False:
+        return None
+    if tune is True:
+        return TuneConfig()
+    if isinstance(tune, TuneConfig):
+        return tune
+    if isinstance(tune, str):
+        if tune in ("lossy", "exact"):
+            return TuneConfig(allow_lossy=tune == "lossy")
+        raise ValueError(f"tune must be True, False, 'exact', 'lossy' or a TuneConfig, got {tune!r}")
+    raise TypeError(f"tune must be a bool, 'exact', 'lossy' or a TuneConfig, got "
+                    f"{type(tune).__name__}")
+
+
+def tuner_for(tune: Any, *, compression: Any, distributed_update: bool) -> Tuner | None:
+    """DataParallel's :class:`Tuner` for ``tune=`` (``None``: no tuning).
+
+    Raises:
+        ValueError: ``tune`` with ``compression=`` (the tuner chooses codecs itself) or with
+            ``distributed_update=True`` (not tuned yet); a bad ``tune``, as
+            :func:`as_tune_config` raises.
+        TypeError: as :func:`as_tune_config` raises.
+    """
+    config = as_tune_config(tune)
+    if config is None:
+        return None
+    if compression is not None or distributed_update:
+        raise ValueError("tune= chooses the codecs itself and plans fusible buckets: pass it "
+                         "without compression= and without distributed_update=True")
+    return Tuner(config)
+
+
+def _wait(request: Any, device: torch.device) -> None:
+    request.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_link(comm: Any, device: torch.device) -> list[float]:
+    """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds)."""
+    times = []
+    for nbytes in PROBE_BYTES:
+        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        _wait(allreduce(comm, buffer), device)  # connections and buffers warm
+        best = math.inf
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            _wait(allreduce(comm, buffer), device)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+    return times
+
+
+def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],
+                  min_numel: int) -> tuple[int, float]:
+    """``(payload bytes, seconds)`` of encoding and decoding tensors shaped like ``params``
+    with codec ``spec`` (tensors below ``min_numel`` travel exact: their raw bytes)."""
+    codec = make_codec(spec)
+    payload, seconds = 0, 0.0
+    for param in params:
+        raw = param.numel() * param.element_size()
+        if param.numel() < min_numel or not param.is_floating_point():
+            payload += raw
+            continue
+        sample = param.detach().clone()
+        codec.decode(*codec.encode(sample, CodecState()))  # lazy set-up out of the timing
+        start = time.perf_counter()
+        sent, ctx = codec.encode(sample, CodecState())
+        out = codec.decode(sent, ctx)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        seconds += time.perf_counter() - start
+        payload += sum(t.numel() * t.element_size() for t in sent)
+    return payload, seconds
+
+
+class Tuner:
+    """One DataParallel model's tuning: when it happens, what it measured, what it chose.
+
+    Args:
+        config: the :class:`TuneConfig`.
+
+    Attributes:
+        choice: the :class:`~scaleout.sim.tuning.TuneChoice` once tuned, else ``None``.
+    """
+
+    def __init__(self, config: TuneConfig) -> None:
+        self.config = config
+        self.choice: TuneChoice | None = None
+        self._start: dict[str, tuple[float, float]] | None = None
+        self._start_iteration = 0
+
+    @property
+    def done(self) -> bool:
+        return self.choice is not None
+
+    def before_forward(self, model: Any, now: bool = False) -> None:
+        """At the start of every forward of ``model`` (every rank): measure; at the tuning
+        iteration (or ``now``, once an iteration was measured) settle, tune and rebuild the
+        model's plan with the choice (when it differs from the plan in use).
+
+        Raises:
+            RuntimeError: ``now`` before one iteration was measured.
+        """
+        if now and not self.done and (model.session is None or self._start is None
+                                      or model.statistics.iterations <= self._start_iteration):
+            raise RuntimeError(f"tuning needs one measured iteration: {self.config.skip + 1} "
+                               "iterations first")
+        if self.due(model.statistics, model._forward_order) or (now and not self.done):
+            model.synchronize()
+            self.tune(model)
+            compression = self.compression(model)
+            if compression is not None or self.scheduler() != model._scheduler:
+                model._rebuild(self.scheduler(), compression)  # (unchanged: the plan stays)
+
+    def due(self, statistics: Any, layers: Sequence[Any]) -> bool:
+        """Called at the start of every forward: snapshot the compute figures after
+        ``skip`` iterations; ``True`` once ``measure`` more have run (time to tune)."""
+        if self.done:
+            return False
+        if statistics.iterations < self._start_iteration:  # the statistics were reset
+            self._start = None
+        if statistics.iterations >= self.config.skip and self._start is None:
+            self._start, self._start_iteration = _compute(statistics, layers), statistics.iterations
+        return (self._start is not None
+                and statistics.iterations - self._start_iteration >= self.config.measure)
+
+    def tune(self, model: Any) -> TuneChoice:
+        """Measure the link (and codecs), agree with the other ranks, choose (every rank)."""
+        config, comm, layers = self.config, model.comm, model._forward_order
+        assert self._start is not None
+        end = _compute(model.statistics, layers)
+        iterations = max(model.statistics.iterations - self._start_iteration, 1)
+        compute = [x for l in layers for x in (end[l.name][0] - self._start[l.name][0],
+                                               end[l.name][1] - self._start[l.name][1])]
+        specs, reason = self._allowed_codecs(model)
+        min_numel = CompressionConfig().min_numel
+        codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
+        link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
+                else [0.0, 0.0])
+        agreed = torch.tensor([*link, *compute, *(seconds for _, seconds in codecs)],
+                              dtype=torch.float64, device=model._device)
+        if comm.size > 1:  # the slowest rank's figures: every rank then decides alike
+            _wait(allreduce(comm, agreed, ReduceOp.MAX), model._device)
+        values = agreed.tolist()
+        link_model = config.link or LinkModel.fit(comm.size, (PROBE_BYTES[0], values[0]),
+                                                  (PROBE_BYTES[1], values[1]))
+        if link_model.ranks != comm.size:
+            raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
+                             f"has {comm.size}")
+        workload = _workload(layers, values[2:2 + 2 * len(layers)], iterations)
+        seconds = values[2 + 2 * len(layers):]
+        models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
+                                                  in zip(codecs, seconds)])
+        choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
+                        codecs=models, min_gain_exact=config.min_gain_exact,
+                        min_gain_lossy=config.min_gain_lossy,
+                        codec_competes=model._device.type == "cpu")
+        if reason:
+            choice = _with_reason(choice, reason)
+        if comm.size > 1:
+            verify_plan(comm, "tuning choice", choice.key())
+        self.choice = choice
+        if model.env.rank == 0:
+            log.info("scaleout tune (iteration %d):\n%s", config.after + 1, choice.summary())
+        return choice
+
+    def _allowed_codecs(self, model: Any) -> tuple[list[str], str]:
+        """The codec specs this tuning may choose, and why some (or all) were left out."""
+        if not self.config.allow_lossy:
+            return [], ""
+        updater = model.updates.updater
+        optimizer = self.config.optimizer or getattr(updater, "_user_optimizer", None)
+        if optimizer is None:
+            return [], ("lossy codecs allowed, but no optimizer is known to check them "
+                        "against: pass TuneConfig(optimizer=...) or use a DistributedOptimizer")
+        traits = optimizer_traits(optimizer)
+        allowed, refused = [], []
+        for spec in self.config.codecs:
+            codec = make_codec(spec)
+            why = next((r for t in traits if (r := codec.unsuited(t))), None)
+            (refused if why else allowed).append(spec)
+        reason = (f"left out as unsuited to {type(optimizer).__name__}: {', '.join(refused)}"
+                  if refused else "")
+        return allowed, reason
+
+    def compression(self, model: Any) -> CompressionConfig | None:
+        """The chosen codecs as a per-parameter CompressionConfig (``None``: exact)."""
+        assert self.choice is not None
+        if not self.choice.codecs:
+            return None
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        layers = {layer.name: layer for layer in model._forward_order}
+        return CompressionConfig(codec="none", layers={
+            names[id(p)]: spec for layer_name, spec in sorted(self.choice.codecs.items())
+            for p in layers[layer_name].params})
+
+    def scheduler(self) -> SchedulerConfig:
+        assert self.choice is not None
+        return self.choice.scheduler
+
+
+def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, float]]:
+    """Each layer's accumulated (compute, backward) seconds."""
+    return {l.name: (statistics.operation(l.name).compute_s,
+                     statistics.operation(l.name).backward_s) for l in layers}
+
+
+def _workload(layers: Sequence[Any], compute: Sequence[float], iterations: int) -> Workload:
+    """The measured workload: per layer, ``compute`` holds (compute, backward) seconds summed
+    over ``iterations``."""
+    if not layers:
+        raise RuntimeError("tuning needs at least one layer with parameters")
+    return Workload(name="measured", layers=tuple(
+        Layer(name=layer.name, forward_s=max(total - backward, 0.0) / iterations,
+              backward_s=max(backward, 0.0) / iterations,
+              grad_bytes=sum(p.numel() * p.element_size() for p in layer.params))
+        for layer, total, backward in zip(layers, compute[::2], compute[1::2])))
+
+
+def _codec_models(workload: Workload, specs: Sequence[str],
+                  measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
+    """Per layer and spec, the measured codec (``measured``: (payload bytes, seconds) per layer
+    and spec, in that order); a codec that does not shrink a layer is left out for it."""
+    models: dict[str, dict[str, CodecModel]] = {}
+    for i, layer in enumerate(workload.layers):
+        for j, spec in enumerate(specs):
+            payload, seconds = measured[i * len(specs) + j]
+            if layer.grad_bytes and 0 < payload < layer.grad_bytes:
+                codec = make_codec(spec)
+                models.setdefault(layer.name, {})[spec] = CodecModel(
+                    name=spec, ratio=payload / layer.grad_bytes,
+                    seconds_per_byte=seconds / layer.grad_bytes, summable=codec.summable,
+                    multi_round=codec.multi_round)
+    return models
+
+
+def _with_reason(choice: TuneChoice, reason: str) -> TuneChoice:
+    return replace(choice, reasons=(*choice.reasons, reason))

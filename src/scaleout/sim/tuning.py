@@ -1,0 +1,400 @@
+"""Choosing a scheduling configuration (and codecs) by simulating the candidates.
+
+The autotuner's engine: given one rank's measured per-layer compute (a :class:`Workload`),
+a measured link (:class:`LinkModel`: an all-reduce of ``m`` bytes takes ``latency_s + m x
+seconds_per_byte``) and, when lossy codecs are allowed, each layer's measured codec costs
+(:class:`~scaleout.sim.config.CodecModel` per layer and spec), :func:`choose` prices
+configurations with the iteration model (:func:`scaleout.sim.iteration.simulate`, the
+runtime's own plan and policy objects) and returns the best as a :class:`TuneChoice`.
+
+The search is deterministic (a pure function of its inputs), so ranks that agree on the
+measurements agree on the choice. It is conservative: the defaults stay unless a change
+is predicted to gain at least ``min_gain_exact``, and a lossy codec is chosen only where
+it is predicted to gain at least ``min_gain_lossy`` over the best exact configuration.
+
+Example:
+    >>> from scaleout.sim.workload import Workload
+    >>> w = Workload(name="toy", layers=tuple(Layer(name=f"l{i}", forward_s=0.01,
+    ...     backward_s=0.02, grad_bytes=4 << 20) for i in range(4)))
+    >>> link = LinkModel(ranks=2, latency_s=1e-4, seconds_per_byte=1 / 12.5e6)  # ~100 Mbit/s
+    >>> choose(w, link).predicted_s <= choose(w, link).default_s
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from scaleout.scheduler.config import MB, POLICIES, SchedulerConfig
+from scaleout.sim.collectives import collective_cost
+from scaleout.sim.config import MODES, CodecModel, IterationConfig
+from scaleout.sim.iteration import simulate
+from scaleout.sim.network import Dimension, Topology
+from scaleout.sim.units import format_bytes, format_time
+from scaleout.sim.workload import Workload
+
+__all__ = ["LinkModel", "Candidate", "TuneChoice", "choose", "SEARCH"]
+
+KB = 1 << 10
+
+#: The values the search tries for each scheduler field (credit: multiples of the chunk).
+SEARCH: Mapping[str, tuple[Any, ...]] = MappingProxyType({
+    "policy": POLICIES,
+    "bucket_bytes": (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB, 32 * MB, 64 * MB),
+    "first_bucket_bytes": (256 * KB, 1 * MB, 4 * MB),
+    "partition_bytes": (256 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB),
+    "credit": (1, 2, 4),
+    "urgent_bytes": (256 * KB, 1 * MB, 4 * MB),
+})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """A measured data-parallel link: an all-reduce of ``m`` bytes over ``ranks`` ranks takes
+    ``latency_s + m * seconds_per_byte``.
+
+    Raises:
+        ValueError: ranks < 1, or a negative / non-finite time.
+    """
+
+    ranks: int
+    latency_s: float
+    seconds_per_byte: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {self.ranks!r}")
+        for name in ("latency_s", "seconds_per_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    @classmethod
+    def fit(cls, ranks: int, small: tuple[int, float], large: tuple[int, float]) -> LinkModel:
+        """The line through two measured all-reduces ``(bytes, seconds)`` (clamped at >= 0).
+
+        Raises:
+            ValueError: the large size is not larger than the small one.
+        """
+        (m1, t1), (m2, t2) = small, large
+        if not m2 > m1 >= 0:
+            raise ValueError(f"the large probe must be larger than the small one, got {m1} and {m2}")
+        per_byte = max((t2 - t1) / (m2 - m1), 0.0)
+        return cls(ranks=ranks, latency_s=max(t1 - per_byte * m1, 0.0),
+                   seconds_per_byte=per_byte)
+
+    @property
+    def bandwidth(self) -> float:
+        """All-reduce bytes per second for large messages (``inf`` for a free link)."""
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte else math.inf
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """Predicted seconds of one all-reduce of ``nbytes``."""
+        return self.latency_s + nbytes * self.seconds_per_byte if self.ranks > 1 else 0.0
+
+    def topology(self) -> Topology:
+        """A one-dimension switch topology whose ring all-reduce matches this line."""
+        def unit(bandwidth: float, latency: float) -> float:  # an all-reduce of 1 MB
+            topo = Topology(dims=(Dimension(kind="switch", npus=max(self.ranks, 2),
+                                            bandwidth=bandwidth, latency=latency),))
+            return collective_cost(topo, op="allreduce", algorithm="ring", nbytes=MB).time
+
+        per_latency = unit(1e30, 1.0)  # seconds per second of hop latency
+        per_byte = unit(1.0, 0.0) / MB  # seconds per byte at 1 byte/s
+        bandwidth = per_byte / self.seconds_per_byte if self.seconds_per_byte else 1e18
+        return Topology(dims=(Dimension(kind="switch", npus=self.ranks, bandwidth=bandwidth,
+                                        latency=self.latency_s / per_latency),))
+
+    def describe(self) -> str:
+        return (f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)} + "
+                f"{format_bytes(self.bandwidth)}/s" if self.seconds_per_byte else
+                f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)}, no measurable "
+                "per-byte cost")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced configuration: a label, its scheduler, its codecs, the predicted iteration."""
+
+    label: str
+    scheduler: SchedulerConfig
+    codecs: Mapping[str, str]
+    predicted_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneChoice:
+    """What the tuner chose and why.
+
+    Attributes:
+        scheduler: the chosen scheduling options.
+        codecs: layer name -> codec spec for the layers that travel compressed (empty: exact).
+        predicted_s: predicted seconds per iteration of the choice.
+        default_s: predicted seconds per iteration with the default options, exact.
+        exact_s: of the best exact configuration.
+        compute_s: the measured compute per iteration (the floor).
+        link: the measured link.
+        reasons: one line per decision.
+        candidates: the configurations priced on the way, best first.
+    """
+
+    scheduler: SchedulerConfig
+    codecs: Mapping[str, str]
+    predicted_s: float
+    default_s: float
+    exact_s: float
+    compute_s: float
+    link: LinkModel
+    reasons: tuple[str, ...]
+    candidates: tuple[Candidate, ...]
+
+    def key(self) -> tuple[Any, ...]:
+        """What must be equal on every rank (the configuration itself)."""
+        return (self.scheduler, tuple(sorted(self.codecs.items())))
+
+    def summary(self, top: int = 6) -> str:
+        """A readable report: what was chosen, why, and the best candidates' predictions."""
+        s = self.scheduler
+        specs = list(self.codecs.values())
+        codecs = ", ".join(f"{spec} on {specs.count(spec)} layers" for spec in sorted(set(specs)))
+        lines = [
+            f"link: {self.link.describe()}; compute {format_time(self.compute_s)}/it",
+            f"chosen: policy={s.policy} bucket={format_bytes(s.bucket_bytes)} "
+            f"first_bucket={format_bytes(s.first_bucket_bytes)} "
+            f"chunk={format_bytes(s.partition_bytes)} credit={format_bytes(s.credit_bytes)} "
+            f"urgent={format_bytes(s.urgent_bytes)}; codecs: "
+            + (codecs or "none (exact)"),
+            f"predicted per iteration: chosen {format_time(self.predicted_s)}, best exact "
+            f"{format_time(self.exact_s)}, defaults {format_time(self.default_s)}",
+            *(f"why: {reason}" for reason in self.reasons),
+            "candidates (the best of each kind, best first):",
+            *(f"  {format_time(c.predicted_s):>10}  {c.label}" for c in self.best_of_each()[:top]),
+        ]
+        return "\n".join(lines)
+
+    def best_of_each(self) -> list[Candidate]:
+        """The best candidate of each kind (defaults, exact, each codec assignment)."""
+        seen, out = set(), []
+        for cand in self.candidates:
+            kind = cand.label.split(",")[0].split(":")[0] if cand.codecs or \
+                cand.label.startswith("defaults") else "exact"
+            if kind not in seen:
+                seen.add(kind)
+                out.append(cand)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"scheduler": vars(self.scheduler).copy(), "codecs": dict(self.codecs),
+                "predicted_s": self.predicted_s, "default_s": self.default_s,
+                "exact_s": self.exact_s, "compute_s": self.compute_s,
+                "link": vars(self.link).copy(), "reasons": list(self.reasons),
+                "candidates": [{"label": c.label, "predicted_s": c.predicted_s}
+                               for c in self.candidates]}
+
+
+class _Search:
+    """Prices configurations (memoised) for one workload, link and mode."""
+
+    def __init__(self, workload: Workload, link: LinkModel, mode: str,
+                 models: Mapping[str, Mapping[str, CodecModel]], codec_competes: bool) -> None:
+        self.w, self.topo, self.mode, self.models = workload, link.topology(), mode, models
+        self.codec_competes = codec_competes
+        self.priced: dict[tuple[Any, ...], Candidate] = {}
+
+    def workload(self, codecs: Mapping[str, str]) -> Workload:
+        """The workload, with each codec's work charged to its layer's backward as well when
+        codecs compete with the compute for the same cores."""
+        if not codecs or not self.codec_competes:
+            return self.w
+        return replace(self.w, layers=tuple(
+            replace(layer, backward_s=layer.backward_s + layer.grad_bytes
+                    * self.models[layer.name][codecs[layer.name]].seconds_per_byte)
+            if layer.name in codecs else layer for layer in self.w.layers))
+
+    def price(self, sched: SchedulerConfig, codecs: Mapping[str, str], label: str) -> Candidate:
+        key = (sched, tuple(sorted(codecs.items())))
+        if key not in self.priced:
+            layer_codecs = {name: self.models[name][spec] for name, spec in codecs.items()}
+            config = IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs)
+            seconds = simulate(self.workload(codecs), self.topo, config).iteration_s
+            self.priced[key] = Candidate(label, sched, MappingProxyType(dict(codecs)), seconds)
+        return self.priced[key]
+
+    def descend(self, start: SchedulerConfig, codecs: Mapping[str, str], tag: str,
+                passes: int = 2) -> Candidate:
+        """Coordinate descent over :data:`SEARCH`, from ``start``; strict improvements only."""
+        best = self.price(start, codecs, f"{tag}{_label(start)}")
+        for _ in range(passes):
+            moved = False
+            for field, values in SEARCH.items():
+                for value in values:
+                    sched = _with(best.scheduler, field, value)
+                    if sched is None or sched == best.scheduler:
+                        continue
+                    cand = self.price(sched, codecs, f"{tag}{_label(sched)}")
+                    if cand.predicted_s < best.predicted_s * (1 - 1e-9):
+                        best, moved = cand, True
+            if not moved:
+                break
+        return best
+
+
+def _with(sched: SchedulerConfig, field: str, value: Any) -> SchedulerConfig | None:
+    """``sched`` with one searched field changed (credit kept a multiple of the chunk)."""
+    if sched.policy == "fifo" and field in ("partition_bytes", "credit", "urgent_bytes"):
+        return None  # fields the fifo policy does not use
+    multiple = max(sched.credit_bytes // sched.partition_bytes, 1)
+    if field == "credit":
+        return replace(sched, credit_bytes=sched.partition_bytes * value)
+    if field == "partition_bytes":
+        return replace(sched, partition_bytes=value, credit_bytes=value * multiple)
+    if field == "policy" and value == "fifo":  # the priority-only fields do not matter
+        return replace(sched, policy="fifo")
+    return replace(sched, **{field: value})
+
+
+def _label(s: SchedulerConfig) -> str:
+    if s.policy == "fifo":
+        return (f"fifo bucket={format_bytes(s.bucket_bytes)} "
+                f"first={format_bytes(s.first_bucket_bytes)}")
+    return (f"priority bucket={format_bytes(s.bucket_bytes)} first={format_bytes(s.first_bucket_bytes)}"
+            f" chunk={format_bytes(s.partition_bytes)} credit={format_bytes(s.credit_bytes)} "
+            f"urgent={format_bytes(s.urgent_bytes)}")
+
+
+def _codec_options(workload: Workload, link: LinkModel,
+                   models: Mapping[str, Mapping[str, CodecModel]]) -> list[tuple[str, dict[str, str]]]:
+    """Codec assignments worth pricing: each spec (and each layer's own best spec) on the
+    1, 2, 4, ... largest layers it may compress."""
+    sizes = {layer.name: layer.grad_bytes for layer in workload.layers}
+    by_size = sorted((n for n in models if sizes.get(n)), key=lambda n: (-sizes[n], n))
+
+    def alone(name: str, spec: str) -> float:  # one layer's exchange on its own
+        m = models[name][spec]
+        wire = sizes[name] * m.ratio * (1 if m.summable else link.ranks)
+        return link.allreduce_s(wire) + sizes[name] * m.seconds_per_byte
+
+    best_own = {}
+    for name in by_size:
+        spec = min(sorted(models[name]), key=lambda sp: alone(name, sp))
+        if alone(name, spec) < link.allreduce_s(sizes[name]):
+            best_own[name] = spec
+    specs = sorted({spec for name in by_size for spec in models[name]})
+    options = []
+    for label, pick in [*((spec, {n: spec for n in by_size if spec in models[n]}) for spec in specs),
+                        ("each layer's best codec", best_own)]:
+        names = [n for n in by_size if n in pick]
+        count = 1
+        while names:
+            subset = names[:count]
+            options.append((f"{label} on the {len(subset)} largest", {n: pick[n] for n in subset}))
+            if count >= len(names):
+                break
+            count = min(count * 2, len(names))
+    return options
+
+
+def choose(workload: Workload, link: LinkModel, *, mode: str = "overlap",
+           default: SchedulerConfig | None = None,
+           codecs: Mapping[str, Mapping[str, CodecModel]] | None = None,
+           min_gain_exact: float = 0.01, min_gain_lossy: float = 0.10,
+           codec_competes: bool = True) -> TuneChoice:
+    """The best configuration for ``workload`` on ``link``, as predicted by the simulator.
+
+    Args:
+        workload: one rank's layers (forward order), measured compute and gradient bytes.
+        link: the measured link.
+        mode: ``"overlap"`` (a DistributedOptimizer in overlap mode) or ``"sync"``.
+        default: the configuration to beat (default: ``SchedulerConfig()``).
+        codecs: layer name -> {codec spec: measured model} of the codecs the user allows for
+            that layer (empty or ``None``: exact only).
+        min_gain_exact: relative predicted gain a scheduling change needs to replace the defaults.
+        min_gain_lossy: relative predicted gain over the best exact configuration a lossy codec
+            needs to be chosen.
+        codec_competes: the codecs' work takes cores from the compute (a CPU run): it is
+            charged to the layer's backward as well as to its exchange (conservative).
+
+    Returns:
+        The :class:`TuneChoice`.
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: a bad mode or gain, or codecs for layers the workload does not have.
+    """
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a Workload, got {type(workload).__name__}")
+    if not isinstance(link, LinkModel):
+        raise TypeError(f"link must be a LinkModel, got {type(link).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, gain in (("min_gain_exact", min_gain_exact), ("min_gain_lossy", min_gain_lossy)):
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain < 1:
+            raise ValueError(f"{name} must be a number in [0, 1), got {gain!r}")
+    default = default or SchedulerConfig()
+    if not isinstance(default, SchedulerConfig):
+        raise TypeError(f"default must be a SchedulerConfig, got {type(default).__name__}")
+    models = {name: dict(specs) for name, specs in (codecs or {}).items() if specs}
+    unknown = sorted(set(models) - {layer.name for layer in workload.layers})
+    if unknown:
+        raise ValueError(f"codecs for layers the workload does not have: {unknown}")
+    if link.ranks == 1 or not workload.grad_bytes:
+        return _trivial(workload, link, default)
+    search = _Search(workload, link, mode, models, bool(codec_competes))
+    base = search.price(default, {}, f"defaults: {_label(default)}")
+    exact = search.descend(default, {}, "exact, ")
+    reasons = []
+    gain = 1 - exact.predicted_s / base.predicted_s
+    if gain < min_gain_exact:
+        reasons.append(f"no scheduling change is predicted to gain {min_gain_exact:.0%} over "
+                       f"the defaults (best: {gain:+.1%}): the defaults stay")
+        exact = base
+    else:
+        reasons.append(f"scheduling: {_label(exact.scheduler)} is predicted {gain:.1%} faster "
+                       "than the defaults")
+    chosen = exact
+    if models:
+        lossy = min((search.price(exact.scheduler, pick, f"{label}, {_label(exact.scheduler)}")
+                     for label, pick in _codec_options(workload, link, models)),
+                    key=lambda c: c.predicted_s, default=None)
+        if lossy is not None:
+            lossy = search.descend(lossy.scheduler, lossy.codecs,
+                                   f"{lossy.label.split(',')[0]}, ", passes=1)
+            gain = 1 - lossy.predicted_s / exact.predicted_s
+            if gain >= min_gain_lossy:
+                chosen = lossy
+                moved = "" if lossy.scheduler == exact.scheduler else \
+                    f" (with {_label(lossy.scheduler)})"
+                reasons.append(f"codecs: {lossy.label.split(',')[0]}{moved} is predicted "
+                               f"{gain:.1%} faster than exact gradients (needs {min_gain_lossy:.0%})")
+            else:
+                reasons.append(f"codecs: the best ({lossy.label.split(',')[0]}) is predicted "
+                               f"{gain:+.1%} against exact gradients, below the "
+                               f"{min_gain_lossy:.0%} a lossy codec must gain: exact gradients")
+    else:
+        reasons.append("codecs: none allowed (exact gradients)")
+    exposed = max(chosen.predicted_s - workload.compute_s, 0.0)
+    reasons.append(f"predicted exposed communication {format_time(exposed)}/it; all-reducing "
+                   f"every gradient once would take "
+                   f"{format_time(link.allreduce_s(workload.grad_bytes))}")
+    ranked = sorted(search.priced.values(), key=lambda c: (c.predicted_s, c.label))
+    return TuneChoice(scheduler=chosen.scheduler, codecs=chosen.codecs,
+                      predicted_s=chosen.predicted_s, default_s=base.predicted_s,
+                      exact_s=exact.predicted_s, compute_s=workload.compute_s, link=link,
+                      reasons=tuple(reasons), candidates=tuple(ranked))
+
+
+def _trivial(workload: Workload, link: LinkModel, default: SchedulerConfig) -> TuneChoice:
+    """One rank or nothing to exchange: nothing to tune."""
+    why = "one rank: nothing to exchange" if link.ranks == 1 else "no gradients to exchange"
+    seconds = workload.compute_s
+    return TuneChoice(scheduler=default, codecs=MappingProxyType({}), predicted_s=seconds,
+                      default_s=seconds, exact_s=seconds, compute_s=seconds, link=link,
+                      reasons=(f"{why}: the defaults stay",),
+                      candidates=(Candidate("defaults", default, MappingProxyType({}), seconds),))
+

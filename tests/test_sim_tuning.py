@@ -1,0 +1,123 @@
+"""The autotuner's search (scaleout.sim.tuning) and the per-layer codecs of the iteration model."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaleout.scheduler.config import SchedulerConfig
+from scaleout.sim.config import CODECS, CodecModel, IterationConfig
+from scaleout.sim.iteration import simulate
+from scaleout.sim.models import model_workload
+from scaleout.sim.tuning import LinkModel, choose
+from scaleout.sim.workload import Layer, Workload
+
+MB = 1 << 20
+SLOW = LinkModel(ranks=2, latency_s=2e-4, seconds_per_byte=1 / 12.5e6)  # ~100 Mbit/s
+LOOPBACK = LinkModel(ranks=2, latency_s=1e-4, seconds_per_byte=1 / 1.5e9)
+
+
+def _resnet() -> Workload:
+    return model_workload("resnet18", device=1e12, batch_size=32)
+
+
+def _codecs(workload: Workload, specs=("cast:fp16", "powersgd:rank=2")) -> dict:
+    return {layer.name: {s: CODECS[s] for s in specs} for layer in workload.layers
+            if layer.grad_bytes > 4096}
+
+
+def test_a_slow_link_gets_a_codec_and_a_loopback_one_none() -> None:
+    w = _resnet()
+    slow = choose(w, SLOW, codecs=_codecs(w))
+    assert slow.codecs, slow.summary()
+    assert slow.predicted_s < 0.5 * slow.exact_s  # 100 Mbit/s: 47 MB of gradients dominate
+    assert "faster than exact gradients" in slow.summary()
+    fast = choose(w, LOOPBACK, codecs=_codecs(w))
+    assert not fast.codecs, fast.summary()
+    assert "exact gradients" in fast.summary()
+
+
+def test_exact_only_never_picks_a_codec_and_never_predicts_worse_than_the_defaults() -> None:
+    w = _resnet()
+    for link in (SLOW, LOOPBACK):
+        choice = choose(w, link)
+        assert not choice.codecs
+        assert choice.predicted_s <= choice.default_s
+
+
+def test_a_latency_bound_link_gets_bigger_buckets_or_chunks() -> None:
+    # 64 layers of 1 MB on a link with 20 ms per all-reduce: fewer, bigger messages win
+    w = Workload(name="many", layers=tuple(
+        Layer(name=f"l{i}", forward_s=1e-3, backward_s=2e-3, grad_bytes=MB) for i in range(64)))
+    link = LinkModel(ranks=2, latency_s=0.02, seconds_per_byte=1e-10)
+    choice = choose(w, link)
+    default = SchedulerConfig()
+    assert choice.predicted_s < 0.9 * choice.default_s, choice.summary()
+    s = choice.scheduler
+    assert s.bucket_bytes > default.bucket_bytes or (
+        s.policy == "priority" and s.partition_bytes > default.partition_bytes), choice.summary()
+
+
+def test_the_choice_is_a_pure_function_of_the_measurements() -> None:
+    w = _resnet()
+    a, b = choose(w, SLOW, codecs=_codecs(w)), choose(w, SLOW, codecs=_codecs(w))
+    assert a.key() == b.key() and a.summary() == b.summary()
+
+
+def test_one_rank_has_nothing_to_tune() -> None:
+    choice = choose(_resnet(), LinkModel(ranks=1, latency_s=0.0, seconds_per_byte=0.0))
+    assert choice.scheduler == SchedulerConfig() and not choice.codecs
+    assert "one rank" in choice.summary()
+
+
+def test_link_model_fit_and_topology_agree() -> None:
+    link = LinkModel.fit(4, (1000, 0.001 + 1000e-8), (10**6, 0.001 + 1e-2))
+    assert link.latency_s == pytest.approx(0.001) and link.seconds_per_byte == pytest.approx(1e-8)
+    from scaleout.sim.collectives import collective_cost
+
+    for nbytes in (1e3, 1e6, 1e8):
+        cost = collective_cost(link.topology(), op="allreduce", algorithm="ring", nbytes=nbytes)
+        assert cost.time == pytest.approx(link.allreduce_s(nbytes))
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(mode="lazy"), ValueError),
+    (dict(min_gain_lossy=1.5), ValueError),
+    (dict(min_gain_exact=-0.1), ValueError),
+    (dict(codecs={"nope": {"cast:fp16": CODECS["cast:fp16"]}}), ValueError),
+    (dict(default="fifo"), TypeError),
+])
+def test_bad_arguments_raise(kwargs, error) -> None:
+    with pytest.raises(error):
+        choose(_resnet(), SLOW, **kwargs)
+
+
+def test_bad_links_raise() -> None:
+    with pytest.raises(ValueError):
+        LinkModel(ranks=0, latency_s=0.0, seconds_per_byte=0.0)
+    with pytest.raises(ValueError):
+        LinkModel(ranks=2, latency_s=-1.0, seconds_per_byte=0.0)
+    with pytest.raises(ValueError):
+        LinkModel.fit(2, (100, 0.1), (100, 0.2))
+    with pytest.raises(TypeError):
+        choose(_resnet(), "100mbit")
+
+
+def test_per_layer_codecs_equal_one_codec_everywhere() -> None:
+    w = _resnet()
+    topo = SLOW.topology()
+    codec = CODECS["cast:fp16"]
+    everywhere = simulate(w, topo, IterationConfig(codec=codec)).iteration_s
+    per_layer = simulate(w, topo, IterationConfig(
+        layer_codecs={layer.name: codec for layer in w.layers})).iteration_s
+    assert per_layer == pytest.approx(everywhere)
+    exact = simulate(w, topo, IterationConfig()).iteration_s
+    half = simulate(w, topo, IterationConfig(
+        layer_codecs={w.layers[-2].name: codec})).iteration_s
+    assert everywhere < half < exact
+
+
+def test_layer_codecs_must_be_codec_models() -> None:
+    with pytest.raises(TypeError):
+        IterationConfig(layer_codecs={"fc": "cast:fp16"})
+    with pytest.raises(TypeError):
+        IterationConfig(codec=CodecModel(), layer_codecs=[("fc", CodecModel())])

@@ -1,0 +1,178 @@
+"""DataParallel(tune=...): measured, agreed on by every rank, rebuilt once, arguments checked."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout.pytorch import DataParallel, DistributedOptimizer
+from scaleout.pytorch.tuning import TuneConfig, as_tune_config
+from scaleout.sim.tuning import LinkModel
+
+SLOW = LinkModel(ranks=2, latency_s=1e-3, seconds_per_byte=1e-6)  # ~1 MB/s: codecs pay
+LATENCY_BOUND = LinkModel(ranks=2, latency_s=0.2, seconds_per_byte=1e-10)
+
+
+def _net(wide: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    if wide:  # 8 layers of 1 MB: a latency-bound link wants fewer, bigger messages
+        return nn.Sequential(nn.Linear(128, 512), *(nn.Linear(512, 512) for _ in range(8)),
+                             nn.Linear(512, 10))
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
+         cuda: bool = False) -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    env = scaleout.init(backend=("nccl" if world == 1 else "gloo") if cuda else None, timeout=60)
+    device = torch.device("cuda" if cuda else "cpu")
+    net = _net(wide=isinstance(tune, TuneConfig) and tune.link is LATENCY_BOUND).to(device)
+    model = DataParallel(net, env.create_distribution(), tune=tune)
+    inner = (torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer == "adamw"
+             else torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    opt = DistributedOptimizer(inner, model) if distributed else inner
+    generator = torch.Generator().manual_seed(1 + env.rank)
+    tuned_at = None
+    for step in range(steps):
+        x = torch.randn(16, 128, generator=generator)
+        y = torch.randint(0, 10, (16,), generator=generator)
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        if tuned_at is None and model.tuning is not None:
+            tuned_at = step + 1  # the forward that tuned
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    total = model.statistics.total()
+    out = {"key": repr(model.tuning.key()), "in_use": model.session.scheduler,
+           "chosen": model.tuning.scheduler, "summary": model.tuning.summary(),
+           "codecs": dict(model.tuning.codecs), "tuned_at": tuned_at,
+           "params": [p.detach().cpu() for p in net.parameters()],
+           "bytes": total.bytes, "raw_bytes": total.raw_bytes}
+    model.close()
+    env.finalize()
+    return out
+
+
+def test_every_rank_agrees_and_the_replicas_stay_identical() -> None:
+    results = run_ranks(3, body, True, "sgd", timeout=120)
+    assert len({r["key"] for r in results}) == 1
+    assert results[0]["tuned_at"] == 4  # skip 1, measure 2, then tune
+    assert not results[0]["codecs"] and "chosen:" in results[0]["summary"]
+    for other in results[1:]:
+        for a, b in zip(results[0]["params"], other["params"]):
+            assert torch.equal(a, b)
+
+
+def test_loopback_with_no_rate_limit_chooses_nothing_lossy() -> None:
+    results = run_ranks(2, body, "lossy", "sgd", timeout=120)
+    assert results[0]["key"] == results[1]["key"]
+    assert results[0]["codecs"] == {}, results[0]["summary"]
+    assert "codecs: the best" in results[0]["summary"]  # they were priced, and lost
+    assert results[0]["bytes"] == results[0]["raw_bytes"]
+
+
+def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:
+    tune = TuneConfig(allow_lossy=True, link=SLOW)
+    results = run_ranks(2, body, tune, "adamw", True, 7, timeout=120)
+    assert results[0]["key"] == results[1]["key"]
+    chosen = set(results[0]["codecs"].values())
+    assert chosen and chosen <= {"cast:bf16", "blockquant"}, results[0]["summary"]
+    assert "unsuited to AdamW" in results[0]["summary"]
+    assert results[0]["bytes"] < results[0]["raw_bytes"]  # after tuning, compressed on the wire
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_latency_bound_link_rebuilds_the_plan_with_fewer_messages() -> None:
+    from scaleout.scheduler import SchedulerConfig
+
+    results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND), "sgd", timeout=120)
+    assert results[0]["key"] == results[1]["key"]
+    chosen = results[0]["chosen"]
+    assert chosen != SchedulerConfig(), results[0]["summary"]
+    assert results[0]["in_use"] == chosen  # the session was rebuilt with it
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])  # NCCL alone; gloo with CUDA tensors (one GPU)
+def test_tuning_on_a_gpu(world: int) -> None:
+    link = LinkModel(ranks=world, latency_s=1e-3, seconds_per_byte=1e-6)
+    results = run_ranks(world, body, TuneConfig(allow_lossy=True, link=link), "sgd", True, 6,
+                        True, timeout=180)
+    assert len({r["key"] for r in results}) == 1
+    if world == 2:
+        assert results[0]["codecs"], results[0]["summary"]
+        for a, b in zip(results[0]["params"], results[1]["params"]):
+            assert torch.equal(a, b)
+    else:
+        assert "one rank" in results[0]["summary"]
+
+
+def test_lossy_tuning_without_a_known_optimizer_stays_exact() -> None:
+    tune = TuneConfig(allow_lossy=True, link=SLOW)
+    results = run_ranks(2, body, tune, "sgd", False, timeout=120)
+    assert results[0]["codecs"] == {}
+    assert "no optimizer is known" in results[0]["summary"]
+
+
+def bad_arguments() -> None:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    for tune, error in (("bogus", ValueError), (3, TypeError)):
+        with pytest.raises(error):
+            DataParallel(_net(), dist, tune=tune)
+    with pytest.raises(ValueError, match="compression"):
+        DataParallel(_net(), dist, tune=True, compression="cast:bf16")
+    model = DataParallel(_net(), dist, tune=True)
+    with pytest.raises(RuntimeError, match="tune="):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(RuntimeError, match="measured iteration"):
+        model.tune_now()
+    model.close()
+    with pytest.raises(RuntimeError, match="tune="):
+        DataParallel(_net(), dist).tune_now()
+    wrong = DataParallel(_net(), dist, tune=TuneConfig(link=SLOW, measure=1))  # 2 ranks' link
+    with pytest.raises(ValueError, match="ranks"):
+        for _ in range(3):
+            wrong(torch.randn(4, 128)).sum().backward()
+    env.finalize()
+
+
+def test_bad_arguments_raise() -> None:
+    run_ranks(1, bad_arguments, timeout=60)
+    for kwargs, error in ((dict(codecs=("none",)), ValueError), (dict(measure=0), ValueError),
+                          (dict(codecs="cast:bf16"), TypeError), (dict(link="1gbit"), TypeError),
+                          (dict(min_gain_lossy=1.0), ValueError), (dict(allow_lossy=1), TypeError)):
+        with pytest.raises(error):
+            TuneConfig(**kwargs)
+    assert as_tune_config(False) is None and as_tune_config(True).allow_lossy is False
+    assert as_tune_config("lossy").allow_lossy is True
+
+
+def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> None:
+    from scaleout.bench.train import TrainBenchConfig
+
+    config = TrainBenchConfig(workload="digits-mlp", compression=("none", "auto", "auto-exact"),
+                              warmup=3, testbed=False)
+    assert config.configurations[1:4] == ("scaleout", "scaleout+auto", "scaleout+auto-exact")
+    with pytest.raises(ValueError, match="warm-up"):
+        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=2, testbed=False)
+
+
+def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
+    from scaleout.cli.main import main
+
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "3",
+                 "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "codecs: none (exact)" in out and "measured after tuning" in out
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "2"]) == 2

@@ -37,6 +37,16 @@ fails is reported with its reason and not run again; the others go on (exit code
 """
 
 
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--workload``, ``--ranks`` and ``--rate``: what trains, on how many hosts, how linked
+    (``bench train`` and ``tune``)."""
+    parser.add_argument("--workload", required=True,
+                        help="resnet18, resnet50, transformer, dlrm, digits-mlp or digits-cnn")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="link rate per direction of each host (default 1gbit)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train`` to the ``scaleout bench`` subcommands."""
     from scaleout.bench.train_peers import PEERS
@@ -47,11 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "interleaved round by round on the same emulated cluster, same seeds and "
                     "data; report throughput, scaling efficiency and scaleout/peer ratios.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", required=True,
-                        help="resnet18, resnet50, transformer, dlrm, digits-mlp or digits-cnn")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
-    parser.add_argument("--rate", default="1gbit",
-                        help="link rate per direction of each host (default 1gbit)")
+    add_cluster_arguments(parser)
     parser.add_argument("--vs", default="ddp",
                         help=f"comma list of peers from {','.join(PEERS)} or ddp-tuned:MB (default ddp)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")

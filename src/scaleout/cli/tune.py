@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from scaleout.cli.bench_train import add_cluster_arguments
+
 EXAMPLE = """examples:
   scaleout tune --workload resnet18 --rate 100mbit          # 2 testbed hosts at 100 Mbit/s
   scaleout tune --workload transformer --ranks 4 --rate 1gbit --exact
@@ -27,11 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(bucket and chunk sizes, credit, policy and, unless --exact, a codec per "
                     "layer) and print what it chose and why.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", required=True,
-                        help="resnet18, resnet50, transformer, dlrm, digits-mlp or digits-cnn")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
-    parser.add_argument("--rate", default="1gbit",
-                        help="link rate per direction of each host (default 1gbit)")
+    add_cluster_arguments(parser)
     parser.add_argument("--exact", action="store_true",
                         help="exact gradients only (default: lossy codecs allowed, as with "
                              "bench train --compression auto)")

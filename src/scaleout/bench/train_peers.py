@@ -24,7 +24,9 @@ Configurations:
 * ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
   (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget: whole
   tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
-  parallel through DataParallel.
+  parallel through DataParallel; each iteration prefetches the next batch's ids
+  (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
+  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -114,6 +116,9 @@ class Setup:
         statistics: scaleout's per-iteration figures, or ``None`` for peers.
         close: release threads and process groups.
         details: facts about the set-up for the report (hook options, bucket sizes).
+        prefetch: called with the next iteration's inputs before each iteration but the
+            last, and with the first iteration's inputs before it (``hybrid``: starts the
+            exchange of a batch's ids, which its forward then takes), or ``None``.
     """
 
     model: nn.Module
@@ -123,6 +128,7 @@ class Setup:
     statistics: Callable[[], dict[str, float]] | None
     close: Callable[[], None]
     details: dict[str, Any]
+    prefetch: Callable[[Any], None] | None = None
 
 
 def param_groups(net: nn.Module) -> list[dict[str, Any]]:
@@ -269,11 +275,12 @@ def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
 
 
 class _Pair(torch.optim.Optimizer):
-    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together."""
+    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together,
+    then calls ``after()`` (every rank, whether it holds tables or not)."""
 
-    def __init__(self, dense: torch.optim.Optimizer,
-                 tables: torch.optim.Optimizer | None) -> None:  # no param groups of its own
-        self.dense, self.tables = dense, tables
+    def __init__(self, dense: torch.optim.Optimizer, tables: torch.optim.Optimizer | None,
+                 after: Callable[[], Any] | None = None) -> None:  # no param groups of its own
+        self.dense, self.tables, self.after = dense, tables, after
         self.param_groups = dense.param_groups
         self.defaults: dict[str, Any] = {}
         self.state: Any = {}
@@ -282,6 +289,8 @@ class _Pair(torch.optim.Optimizer):
         self.dense.step()
         if self.tables is not None:
             self.tables.step()
+        if self.after is not None:
+            self.after()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dense.zero_grad(set_to_none=set_to_none)
@@ -323,11 +332,14 @@ def _hybrid(options: SetupOptions) -> Setup:
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
-               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget}
+               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
+               "prefetch": "the next batch's ids; its lookups once the tables are updated"}
     statistics, reset = _statistics_of(model)  # gradients and activation exchanges
-    return Setup(model=model, optimizer=_Pair(dense_opt, table_opt),
+    # the next batch's rows leave as soon as the tables are updated (start_lookup)
+    return Setup(model=model, optimizer=_Pair(dense_opt, table_opt, net.embeddings.start_lookup),
                  settle=model.synchronize, reset=reset,
-                 statistics=statistics, close=close, details=details)
+                 statistics=statistics, close=close, details=details,
+                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))
 
 
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {

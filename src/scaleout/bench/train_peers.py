@@ -27,6 +27,8 @@ Configurations:
   parallel through DataParallel; each iteration prefetches the next batch's ids
   (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
   starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
+* ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
+  when it runs (what prefetching gains, in one interleaved run).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -51,7 +53,8 @@ __all__ = ["PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-noprefetch",
+         *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -298,7 +301,7 @@ class _Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def _hybrid(options: SetupOptions) -> Setup:
+def _hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
     import scaleout
     from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
                                   TableSpec, plan_tables)
@@ -333,8 +336,12 @@ def _hybrid(options: SetupOptions) -> Setup:
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
                "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
-               "prefetch": "the next batch's ids; its lookups once the tables are updated"}
+               "prefetch": "the next batch's ids; its lookups once the tables are updated"
+               if prefetch else None}
     statistics, reset = _statistics_of(model)  # gradients and activation exchanges
+    if not prefetch:
+        return Setup(model=model, optimizer=_Pair(dense_opt, table_opt), settle=model.synchronize,
+                     reset=reset, statistics=statistics, close=close, details=details)
     # the next batch's rows leave as soon as the tables are updated (start_lookup)
     return Setup(model=model, optimizer=_Pair(dense_opt, table_opt, net.embeddings.start_lookup),
                  settle=model.synchronize, reset=reset,
@@ -351,6 +358,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
     "hybrid": _hybrid,
+    "hybrid-noprefetch": lambda o: _hybrid(o, prefetch=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }

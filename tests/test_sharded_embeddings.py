@@ -164,7 +164,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     (3, 1, "overlap", "columns", "none"), (3, 1, "overlap", "idle", "none"),
     # the ids of the next batch (or two) exchanged while a batch trains: the same weights
     (2, 1, "overlap", "planned", "loader"), (3, 1, "sync", "budget", "two ahead"),
-    (2, 2, "overlap", "columns", "loader"), (3, 1, "overlap", "idle", "two ahead")])
+    (2, 2, "overlap", "columns", "loader"), (3, 1, "overlap", "idle", "two ahead"),
+    (3, 1, "overlap", "idle", "loader")])
 def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
                                             layout: str, prefetch: str) -> None:
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,

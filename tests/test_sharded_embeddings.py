@@ -228,6 +228,8 @@ def body_prefetch_errors() -> None:
         ec.prefetch(torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="expected an int64 \\(or int32\\) tensor of ids"):
         ec.prefetch(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"ids of table 1 must be in \[0, 5\), got 0..5"):
+        ec(torch.tensor([[0, 5, 0], [1, 0, 3]]))  # 5 would alias row 0 of table 2
     ec.prefetch(first)
     ec.prefetch(second)
     with pytest.raises(ValueError, match="got other ids than the first of the 2 prefetched"):

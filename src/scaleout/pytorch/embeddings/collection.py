@@ -103,8 +103,8 @@ class EmbeddingCollection(nn.Module):
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype = dtype
-        rows = torch.tensor([0] + [t.rows for t in tables], dtype=torch.int64)
-        self._first_rows = torch.cumsum(rows, 0)[:-1]  # table t's ids in one id space
+        self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
+        self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
@@ -249,6 +249,15 @@ class EmbeddingCollection(nn.Module):
                              f"{len(self.tables)}), got {tuple(ids.shape)}")
 
     def _exchange(self, ids: torch.Tensor) -> IdsExchange:
+        """A new exchange of ``ids`` (checked: an id past its table would land in the next
+        one's rows in the exchange's single id space)."""
+        rows = self._rows.to(ids.device)
+        outside = ((ids < 0) | (ids >= rows)).any(dim=0)
+        if bool(outside.any()):
+            t = int(outside.nonzero()[0])
+            raise ValueError(f"EmbeddingCollection: ids of table {t} must be in [0, "
+                             f"{self.tables[t].rows}), got {ids[:, t].min().item()}.."
+                             f"{ids[:, t].max().item()}")
         held = [self.plan.tables_of(r) for r in range(self.comm.size)]
         return IdsExchange(ids.long(), held, self._first_rows.to(ids.device), self.comm,
                            self.exchange_recorder)

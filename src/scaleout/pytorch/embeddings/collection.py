@@ -57,7 +57,9 @@ class EmbeddingCollection(nn.Module):
     of columns of a ``COLUMN_WISE`` one),
     registered as submodules named by the table index (``"3"``), so an owner's state dict
     has the keys of an ``nn.ModuleList`` of ``nn.Embedding``; :meth:`full_state` gathers
-    every table on every rank.
+    every table on every rank. :meth:`prefetch` (or the :func:`prefetching` loader wrapper)
+    and :meth:`start_lookup` (or :meth:`look_up_after`) send a later batch's ids and rows
+    ahead of its forward, with the same results.
 
     Args:
         tables: the tables (all with one ``dim``).
@@ -209,9 +211,10 @@ class EmbeddingCollection(nn.Module):
 
         Raises:
             TypeError: ids that are not an integer tensor.
-            ValueError: ids of the wrong shape.
+            ValueError: ids of the wrong shape, or outside their table's rows.
 
-        Example (each rank, a loop over ``batches``):
+        Example (each rank, a loop over ``batches``; :func:`prefetching` does the same):
+            >>> ec.prefetch(batches[0])
             >>> for step, ids in enumerate(batches):
             ...     if step + 1 < len(batches):
             ...         ec.prefetch(batches[step + 1])   # travels during this step
@@ -268,7 +271,7 @@ class EmbeddingCollection(nn.Module):
         if not self._pending:
             return self._exchange(ids).start()
         first = self._pending.popleft()
-        if first.ids.shape != ids.shape or not torch.equal(first.ids, ids.to(first.ids.device)):
+        if first.ids.shape != ids.shape or not torch.equal(first.ids, ids.to(first.ids)):
             self._pending.appendleft(first)
             raise ValueError(f"EmbeddingCollection.forward: got other ids than the first of "
                              f"the {len(self._pending)} prefetched batches; forward must take "

@@ -5,7 +5,9 @@ Run with:  scaleout run -n 2 examples/train_dlrm_hybrid.py --parallel hybrid --s
 
 ``data``: every rank holds every table, DataParallel averages all gradients (tables too).
 ``hybrid``: the planner spreads the tables over the ranks (EmbeddingCollection: ids and
-lookups travel by alltoallv), DataParallel averages only the dense MLPs' gradients. Both use
+lookups travel by alltoallv), DataParallel averages only the dense MLPs' gradients; the loader
+is wrapped in ``prefetching`` (each next batch's ids travel while a batch trains) and the
+next batch's rows leave once the tables' optimizer has stepped (``look_up_after``). Both use
 SGD with momentum for the dense layers and RowWiseAdagrad for the tables, so they compute
 the same model (tests/test_sharded_embeddings.py checks it to float precision); rank 0
 prints the held-out loss, parameter bytes per rank and time per step.
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import scaleout
-from scaleout.pytorch import DataParallel, EmbeddingCollection, RowWiseAdagrad
+from scaleout.pytorch import DataParallel, EmbeddingCollection, RowWiseAdagrad, prefetching
 from scaleout.workloads import get_workload
 
 
@@ -47,9 +49,13 @@ def main() -> int:
     table_opt = RowWiseAdagrad(tables, lr=0.05)
     eval_x, eval_y = workload.make_batch(args.batch, 10**6, 1, rank=env.rank,
                                          world_size=env.world_size)
+    batches = (workload.make_batch(args.batch, step, 0, rank=env.rank, world_size=env.world_size)
+               for step in range(args.steps))
+    if args.parallel == "hybrid":
+        batches = prefetching(batches, net.embeddings, ids=lambda batch: batch[0].sparse)
+        net.embeddings.look_up_after(table_opt)
     began = time.perf_counter()
-    for step in range(args.steps):
-        x, y = workload.make_batch(args.batch, step, 0, rank=env.rank, world_size=env.world_size)
+    for x, y in batches:
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         dense_opt.step()
         table_opt.step()

@@ -27,9 +27,14 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out.json"
     assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
-                 "--json", str(out)]) == 0
+                 "--vs", "ddp,hybrid-noprefetch", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"single", "scaleout", "ddp", "hybrid"}
+    assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-noprefetch"}
+    # prefetching the next batch's ids and rows trains the same model, to the last bit
+    assert summary["hybrid"]["final_loss"] == summary["hybrid-noprefetch"]["final_loss"]
+    assert summary["hybrid"]["final_loss"] == pytest.approx(summary["ddp"]["final_loss"], 1e-5)
+    assert "lookups once the tables are updated" in summary["hybrid"]["details"]["prefetch"]
+    assert summary["hybrid-noprefetch"]["details"]["prefetch"] is None
     hybrid, ddp = summary["hybrid"]["details"], summary["ddp"]["details"]
     assert hybrid["param_bytes"] < 0.6 * ddp["param_bytes"]
     assert hybrid["fits_memory_budget"] and not ddp["fits_memory_budget"]

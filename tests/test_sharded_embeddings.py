@@ -28,6 +28,7 @@ from scaleout.pytorch import (
     full_state_dict,
     load_full_state_dict,
     plan_tables,
+    prefetching,
     tensor_parallel,
 )
 from scaleout.workloads import DLRMConfig, DLRMInputs, DLRMWorkload
@@ -78,7 +79,8 @@ def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list[int]:
+def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
+              prefetch: str = "none") -> list[int]:
     env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
@@ -110,9 +112,21 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
                                      mode=mode)
     table_opt = table_optimizer(layout, tables) if tables else None  # "idle": none held
+    if prefetch == "loader":  # the next batch's rows leave once the tables are updated
+        net.embeddings.look_up_after(table_opt or dense_opt)  # (a rank without tables: any)
     d = dist.rank(GroupType.DATA)
-    for step in range(STEPS):
-        x, y = shard(*global_batch(step, data_parts), d)
+    batches = [shard(*global_batch(step, data_parts), d) for step in range(STEPS)]
+    if prefetch == "loader":  # each next batch's ids travel while this one trains
+        batches = prefetching(batches, net.embeddings, ids=lambda batch: batch[0].sparse)
+    elif prefetch == "two ahead":
+        net.embeddings.prefetch(batches[0][0].sparse)
+        net.embeddings.prefetch(batches[1][0].sparse)
+    for step, (x, y) in enumerate(batches):
+        if prefetch == "two ahead" and step + 2 < STEPS:
+            net.embeddings.prefetch(batches[step + 2][0].sparse)
+        if prefetch != "none":
+            ahead = 1 if prefetch == "loader" else 2  # this batch's and those ahead
+            assert net.embeddings.prefetched == min(ahead + 1, STEPS - step)
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         assert all(p.grad is None or p.grad.is_sparse for p in tables)
         dense_opt.step()
@@ -120,6 +134,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
         if table_opt is not None:
             table_opt.step()
             table_opt.zero_grad()
+        if prefetch == "two ahead":
+            assert net.embeddings.start_lookup() == (step + 1 < STEPS)
     model.synchronize()
     assert model.statistics.operation("embeddings (activations)").bytes > 0
     state = full_state_dict(net)
@@ -141,14 +157,19 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str) -> list
     return held
 
 
-@pytest.mark.parametrize("data_parts,model_parts,mode,layout", [
-    (2, 1, "sync", "planned"), (3, 1, "overlap", "planned"), (2, 2, "overlap", "planned"),
-    (2, 1, "overlap", "explicit"), (3, 1, "sync", "budget"), (2, 1, "sync", "columns"),
-    (3, 1, "overlap", "columns"), (3, 1, "overlap", "idle")])
+@pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch", [
+    (2, 1, "sync", "planned", "none"), (3, 1, "overlap", "planned", "none"),
+    (2, 2, "overlap", "planned", "none"), (2, 1, "overlap", "explicit", "none"),
+    (3, 1, "sync", "budget", "none"), (2, 1, "sync", "columns", "none"),
+    (3, 1, "overlap", "columns", "none"), (3, 1, "overlap", "idle", "none"),
+    # the ids of the next batch (or two) exchanged while a batch trains: the same weights
+    (2, 1, "overlap", "planned", "loader"), (3, 1, "sync", "budget", "two ahead"),
+    (2, 2, "overlap", "columns", "loader"), (3, 1, "overlap", "idle", "two ahead"),
+    (3, 1, "overlap", "idle", "loader")])
 def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
-                                            layout: str) -> None:
+                                            layout: str, prefetch: str) -> None:
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
-                     timeout=120)
+                     prefetch, timeout=120)
     by_data_rank = held[::model_parts]
     assert set(t for h in by_data_rank for t in h) == set(range(len(CONFIG.table_sizes)))
     assert layout != "idle" or held[-1] == []
@@ -195,3 +216,35 @@ def test_rowwise_adagrad_sparse_equals_dense() -> None:
     torch.testing.assert_close(sparse.weight, dense.weight)
     assert not torch.equal(sparse.weight[4], dense.weight.new_zeros(3))
     assert opts[0].state[sparse.weight]["sum"].numel() == 10  # one value per row
+
+
+def body_prefetch_errors() -> None:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution()
+    ec = EmbeddingCollection([TableSpec(rows=r, dim=3) for r in (9, 5, 4)], dist)
+    first, second = (torch.tensor([[env.rank, s, 1], [2, 0, s]]) for s in (0, 3))
+    reference = ec(second).detach()
+    with pytest.raises(ValueError, match=r"expected ids of shape \(batch, 3\), got \(2, 4\)"):
+        ec.prefetch(torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="expected an int64 \\(or int32\\) tensor of ids"):
+        ec.prefetch(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"ids of table 1 must be in \[0, 5\), got 0..5"):
+        ec(torch.tensor([[0, 5, 0], [1, 0, 3]]))  # 5 would alias row 0 of table 2
+    ec.prefetch(first)
+    ec.prefetch(second)
+    with pytest.raises(ValueError, match="got other ids than the first of the 2 prefetched"):
+        ec(second)  # checked before anything is sent: every rank raises, nothing is left over
+    assert ec.prefetched == 2
+    ec(first)
+    assert torch.equal(ec(second), reference) and ec.prefetched == 0
+    ec.prefetch(first)  # never taken: drained
+    ec.drain()
+    assert ec.prefetched == 0 and torch.equal(ec(second), reference)
+    with pytest.raises(TypeError, match="ids must pick a batch's ids"):
+        prefetching([first], ec, ids=None)
+    assert list(prefetching([], ec, ids=lambda b: b)) == [] and ec.prefetched == 0
+    env.finalize()
+
+
+def test_prefetch_checks_its_batches() -> None:
+    run_ranks(2, body_prefetch_errors, timeout=60)

@@ -24,7 +24,11 @@ Configurations:
 * ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
   (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget: whole
   tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
-  parallel through DataParallel.
+  parallel through DataParallel; each iteration prefetches the next batch's ids
+  (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
+  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
+* ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
+  when it runs (what prefetching gains, in one interleaved run).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -50,7 +54,8 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-noprefetch",
+         *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -130,6 +135,9 @@ class Setup:
         statistics: scaleout's per-iteration figures, or ``None`` for peers.
         close: release threads and process groups.
         details: facts about the set-up for the report (hook options, bucket sizes).
+        prefetch: called with the next iteration's inputs before each iteration but the
+            last, and with the first iteration's inputs before it (``hybrid``: starts the
+            exchange of a batch's ids, which its forward then takes), or ``None``.
     """
 
     model: nn.Module
@@ -139,6 +147,7 @@ class Setup:
     statistics: Callable[[], dict[str, float]] | None
     close: Callable[[], None]
     details: dict[str, Any]
+    prefetch: Callable[[Any], None] | None = None
 
 
 def param_groups(net: nn.Module) -> list[dict[str, Any]]:
@@ -293,11 +302,12 @@ def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
 
 
 class _Pair(torch.optim.Optimizer):
-    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together."""
+    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together,
+    then calls ``after()`` (every rank, whether it holds tables or not)."""
 
-    def __init__(self, dense: torch.optim.Optimizer,
-                 tables: torch.optim.Optimizer | None) -> None:  # no param groups of its own
-        self.dense, self.tables = dense, tables
+    def __init__(self, dense: torch.optim.Optimizer, tables: torch.optim.Optimizer | None,
+                 after: Callable[[], Any] | None = None) -> None:  # no param groups of its own
+        self.dense, self.tables, self.after = dense, tables, after
         self.param_groups = dense.param_groups
         self.defaults: dict[str, Any] = {}
         self.state: Any = {}
@@ -306,6 +316,8 @@ class _Pair(torch.optim.Optimizer):
         self.dense.step()
         if self.tables is not None:
             self.tables.step()
+        if self.after is not None:
+            self.after()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dense.zero_grad(set_to_none=set_to_none)
@@ -313,7 +325,7 @@ class _Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def _hybrid(options: SetupOptions) -> Setup:
+def _hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
     import scaleout
     from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
                                   TableSpec, plan_tables)
@@ -347,11 +359,18 @@ def _hybrid(options: SetupOptions) -> Setup:
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
-               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget}
+               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
+               "prefetch": "the next batch's ids; its lookups once the tables are updated"
+               if prefetch else None}
     statistics, reset = _statistics_of(model)  # gradients and activation exchanges
-    return Setup(model=model, optimizer=_Pair(dense_opt, table_opt),
+    if not prefetch:
+        return Setup(model=model, optimizer=_Pair(dense_opt, table_opt), settle=model.synchronize,
+                     reset=reset, statistics=statistics, close=close, details=details)
+    # the next batch's rows leave as soon as the tables are updated (start_lookup)
+    return Setup(model=model, optimizer=_Pair(dense_opt, table_opt, net.embeddings.start_lookup),
                  settle=model.synchronize, reset=reset,
-                 statistics=statistics, close=close, details=details)
+                 statistics=statistics, close=close, details=details,
+                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))
 
 
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
@@ -363,6 +382,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
     "hybrid": _hybrid,
+    "hybrid-noprefetch": lambda o: _hybrid(o, prefetch=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }

@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def iteration(step: int) -> None:
         inputs, targets = batches[step % len(batches)]
+        if setup.prefetch is not None:  # (hybrid: the next batch's ids travel during this one)
+            if step == 0:
+                setup.prefetch(inputs)
+            if step + 1 < total:
+                setup.prefetch(batches[(step + 1) % len(batches)][0])
         loss = workload.loss_fn(setup.model(inputs), targets)
         loss.backward()
         last_loss[:] = [loss.detach()]  # read once at the end: no host sync per iteration

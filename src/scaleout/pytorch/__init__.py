@@ -9,6 +9,7 @@ from scaleout.pytorch.embeddings import (
     ShardingPlan,
     TableSpec,
     plan_tables,
+    prefetching,
 )
 from scaleout.pytorch.optimizer import MODES, DistributedOptimizer, optimizer_state_bytes
 from scaleout.pytorch.replicas import ReplicaDivergenceError
@@ -33,6 +34,6 @@ __all__ = [
     "ReplicaDivergenceError",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
     "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
-    "ShardingPlan", "TableSpec", "plan_tables", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
+    "ShardingPlan", "TableSpec", "plan_tables", "prefetching", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
     "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
 ]

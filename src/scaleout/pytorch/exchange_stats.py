@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ExchangeRecorder", "bind_recorders"]
+from scaleout.core.request import Request
+
+__all__ = ["ExchangeRecorder", "Started", "bind_recorders"]
 
 _T = TypeVar("_T")
 
@@ -42,10 +45,44 @@ class ExchangeRecorder:
         began = time.perf_counter()
         result = exchange()
         spent = time.perf_counter() - began
-        nbytes = sent.numel() * sent.element_size()
-        self.statistics.add(self.operation, comm_s=spent, exposed_s=spent, bytes=nbytes,
-                            raw_bytes=nbytes)
+        self._add(sent, spent, spent)
         return result
+
+    def start(self, request: Request) -> Started:
+        """Note that ``request`` (an exchange) started now; :meth:`wait` takes the result."""
+        started = Started(request=request, at=time.perf_counter())
+        if self.statistics is not None:  # when it completed: its communication time
+            request.when_done(started.finished)
+        return started
+
+    def wait(self, started: Started, sent: torch.Tensor) -> Any:
+        """``wait()`` for an exchange that sends ``sent``: the wait counts as exposed, start
+        to completion (or to the end of the wait, if later) as communication."""
+        began = time.perf_counter()
+        result = started.request.wait()
+        if self.statistics is not None:
+            ended = time.perf_counter()
+            done = min(started.done_at or ended, ended)
+            self._add(sent, done - started.at, ended - began)
+        return result
+
+    def _add(self, sent: torch.Tensor, comm_s: float, exposed_s: float) -> None:
+        nbytes = sent.numel() * sent.element_size()
+        self.statistics.add(self.operation, comm_s=comm_s, exposed_s=exposed_s, bytes=nbytes,
+                            raw_bytes=nbytes)
+
+
+@dataclass
+class Started:
+    """An exchange started at ``at`` (``time.perf_counter``), completed at ``done_at``
+    (once its completion was reported)."""
+
+    request: Request
+    at: float
+    done_at: float | None = None
+
+    def finished(self, _: Request) -> None:
+        self.done_at = time.perf_counter()
 
 
 def bind_recorders(module: torch.nn.Module, statistics: Any) -> None:

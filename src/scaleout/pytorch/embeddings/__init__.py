@@ -1,8 +1,9 @@
 """Sharded embedding tables (DLRM / TorchRec style): a planner, the collection, a row-wise
-sparse optimizer."""
+sparse optimizer, a loader wrapper that prefetches the next batch's ids."""
 
 from scaleout.pytorch.embeddings.collection import EmbeddingCollection
 from scaleout.pytorch.embeddings.optim import RowWiseAdagrad
+from scaleout.pytorch.embeddings.prefetching import prefetching
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
     ROW_WISE,
@@ -12,5 +13,5 @@ from scaleout.pytorch.embeddings.planner import (
     row_block,
 )
 
-__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "ShardingPlan", "TableSpec", "plan_tables",
+__all__ = ["EmbeddingCollection", "RowWiseAdagrad", "prefetching", "ShardingPlan", "TableSpec", "plan_tables",
            "ROW_WISE", "COLUMN_WISE", "row_block"]

@@ -5,7 +5,9 @@ Forward, on every rank of the data group (each with its own samples):
 1. distinct ids: each table's column of ids is reduced to its distinct ids (ids repeat: a
    batch of 256 Zipf-distributed DLRM samples has 2,077 distinct (table, id) pairs of 6,656);
 2. counts, then ids: an alltoallv tells each holder how many distinct ids of each of its
-   tables to expect, a second one sends them (a row- or column-wise table's to every holder);
+   tables to expect, a second one sends them (a row- or column-wise table's to every holder)
+   (steps 1-2: :mod:`~scaleout.pytorch.embeddings.ids_exchange`; :meth:`~EmbeddingCollection.
+   prefetch` starts them for a later batch, so that its forward waits only for step 4);
 3. lookup: each holder looks every requested id up once (a row-wise table: the ids in its
    block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere);
 4. rows: an alltoallv sends the rows back; each sample takes its vector from its table's
@@ -21,6 +23,7 @@ sparse gradients). The dense layers around stay data parallel.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaleout.core import collectives
-from scaleout.core.collectives import Communicator
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
+from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
     ROW_WISE,
@@ -39,28 +42,11 @@ from scaleout.pytorch.embeddings.planner import (
     TableSpec,
     plan_tables,
 )
-from scaleout.pytorch.exchange_stats import ExchangeRecorder
+from scaleout.pytorch.embeddings.rows_exchange import exchange_rows
+from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 from scaleout.pytorch.placement import Kind, Placement, place
 
 __all__ = ["EmbeddingCollection"]
-
-
-class _Exchange(torch.autograd.Function):
-    """An alltoallv of rows whose backward is the reverse alltoallv of their gradients
-    (divided by the data group's size: DataParallel's average)."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, comm: Communicator, send: list[int],
-                recv: list[int], divisor: int, recorder: ExchangeRecorder) -> torch.Tensor:
-        ctx.args = (comm, send, recv, divisor, recorder)
-        return recorder.run(rows, lambda: collectives.alltoallv(comm, rows, send, recv).wait())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        comm, send, recv, divisor, recorder = ctx.args
-        grad = grad.contiguous()
-        back = recorder.run(grad, lambda: collectives.alltoallv(comm, grad, recv, send).wait())
-        return collectives.average_into(back, back, divisor), None, None, None, None, None
 
 
 class EmbeddingCollection(nn.Module):
@@ -71,7 +57,9 @@ class EmbeddingCollection(nn.Module):
     of columns of a ``COLUMN_WISE`` one),
     registered as submodules named by the table index (``"3"``), so an owner's state dict
     has the keys of an ``nn.ModuleList`` of ``nn.Embedding``; :meth:`full_state` gathers
-    every table on every rank.
+    every table on every rank. :meth:`prefetch` (or the :func:`prefetching` loader wrapper)
+    and :meth:`start_lookup` (or :meth:`look_up_after`) send a later batch's ids and rows
+    ahead of its forward, with the same results.
 
     Args:
         tables: the tables (all with one ``dim``).
@@ -117,6 +105,11 @@ class EmbeddingCollection(nn.Module):
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype = dtype
+        self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
+        self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
+        self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
+        # id(exchange): its rows (in the tables' autograd graph) on their way
+        self._started: dict[int, tuple[torch.Tensor, Started]] = {}
         for t in self.plan.tables_of(self.comm.rank):
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
@@ -148,41 +141,142 @@ class EmbeddingCollection(nn.Module):
         return self.plan.tables_of(self.comm.rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check(ids, "forward")
+        exchange = self._take(ids)
+        looked, started = self._started.pop(id(exchange), (None, None))
+        if looked is None:
+            received = exchange.received()
+            looked = self._look_up(received.ids, received.asked)
+        rows = exchange_rows(looked, self.comm, exchange.recv, exchange.send, self.divisor,
+                             self.exchange_recorder, started)
+        self._advance()  # the next batches' ids travel while this one computes
+        return exchange.gather(rows, self.dim)
+
+    def start_lookup(self) -> bool:
+        """Look the next forward's rows up now and start sending them: the first prefetched
+        batch's, whose ids are there by now.
+
+        Call it once the tables hold what that forward must read, that is after the tables'
+        update of the batch before (:meth:`look_up_after` calls it after every step of the
+        tables' optimizer); the forward then waits only for rows already on their way. The
+        rows are read when it is called: a table changed after that is not seen by that
+        forward (every rank calls it at the same point).
+
+        Returns:
+            Whether a lookup started (``False``: no prefetched batch).
+
+        Raises:
+            RuntimeError: the first prefetched batch's lookup started already.
+        """
+        if not self._pending:
+            return False
+        exchange = self._pending[0]
+        if id(exchange) in self._started:
+            raise RuntimeError("EmbeddingCollection.start_lookup: the next batch's rows were "
+                               "looked up already (twice without a forward in between)")
+        received = exchange.received()
+        with torch.enable_grad():  # the forward that takes the rows may train
+            looked = self._look_up(received.ids, received.asked)
+        self._started[id(exchange)] = (looked, self.exchange_recorder.start(
+            collectives.alltoallv(self.comm, looked.detach(), exchange.recv, exchange.send)))
+        self._advance()
+        return True
+
+    def look_up_after(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Call :meth:`start_lookup` after every ``optimizer.step()`` (the tables' optimizer:
+        the rows of the next prefetched batch then leave as soon as the tables are updated).
+
+        Returns:
+            The hook's handle (``.remove()`` stops it).
+
+        Raises:
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"EmbeddingCollection.look_up_after: expected a torch optimizer, "
+                            f"got {type(optimizer).__name__}")
+        return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start sending the ids of a batch that a later :meth:`forward` will get.
+
+        The exchange of ids (counts, then the ids) then travels while the batches before it
+        compute, and that forward waits only for the rows. Ids do not depend on the weights,
+        so the result is exactly that of a forward without prefetch. Batches are consumed
+        in the order they were prefetched; every rank of the data group must prefetch at the
+        same points (each its own batch). :func:`prefetching` does it for a loader.
+
+        Args:
+            ids: ``(B, T)`` int64, what a later forward will get (compared with it then).
+
+        Raises:
+            TypeError: ids that are not an integer tensor.
+            ValueError: ids of the wrong shape, or outside their table's rows.
+
+        Example (each rank, a loop over ``batches``; :func:`prefetching` does the same):
+            >>> ec.prefetch(batches[0])
+            >>> for step, ids in enumerate(batches):
+            ...     if step + 1 < len(batches):
+            ...         ec.prefetch(batches[step + 1])   # travels during this step
+            ...     loss = head(ec(ids)).sum(); loss.backward(); ...
+        """
+        self._check(ids, "prefetch")
+        self._pending.append(self._exchange(ids.detach().clone()).start())
+
+    @property
+    def prefetched(self) -> int:
+        """How many prefetched batches no forward has taken yet."""
+        return len(self._pending)
+
+    def drain(self) -> None:
+        """Finish the exchanges of prefetched batches no forward will take (at the end of
+        training, say) and forget them; every rank of the data group at the same point."""
+        while self._pending:
+            exchange = self._pending.popleft()
+            exchange.received()
+            _, started = self._started.pop(id(exchange), (None, None))
+            if started is not None:
+                started.request.wait()
+
+    def _advance(self) -> None:
+        """Start the ids' exchange of every prefetched batch whose counts were sent."""
+        for exchange in self._pending:
+            exchange.advance()
+
+    def _check(self, ids: torch.Tensor, what: str) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"EmbeddingCollection.{what}: expected an int64 (or int32) tensor "
+                            f"of ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
         if ids.dim() != 2 or ids.shape[1] != len(self.tables):
-            raise ValueError(f"EmbeddingCollection: expected ids of shape (batch, "
+            raise ValueError(f"EmbeddingCollection.{what}: expected ids of shape (batch, "
                              f"{len(self.tables)}), got {tuple(ids.shape)}")
-        comm, rec = self.comm, self.exchange_recorder
-        held = [self.plan.tables_of(r) for r in range(comm.size)]
-        mine = held[comm.rank]
-        # 1. each table's distinct ids in this batch, and where every sample's id is among them
-        distinct = {t: torch.unique(ids[:, t], return_inverse=True) for t in set().union(*held)}
-        wanted = [[distinct[t][0] for t in tables] for tables in held]
-        # 2. how many distinct ids of each of its tables every holder gets (fixed sizes)
-        counts = torch.tensor([u.numel() for part in wanted for u in part], dtype=torch.int64,
-                              device=ids.device)
-        got = rec.run(counts, lambda: collectives.alltoallv(
-            comm, counts, [len(h) for h in held], [len(mine)] * comm.size).wait())
-        asked = got.view(comm.size, len(mine))  # [rank, my table j]: ids that rank asked for
-        # 3. the ids themselves; 4. each holder looks them up once and sends the rows back
-        sent = torch.cat([u for part in wanted for u in part])
-        send = [sum(u.numel() for u in part) for part in wanted]
-        recv = asked.sum(dim=1).tolist()
-        requested = rec.run(sent, lambda: collectives.alltoallv(comm, sent, send, recv).wait())
-        rows = _Exchange.apply(self._look_up(requested, asked), comm, recv, send, self.divisor,
-                               rec)
-        # 5. every sample's vector from its table's distinct rows (row- and column-wise
-        #    tables: one block per holder, summed)
-        index, offset = [], 0
-        for tables, part in zip(held, wanted):
-            for t, u in zip(tables, part):
-                index.append(distinct[t][1] + offset)
-                offset += u.numel()
-        slots = torch.tensor([t for tables in held for t in tables], dtype=torch.int64,
-                             device=ids.device)
-        per_slot = rows[torch.stack(index, dim=1)] if index else rows.new_zeros(
-            ids.shape[0], 0, self.dim)
-        out = rows.new_zeros(ids.shape[0], len(self.tables), self.dim)
-        return out.index_add(1, slots, per_slot)
+
+    def _exchange(self, ids: torch.Tensor) -> IdsExchange:
+        """A new exchange of ``ids`` (checked: an id past its table would land in the next
+        one's rows in the exchange's single id space)."""
+        rows = self._rows.to(ids.device)
+        outside = ((ids < 0) | (ids >= rows)).any(dim=0)
+        if bool(outside.any()):
+            t = int(outside.nonzero()[0])
+            raise ValueError(f"EmbeddingCollection: ids of table {t} must be in [0, "
+                             f"{self.tables[t].rows}), got {ids[:, t].min().item()}.."
+                             f"{ids[:, t].max().item()}")
+        held = [self.plan.tables_of(r) for r in range(self.comm.size)]
+        return IdsExchange(ids.long(), held, self._first_rows.to(ids.device), self.comm,
+                           self.exchange_recorder)
+
+    def _take(self, ids: torch.Tensor) -> IdsExchange:
+        """The exchange of ``ids``: the first prefetched one (which must be of them), or a
+        new one."""
+        if not self._pending:
+            return self._exchange(ids).start()
+        first = self._pending.popleft()
+        if first.ids.shape != ids.shape or not torch.equal(first.ids, ids.to(first.ids)):
+            self._pending.appendleft(first)
+            raise ValueError(f"EmbeddingCollection.forward: got other ids than the first of "
+                             f"the {len(self._pending)} prefetched batches; forward must take "
+                             "the prefetched batches in the order they were prefetched")
+        return first
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
         """Rows for ``ids``: the other ranks' requests side by side, each rank's in the order

@@ -1,0 +1,86 @@
+"""``bench train``'s ``hybrid`` set-up: DLRM's tables sharded across the ranks, its dense
+MLPs data parallel, the next batch's ids and rows prefetched (``hybrid-noprefetch``: not)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaleout.bench.train_setup import LR, Setup, SetupOptions, sgd, statistics_of
+
+__all__ = ["Pair", "build_hybrid"]
+
+
+class Pair(torch.optim.Optimizer):
+    """Steps a dense (data-parallel) optimizer and an optional table (sparse) one together,
+    then calls ``after()`` (every rank, whether it holds tables or not)."""
+
+    def __init__(self, dense: torch.optim.Optimizer, tables: torch.optim.Optimizer | None,
+                 after: Callable[[], Any] | None = None) -> None:  # no param groups of its own
+        self.dense, self.tables, self.after = dense, tables, after
+        self.param_groups = dense.param_groups
+        self.defaults: dict[str, Any] = {}
+        self.state: Any = {}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.dense.step()
+        if self.tables is not None:
+            self.tables.step()
+        if self.after is not None:
+            self.after()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        if self.tables is not None:
+            self.tables.zero_grad(set_to_none=set_to_none)
+
+
+def build_hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
+    import scaleout
+    from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
+                                  TableSpec, plan_tables)
+
+    net = options.workload.build_model(options.seed)
+    tables = getattr(net, "embeddings", None)
+    if not isinstance(tables, nn.ModuleList):
+        raise ValueError(f"hybrid: the workload {options.workload.name!r} has no embedding "
+                         "tables to shard (use --workload dlrm)")
+    env = scaleout.init(timeout=options.timeout_s)
+    dist = env.create_distribution()
+    specs = [TableSpec(rows=t.num_embeddings, dim=t.embedding_dim, name=str(i))
+             for i, t in enumerate(tables)]
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
+                      if not n.startswith("embeddings."))
+    budget = None if options.memory_budget is None else options.memory_budget - dense_bytes
+    if budget is not None and budget < 1:
+        raise ValueError(f"hybrid: the memory budget of {options.memory_budget} bytes leaves no "
+                         f"room for tables beside the dense parameters' {dense_bytes} bytes")
+    plan = plan_tables(specs, env.world_size, memory_budget=budget,
+                       element_size=tables[0].weight.element_size())
+    net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)
+    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    sparse = list(net.embeddings.parameters())
+    model = DataParallel(net, dist, scheduler=options.scheduler())
+    dense_opt = DistributedOptimizer(sgd(dense), model, mode=options.mode)
+    table_opt = torch.optim.SGD(sparse, lr=LR) if sparse else None
+
+    def close() -> None:
+        model.close()
+        env.finalize()
+
+    details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
+               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
+               "prefetch": "the next batch's ids; its lookups once the tables are updated"
+               if prefetch else None}
+    statistics, reset = statistics_of(model)  # gradients and activation exchanges
+    if not prefetch:
+        return Setup(model=model, optimizer=Pair(dense_opt, table_opt), settle=model.synchronize,
+                     reset=reset, statistics=statistics, close=close, details=details)
+    # the next batch's rows leave as soon as the tables are updated (start_lookup)
+    return Setup(model=model, optimizer=Pair(dense_opt, table_opt, net.embeddings.start_lookup),
+                 settle=model.synchronize, reset=reset,
+                 statistics=statistics, close=close, details=details,
+                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))

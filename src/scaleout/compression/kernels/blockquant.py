@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from scaleout.compression.kernels.common import finite, nan_like, pow2, rint, tile
+from scaleout.compression.kernels.common import (block_tile, compensated, finite, nan_like,
+                                                 pow2, rint, tile)
 
 __all__ = ["decode", "prepare", "quantize"]
 
@@ -37,12 +38,8 @@ def step_sizes(e, inv_levels):
 @triton.jit
 def _prepare_kernel(src, res, work, exps, n, nblocks, HAS_RES: tl.constexpr,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    inside = offs < n
-    x = tl.load(src + offs, mask=inside, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(res + offs, mask=inside, other=0.0)
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
+    x, _ = compensated(src, res, offs, inside, HAS_RES)
     tl.store(work + offs, x, mask=inside)
     amax = tl.max(tl.abs(x), axis=1)
     poisoned = tl.sum(x * 0.0, axis=1)  # NaN iff the block holds NaN or Inf
@@ -58,9 +55,7 @@ def _prepare_kernel(src, res, work, exps, n, nblocks, HAS_RES: tl.constexpr,
 def _quantize_kernel(work, old, mant, exps, n, nblocks, levels, inv_levels,
                      HAS_OLD: tl.constexpr, FEEDBACK: tl.constexpr,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    inside = offs < n
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
     e = tl.load(exps + rows, mask=rows < nblocks, other=-128).to(tl.int32)
     dead = (e == 127) | (e == -128)  # non-finite or all-zero everywhere: mantissa 0
     mult = levels * pow2(-tl.minimum(tl.where(dead, 0, e), 126))
@@ -82,9 +77,7 @@ def _quantize_kernel(work, old, mant, exps, n, nblocks, levels, inv_levels,
 @triton.jit
 def _decode_kernel(mant, exps, out, n, nblocks, inv_levels,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    inside = offs < n
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
     e = tl.load(exps + rows, mask=rows < nblocks, other=-128).to(tl.int32)
     step = step_sizes(e, inv_levels)
     q = tl.load(mant + offs, mask=inside, other=0).to(tl.float32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["finite", "nan_like", "pow2", "rint", "tile"]
+__all__ = ["block_tile", "byte_offsets", "compensated", "finite", "nan_like", "pow2", "rint", "tile"]
 
 #: Values per program: a tile of ``ROWS = TILE // block`` blocks (at least one block).
 TILE = 2048
@@ -49,3 +49,29 @@ def finite(x):
 def nan_like(i):
     """A float32 NaN of the shape of the int32 tensor ``i`` (from its bits)."""
     return (tl.zeros_like(i) + 0x7FC00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_tile(n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ``ROWS`` block indices, the offsets of their values (``ROWS x BLOCK``)
+    and which of those lie inside the ``n`` values."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return rows, offs, offs < n
+
+
+@triton.jit
+def byte_offsets(rows, BLOCK: tl.constexpr):
+    """Offsets of the packed bytes (8 values each) of blocks ``rows`` (``ROWS x BLOCK/8``)."""
+    return rows[:, None] * (BLOCK // 8) + tl.arange(0, BLOCK // 8)[None, :]
+
+
+@triton.jit
+def compensated(src, res, offs, inside, HAS_RES: tl.constexpr):
+    """``(gradient + residual, residual)`` as float32 at ``offs`` (zero residual without one)."""
+    x = tl.load(src + offs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RES:
+        old = tl.load(res + offs, mask=inside, other=0.0)
+    else:
+        old = tl.zeros_like(x)
+    return x + old, old

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from scaleout.compression.kernels.common import finite, tile
+from scaleout.compression.kernels.common import (block_tile, byte_offsets, compensated, finite,
+                                                 tile)
 
 __all__ = ["decode", "encode", "gather_sum"]
 
@@ -22,15 +23,8 @@ __all__ = ["decode", "encode", "gather_sum"]
 def _encode_kernel(src, res, new_res, signs, scales, n, nblocks, HAS_RES: tl.constexpr,
                    FEEDBACK: tl.constexpr, RMS: tl.constexpr,
                    BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    inside = offs < n
-    x = tl.load(src + offs, mask=inside, other=0.0).to(tl.float32)
-    if HAS_RES:
-        old = tl.load(res + offs, mask=inside, other=0.0)
-        x += old
-    else:
-        old = tl.zeros_like(x)
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
+    x, old = compensated(src, res, offs, inside, HAS_RES)
     count = tl.minimum(tl.maximum(n - rows * BLOCK, 1), BLOCK).to(tl.float32)
     if RMS:
         scale = tl.sqrt(tl.sum(x * x, axis=1) / count)
@@ -41,7 +35,7 @@ def _encode_kernel(src, res, new_res, signs, scales, n, nblocks, HAS_RES: tl.con
     negative = x < 0.0
     bits = tl.reshape(negative.to(tl.int32), (ROWS, BLOCK // 8, 8))
     packed = tl.sum(bits << tl.arange(0, 8)[None, None, :], axis=2)
-    byte_offs = rows[:, None] * (BLOCK // 8) + tl.arange(0, BLOCK // 8)[None, :]
+    byte_offs = byte_offsets(rows, BLOCK)
     tl.store(signs + byte_offs, packed.to(tl.uint8), mask=live[:, None])
     if FEEDBACK:
         new = x - tl.where(negative, -scale[:, None], scale[:, None])
@@ -57,21 +51,20 @@ def _units(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(signs, scales, out, n, nblocks, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
     live = rows < nblocks
-    byte_offs = rows[:, None] * (BLOCK // 8) + tl.arange(0, BLOCK // 8)[None, :]
+    byte_offs = byte_offsets(rows, BLOCK)
     units = _units(tl.load(signs + byte_offs, mask=live[:, None], other=0), ROWS, BLOCK)
     scale = tl.load(scales + rows, mask=live, other=0.0)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    tl.store(out + offs, units * scale[:, None], mask=offs < n)
+    tl.store(out + offs, units * scale[:, None], mask=inside)
 
 
 @triton.jit
 def _gather_sum_kernel(wire, out, stride, nscale, n, nblocks, RANKS: tl.constexpr,
                        BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows, offs, inside = block_tile(n, BLOCK, ROWS)
     live = rows < nblocks
-    byte_offs = rows[:, None] * (BLOCK // 8) + tl.arange(0, BLOCK // 8)[None, :]
+    byte_offs = byte_offsets(rows, BLOCK)
     total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for r in range(RANKS):  # a compile-time count: one build per world size
         row = wire + r * stride
@@ -82,8 +75,7 @@ def _gather_sum_kernel(wire, out, stride, nscale, n, nblocks, RANKS: tl.constexp
         scale = word.to(tl.float32, bitcast=True)
         units = _units(tl.load(row + nscale + byte_offs, mask=live[:, None], other=0), ROWS, BLOCK)
         total += units * scale[:, None]
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    tl.store(out + offs, total, mask=offs < n)
+    tl.store(out + offs, total, mask=inside)
 
 
 def encode(source: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.Tensor | None,

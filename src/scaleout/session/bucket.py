@@ -81,8 +81,10 @@ class GradBucket:
         self._clock = stopwatch_for(self._buffer.device)  # issue to result (comm time)
         total = sum(ps.local_count for ps in members)
         self._shares = [(ps.op_name, ps.local_count / total) for ps in members]
+        # chunks only where they pay: for CUDA tensors over gloo every chunk would be a round
+        # trip through host memory of its own (pre-emption then costs more than it saves)
         elementwise = (getattr(hook, "elementwise", False) and comm.size > 1
-                       and _chunks_pay(comm, self._buffer.device))
+                       and not cuda_over_gloo(comm, self._buffer.device))
         spans = list(chunks) if elementwise else [(0, numel)]
         self.job = Job(name=self.name, lane=lane, order=order,
                        chunks=[] if comm.size == 1 else
@@ -225,10 +227,3 @@ def cuda_over_gloo(comm: Communicator, device: torch.device) -> bool:
     if device.type != "cuda" or comm.group is None or comm.size == 1:
         return False
     return "nccl" not in str(tdist.get_backend(comm.group))
-
-
-def _chunks_pay(comm: Communicator, device: torch.device) -> bool:
-    """Whether sending a bucket in chunks is worth it: not for CUDA tensors over gloo, where
-    every chunk is a round trip through host memory of its own (pre-emption at chunk
-    boundaries then costs more than it saves)."""
-    return not cuda_over_gloo(comm, device)

@@ -83,6 +83,39 @@ def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("cold", [False, True])
+def test_ranks_stay_warm_between_rounds_unless_cold(rank_env: Path, cold: bool,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Warm (the default): one process set per configuration runs every round, each round
+    measured again; --cold: fresh processes every round."""
+    out = rank_env / "out.json"
+    args = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index("--rounds") + 2:]]
+    assert main([*args, "--no-testbed", "--json", str(out), *(["--cold"] if cold else [])]) == 0
+    report = json.loads(out.read_text())
+    assert report["warm_ranks"] is not cold
+    assert ("fresh ranks every round" if cold else "warm ranks") in capsys.readouterr().out
+    for name in ("single", "scaleout", "ddp"):
+        runs = sorted((r for r in report["runs"] if r["config"] == name), key=lambda r: r["round"])
+        assert [r["round"] for r in runs] == [0, 1] and all(len(r["iter_s"]) == 3 for r in runs)
+        assert len({r["pid"] for r in runs}) == (2 if cold else 1), name
+    so, ddp = report["summary"]["scaleout"], report["summary"]["ddp"]
+    assert so["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)  # same steps, same model
+
+
+def test_an_idle_warm_rank_leaves_when_no_turn_comes(tmp_path: Path) -> None:
+    from scaleout.bench import train_worker
+
+    with pytest.raises(TimeoutError, match="round 0 was not started within 0.2 s"):
+        train_worker.main(["--config", "single", "--workload", "digits-mlp", "--batch", "4",
+                           "--json", str(tmp_path / "r.json"), "--rounds", "2",
+                           "--go", str(tmp_path), "--go-timeout", "0.2"])
+    assert (tmp_path / "ready.0").exists()
+    with pytest.raises(SystemExit, match="needs --go"):
+        train_worker.main(["--config", "single", "--workload", "digits-mlp", "--batch", "4",
+                           "--json", str(tmp_path / "r.json"), "--rounds", "2"])
+
+
+@pytest.mark.timeout(120)
 def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ddp-tuned (bucket view, static graph) at the default and a swept bucket size."""
     assert main([*TINY, "--no-testbed", "--vs", "ddp-tuned,ddp-tuned:5"]) == 0

@@ -63,6 +63,32 @@ def test_failing_rank_stops_the_others_fast(tmp_path: Path) -> None:
     assert "ValueError: rank one fails on purpose" in result.stdout
 
 
+def test_a_launch_in_a_thread_stops_when_told(tmp_path: Path) -> None:
+    """``launch(stop=event)``: the way to stop a launch that runs outside the main thread
+    (no signal handler there), as bench train's warm ranks do; ranks stopped, 128 + SIGTERM."""
+    import io
+    import signal
+    import threading
+
+    from scaleout.launch.launcher import launch
+
+    script = tmp_path / "sleepy.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    stop, out, codes = threading.Event(), io.StringIO(), []
+    worker = threading.Thread(target=lambda: codes.append(
+        launch([str(script)], LaunchConfig(nprocs=2), out=out, stop=stop)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("up") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    stop.set()
+    worker.join(30)
+    assert not worker.is_alive() and codes == [128 + signal.SIGTERM], out.getvalue()
+    assert time.monotonic() - started < 10
+    assert "scaleout run: got SIGTERM; stopped every rank" in out.getvalue()
+
+
 def test_usage_errors() -> None:
     result = scaleout_run("-n", "0", "x.py")
     assert result.returncode == 2 and "nprocs must be an int >= 1" in result.stderr

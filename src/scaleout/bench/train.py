@@ -1,8 +1,9 @@
 """Training benchmark: scaleout vs DDP and friends on the same emulated network, interleaved.
 
 :func:`run_benchmark` brings up a testbed (one rank per host, links shaped to a rate) or
-uses loopback, then, round by round, runs every configuration as fresh rank processes
-(:mod:`scaleout.bench.train_worker`): ``single`` (one rank alone on host 0, the ideal),
+uses loopback, then, round by round, runs every configuration on its rank processes
+(:mod:`scaleout.bench.train_worker`; warm ranks kept from round to round by default,
+:mod:`scaleout.bench.train_warm`): ``single`` (one rank alone on host 0, the ideal),
 ``scaleout``, and each peer. The order of configurations rotates every round, so slow
 drifts of a shared machine spread over all of them. The raw result feeds
 :mod:`scaleout.bench.train_report`.
@@ -22,167 +23,19 @@ import json
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from scaleout.bench.train_config import AUTO_WARMUP, TrainBenchConfig, split_variant, variant_name
 from scaleout.bench.train_failures import BenchFailed, failure_reason
-from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
 from scaleout.bench.train_progress import ProgressBar
+from scaleout.bench.train_warm import WarmRanks
 from scaleout.bench.train_worker import PROGRESS_MARK
-from scaleout.launch.launcher import LaunchConfig, RankWrapper, launch
-from scaleout.pytorch.optimizer import MODES
-from scaleout.scheduler.config import POLICIES
+from scaleout.launch.launcher import LaunchConfig, RankWrapper, free_port, launch
 
-__all__ = ["AUTO_WARMUP", "run_configuration", "TrainBenchConfig", "BenchFailed", "Placement", "run_benchmark", "rotation", "trace_folder"]
-
-
-#: The fewest warm-up iterations with ``compression="auto"`` (plan, measure, run the tuned plan).
-AUTO_WARMUP = 3
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainBenchConfig:
-    """What ``scaleout bench train`` measures.
-
-    Attributes:
-        workload: a name from :func:`scaleout.workloads.workload_names`.
-        ranks: data-parallel ranks (one per testbed host), at least 2.
-        rate: link rate per direction of every testbed host (ignored with ``testbed=False``).
-        peers: configurations to compare against, from
-            :data:`scaleout.bench.train_peers.PEERS`.
-        rounds: interleaved rounds; every configuration runs once per round.
-        iters: timed iterations per run.
-        warmup: untimed iterations before them.
-        batch: samples per rank (``None``: the workload's default).
-        compression: scaleout variants to measure, one per codec spec (``"cast:bf16"``);
-            ``"none"`` is exact gradients. Each variant is its own configuration,
-            ``scaleout`` for ``"none"`` and ``scaleout+SPEC`` otherwise; ``"auto"``
-            (``scaleout+auto``) tunes itself during the warm-up (``DataParallel(tune="lossy")``,
-            the policy and codecs its own choice; ``"auto-exact"`` the same without codecs);
-            it tunes before the last warm-up iteration,
-            so ``warmup`` must be >= :data:`AUTO_WARMUP`).
-        policy: scaleout's scheduling policy, ``"priority"``, ``"fifo"`` or ``"default"``
-            (``SchedulerConfig(policy=None)``: priority, fifo for CUDA tensors over gloo).
-        mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
-        threads: torch intra-op threads per rank.
-        seed: model and data seed (the same for every configuration).
-        testbed: run on an emulated cluster (needs root, ``ip``, ``tc``); ``False`` runs
-            over loopback with no rate limit.
-        timeout_s: rendezvous and collective timeout of the ranks.
-        device: ``"cpu"`` or ``"cuda"`` (each rank on GPU ``LOCAL_RANK % GPUs``). CPU runs
-            hide CUDA from the ranks (``CUDA_VISIBLE_DEVICES=``): same backends as on a
-            machine without a GPU, and torch's PowerSGD hook, which synchronises CUDA
-            whenever it is available, works on CPU tensors.
-        memory_budget: bytes of parameters one rank may hold: the ``hybrid`` configuration
-            plans its tables under it, every configuration reports whether it fits.
-        trace: a folder; every run of a configuration that trains with scaleout's
-            ``DataParallel`` records per-rank traces (``SCALEOUT_TRACE``) into
-            ``trace/<configuration>/round<r>/trace.<rank>.json`` (``None``: no traces).
-
-    Raises:
-        ValueError: a field is out of range or names something unknown.
-    """
-
-    workload: str
-    ranks: int = 2
-    rate: str = "1gbit"
-    peers: tuple[str, ...] = ("ddp",)
-    rounds: int = 5
-    iters: int = 10
-    warmup: int = 2
-    batch: int | None = None
-    compression: tuple[str, ...] = ("none",)
-    policy: str = "default"
-    mode: str = "overlap"
-    threads: int = 1
-    seed: int = 0
-    testbed: bool = True
-    timeout_s: float = 300.0
-    device: str = "cpu"
-    memory_budget: int | None = None
-    trace: str | None = None
-
-    def __post_init__(self) -> None:
-        from scaleout.workloads import get_workload
-
-        get_workload(self.workload)  # raises ValueError listing the names
-        for name, low in (("ranks", 1), ("rounds", 1), ("iters", 1), ("warmup", 0),
-                          ("threads", 1), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
-            raise ValueError(f"batch: expected samples per rank >= 1, got {self.batch!r}")
-        if not self.peers:
-            raise ValueError(f"peers: expected at least one of {', '.join(PEERS)}")
-        unknown = [p for p in self.peers
-                   if p not in PEERS and not (p.startswith("ddp-tuned:") and is_configuration(p))]
-        if unknown:
-            raise ValueError(f"peers: unknown {', '.join(map(repr, unknown))}; choose from "
-                             f"{', '.join(PEERS)} or ddp-tuned:MB (MB an int >= 1)")
-        if len(set(self.peers)) != len(self.peers):
-            raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
-        if self.policy not in (*POLICIES, "default"):
-            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, default, got "
-                             f"{self.policy!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
-        if isinstance(self.compression, str) or not self.compression:
-            raise ValueError(f"compression: expected a non-empty tuple of codec specs, got "
-                             f"{self.compression!r}")
-        if len(set(self.compression)) != len(self.compression):
-            raise ValueError(f"compression: each codec once, got {', '.join(self.compression)}")
-        from scaleout.compression import make_codec
-
-        if set(AUTO) & set(self.compression) and self.warmup < AUTO_WARMUP:
-            raise ValueError(f"compression 'auto' tunes during the warm-up: warmup must be >= "
-                             f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, one "
-                             f"runs the tuned plan), got {self.warmup}")
-        for spec in self.compression:
-            if spec not in AUTO:
-                make_codec(spec)  # raises ValueError naming the valid codecs
-        if self.testbed:
-            from scaleout.testbed import TestbedConfig
-
-            TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
-        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not
-                                               isinstance(self.memory_budget, int) or
-                                               self.memory_budget < 1):
-            raise ValueError(f"memory_budget: expected bytes >= 1, got {self.memory_budget!r}")
-        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
-            raise ValueError(f"trace: expected a folder name, got {self.trace!r}")
-
-    @property
-    def configurations(self) -> tuple[str, ...]:
-        """``("single", *scaleout variants, *peers)``: every configuration a round runs."""
-        return ("single", *(variant_name(c) for c in self.compression), *self.peers)
-
-    @property
-    def batch_per_rank(self) -> int:
-        """Samples per rank (the workload's default when ``batch`` is ``None``)."""
-        from scaleout.workloads import get_workload
-
-        return self.batch if self.batch is not None else get_workload(self.workload).default_batch_size
-
-    def as_dict(self) -> dict[str, object]:
-        """A JSON-ready dict of the fields, with ``batch`` resolved."""
-        return {**asdict(self), "peers": list(self.peers), "compression": list(self.compression),
-                "batch": self.batch_per_rank}
-
-
-def variant_name(spec: str) -> str:
-    """The configuration name of scaleout with codec ``spec``: ``scaleout[+SPEC]``."""
-    return "scaleout" if spec == "none" else f"scaleout+{spec}"
-
-
-def split_variant(name: str) -> tuple[str, str | None]:
-    """``"scaleout+blockquant"`` -> ``("scaleout", "blockquant")``; peers -> ``(name, None)``."""
-    base, _, spec = name.partition("+")
-    return base, (spec or None)
+__all__ = ["AUTO_WARMUP", "run_configuration", "TrainBenchConfig", "BenchFailed", "Placement",
+           "run_benchmark", "rotation", "split_variant", "trace_folder", "variant_name"]
 
 
 def rotation(names: tuple[str, ...], round_index: int) -> tuple[str, ...]:
@@ -298,19 +151,24 @@ def trace_folder(config: TrainBenchConfig, name: str, round_index: int) -> str |
     return os.path.join(os.path.abspath(config.trace), name, f"round{round_index}")
 
 
+def _launch_config(config: TrainBenchConfig, name: str, place: Placement, *,
+                   traces: str | None = None, port: int | None = None) -> LaunchConfig:
+    env = {"OMP_NUM_THREADS": str(config.threads)}
+    if traces is not None:
+        env["SCALEOUT_TRACE"] = traces
+    if config.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return LaunchConfig(nprocs=1 if name == "single" else config.ranks,
+                        master_addr=place.master_addr, master_port=port, env=env)
+
+
 def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
               bar: ProgressBar | None, *, round_index: int = 0) -> dict[str, object]:
     path = os.path.join(directory, f"{name}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    nprocs = 1 if name == "single" else config.ranks
-    env = {"OMP_NUM_THREADS": str(config.threads)}
     traces = trace_folder(config, name, round_index)
-    if traces is not None:
-        env["SCALEOUT_TRACE"] = traces
-    if config.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    launch_config = LaunchConfig(nprocs=nprocs, master_addr=place.master_addr, env=env)
+    launch_config = _launch_config(config, name, place, traces=traces)
     out = _RankOutput(bar)
     code = launch(_worker_args(config, name, path), launch_config, wrapper=place.wrapper,
                   out=out)  # type: ignore[arg-type]
@@ -369,8 +227,11 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
     bar = ProgressBar(total=config.rounds * len(names), enabled=progress)
     runs: list[dict[str, object]] = []
     failed: set[str] = set()
+    warm: dict[str, WarmRanks] = {}
     try:
         with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
+            if config.warm and config.rounds > 1 and config.trace is None:
+                warm = _start_warm(config, names, place, tmp, bar, runs, failed)
             for r in range(config.rounds):
                 for order, name in enumerate(rotation(names, r)):
                     bar.start(f"round {r + 1}/{config.rounds}: {name}")
@@ -378,7 +239,8 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                         bar.finish_run("skipped (failed earlier)")
                         continue
                     try:
-                        result = _run_once(config, name, place, tmp, bar, round_index=r)
+                        result = (warm[name].run_round(r, _round_timeout(config)) if warm else
+                                  _run_once(config, name, place, tmp, bar, round_index=r))
                     except BenchFailed as err:
                         failed.add(name)
                         bar.finish_run("failed")
@@ -387,7 +249,60 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                         continue
                     throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
                     bar.finish_run(f"{throughput:.1f} samples/s")
-                    runs.append({"round": r, "order": order, **result, "config": name})
+                    runs.append({**result, "round": r, "order": order, "config": name})
+            for ranks in warm.values():
+                ranks.finish(_round_timeout(config))
     finally:
+        for ranks in warm.values():
+            ranks.stop()
         bar.close()
-    return {"config": config.as_dict(), "network": place.network, "runs": runs}
+    return {"config": config.as_dict(), "network": place.network, "runs": runs,
+            "warm_ranks": bool(warm)}
+
+
+def _round_timeout(config: TrainBenchConfig) -> float:
+    """The longest one configuration's round may take with warm ranks: each of its
+    iterations is bounded by the ranks' collective timeout, plus set-up."""
+    return config.timeout_s * (config.warmup + config.iters + 2)
+
+
+def _start_warm(config: TrainBenchConfig, names: tuple[str, ...], place: Placement,
+                directory: str, bar: ProgressBar, runs: list[dict[str, object]],
+                failed: set[str]) -> dict[str, WarmRanks]:
+    """Start every configuration's warm ranks and wait until all of them are idle; a
+    configuration that ends before that is recorded as failed."""
+    bar.start("starting warm ranks")
+    ports: set[int] = set()
+    warm = {}
+    go_timeout = _round_timeout(config) * len(names) + 60.0
+    for name in names:
+        while (port := free_port()) in ports:
+            pass
+        ports.add(port)
+        folder = os.path.join(directory, f"{name}.warm")
+        os.mkdir(folder)
+        warm[name] = WarmRanks(
+            name, _worker_args(config, name, os.path.join(folder, "result.json")),
+            _launch_config(config, name, place, port=port), folder=folder,
+            json_path=os.path.join(folder, "result.json"), rounds=config.rounds,
+            out=_RankOutput(bar), wrapper=place.wrapper, go_timeout_s=go_timeout)
+    deadline = time.monotonic() + config.timeout_s
+    waiting = dict(warm)
+    while waiting and time.monotonic() < deadline:
+        for name, ranks in list(waiting.items()):
+            if ranks.ready():
+                del waiting[name]
+            elif not ranks.alive:
+                del waiting[name]
+                failed.add(name)
+                err = ranks.failure(f"ended (exit code {ranks.code}) before it was ready")
+                runs.append({"round": 0, "order": 0, "config": name, "error": str(err),
+                             "reason": err.reason})
+        time.sleep(0.05)
+    for name, ranks in waiting.items():  # still not ready: stop them
+        ranks.stop()
+        failed.add(name)
+        runs.append({"round": 0, "order": 0, "config": name, "reason": "not ready in time",
+                     "error": f"configuration {name!r}: ranks not ready within {config.timeout_s:g} s"})
+    bar.finish_run("ready")
+    return warm

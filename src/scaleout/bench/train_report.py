@@ -139,6 +139,7 @@ def build_report(raw: dict, *, argv: Sequence[str] | None = None,
         "command": " ".join(shlex.quote(a) for a in argv), "argv": argv,
         "date": started.isoformat(timespec="seconds"), "machine": machine,
         "settings": raw["config"], "network": raw["network"],
+        "warm_ranks": raw.get("warm_ranks", False),
         "summary": summarize(raw), "runs": raw["runs"],
     }
 
@@ -148,7 +149,8 @@ def format_report(report: dict) -> str:
     s, net, summary = report["settings"], report["network"], report["summary"]
     header = (f"{s['workload']} on {s.get('device', 'cpu')}, {s['ranks']} ranks x {s['batch']} samples, "
               f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
-              f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank\n"
+              f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank, "
+              f"{'warm ranks' if report.get('warm_ranks') else 'fresh ranks every round'}\n"
               f"network: {net['description']}")
     peers = list(s["peers"])
     rows, failed = [], []

@@ -1,14 +1,21 @@
 """Per-rank worker of ``scaleout bench train``: train one configuration, time it, write JSON.
 
-Launched by :func:`scaleout.bench.train.run_benchmark` as fresh processes for every
-configuration run (``python -m scaleout.bench.train_worker --config ddp ...``). Each rank
-builds the model from the same seed, runs ``--warmup`` untimed iterations, settles pending
+Launched by :func:`scaleout.bench.train.run_benchmark` (``python -m
+scaleout.bench.train_worker --config ddp ...``), as warm ranks (below) or as fresh processes
+for every configuration run. Each rank builds the model from the same seed, runs ``--warmup`` untimed iterations, settles pending
 communication, meets the other ranks once (a barrier), then runs ``--iters`` iterations of
 forward, backward, ``step()`` and ``zero_grad()``, timing each on its own with no barrier
 in the loop. Rank 0 writes the iteration times (and scaleout's statistics) to ``--json``.
 
 While it runs, rank 0 prints ``@@progress DONE TOTAL`` after every iteration; the runner
 turns these lines into its progress bar.
+
+Warm ranks (``--rounds N --go DIR``, :mod:`scaleout.bench.train_warm`): the same processes
+run ``N`` rounds. Once imported, every rank writes ``DIR/ready.<rank>``; before round ``r``
+it waits for the file ``DIR/go.<r>`` (the runner's turn signal), builds the model at its
+first turn, runs the warm-up and timed iterations as above, and rank 0 writes ``--json``
+with ``.round<r>`` appended. The model, optimizer and process groups are built once;
+everything measured is measured again every round.
 """
 
 from __future__ import annotations
@@ -25,11 +32,49 @@ import torch
 from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup, is_configuration
 from scaleout.workloads import batch_to, get_workload
 
-__all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "main"]
+__all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "GO_POLL_S", "go_file", "main", "ready_file",
+           "round_json"]
 
 PROGRESS_MARK = "@@progress"
 #: Batches are made before the loop (data generation is not timed) and cycled.
 DISTINCT_BATCHES = 4
+#: How often a warm rank looks for its turn (seconds).
+GO_POLL_S = 0.02
+
+
+def go_file(folder: str, round_index: int) -> str:
+    """The file whose appearance starts round ``round_index`` of warm ranks."""
+    return os.path.join(folder, f"go.{round_index}")
+
+
+def round_json(path: str, round_index: int) -> str:
+    """Where rank 0 of warm ranks writes round ``round_index``'s results."""
+    return f"{path}.round{round_index}"
+
+
+def ready_file(folder: str, rank: int) -> str:
+    """The file with which warm rank ``rank`` says it is started and waits for its turn."""
+    return os.path.join(folder, f"ready.{rank}")
+
+
+def _announce_ready(folder: str, rank: int) -> None:
+    with open(ready_file(folder, rank), "w"):
+        pass
+
+
+def _wait_for_turn(folder: str, round_index: int, timeout_s: float) -> None:
+    """Block until the runner starts round ``round_index``.
+
+    Raises:
+        TimeoutError: no turn within ``timeout_s`` (the runner is gone or stuck).
+    """
+    deadline = time.monotonic() + timeout_s
+    path = go_file(folder, round_index)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"warm ranks: round {round_index} was not started within "
+                               f"{timeout_s:g} s (no {path}); is the benchmark runner gone?")
+        time.sleep(GO_POLL_S)
 
 
 
@@ -55,11 +100,47 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--memory-budget", type=int, default=None)
     parser.add_argument("--json", required=True, help="rank 0 writes its results here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds these ranks run (warm ranks; needs --go when > 1)")
+    parser.add_argument("--go", default=None,
+                        help="folder: wait for the file go.<r> there before round r")
+    parser.add_argument("--go-timeout", type=float, default=3600.0,
+                        help="seconds to wait for a round's turn")
     return parser
+
+
+def _timed_round(args: argparse.Namespace, setup: object, iteration: object,
+                 distributed: bool) -> dict[str, object]:
+    """Warm-up, settle, meet, then the timed iterations; what was measured."""
+    total = args.warmup + args.iters
+    for step in range(args.warmup):
+        iteration(step)
+    setup.settle()
+    tuning = getattr(setup.model, "tuning", None)  # what a self-tuning model chose
+    if tuning is not None:
+        setup.details["tuning"] = {**tuning.as_dict(), "summary": tuning.summary()}
+    setup.reset()
+    if distributed:
+        torch.distributed.barrier()
+    times = []
+    loop_start = time.perf_counter()
+    for step in range(args.warmup, total):
+        start = time.perf_counter()
+        iteration(step)
+        times.append(time.perf_counter() - start)
+    setup.settle()  # overlap mode: the last iteration's communication
+    return {
+        "iter_s": times, "median_iter_s": statistics.median(times),
+        "loop_s": time.perf_counter() - loop_start, "loop_start": loop_start,
+        "details": setup.details,
+        "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.rounds < 1 or (args.rounds > 1 and args.go is None):
+        raise SystemExit(f"train_worker: --rounds {args.rounds} needs --go (and must be >= 1)")
     torch.set_num_threads(args.threads)
     workload = get_workload(args.workload)
     distributed = args.config != "single"
@@ -73,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
+    if args.go is not None:  # imported; set up only at this configuration's first turn, so
+        _announce_ready(args.go, rank)  # no setup runs while another configuration is timed
+        _wait_for_turn(args.go, 0, args.go_timeout)
     started = time.perf_counter()
     setup = build_setup(args.config, options)
     batches = [batch_to(workload.make_batch(args.batch * world, step, args.seed, rank=rank,
@@ -99,35 +183,22 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"{PROGRESS_MARK} {step + 1} {total}", flush=True)
 
-    for step in range(args.warmup):
-        iteration(step)
-    setup.settle()
-    tuning = getattr(setup.model, "tuning", None)  # what a self-tuning model chose
-    if tuning is not None:
-        setup.details["tuning"] = {**tuning.as_dict(), "summary": tuning.summary()}
-    setup.reset()
-    if distributed:
-        torch.distributed.barrier()
-    times = []
-    loop_start = time.perf_counter()
-    for step in range(args.warmup, total):
-        start = time.perf_counter()
-        iteration(step)
-        times.append(time.perf_counter() - start)
-    setup.settle()  # overlap mode: the last iteration's communication
-    loop_s = time.perf_counter() - loop_start
-    result = {
-        "config": args.config, "ranks": world, "batch_per_rank": args.batch,
-        "iter_s": times, "median_iter_s": statistics.median(times), "loop_s": loop_s,
-        "setup_and_warmup_s": loop_start - started, "threads": args.threads, "device": str(device),
-        "details": setup.details, "final_loss": float(last_loss[0]),
-        "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
-    }
-    if rank == 0:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle)
-    if distributed:
-        torch.distributed.barrier()  # nobody tears down while a peer still communicates
+    for round_index in range(args.rounds):
+        if round_index:
+            _wait_for_turn(args.go, round_index, args.go_timeout)
+            started = time.perf_counter()
+        result = _timed_round(args, setup, iteration, distributed)
+        result["setup_and_warmup_s"] = result.pop("loop_start") - started
+        result.update(config=args.config, ranks=world, batch_per_rank=args.batch,
+                      threads=args.threads, device=str(device), round=round_index,
+                      final_loss=float(last_loss[0]), pid=os.getpid())
+        if rank == 0:
+            path = args.json if args.go is None else round_json(args.json, round_index)
+            with open(path + ".tmp", "w") as handle:
+                json.dump(result, handle)
+            os.replace(path + ".tmp", path)  # the runner never reads a half-written file
+        if distributed:
+            torch.distributed.barrier()  # nobody tears down while a peer still communicates
     setup.close()
     write_trace = getattr(setup.model, "write_trace", None)
     if write_trace is not None:  # SCALEOUT_TRACE (bench train --trace): name what ran

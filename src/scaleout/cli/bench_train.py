@@ -21,7 +21,9 @@ EXAMPLE = """examples:
   scaleout bench train --workload resnet18 --rounds 1 --trace traces   # then:
       scaleout sim chrome traces/scaleout/round0
 
-Every round runs each configuration once, as fresh ranks, in a rotated order:
+Every round runs each configuration once, in a rotated order; each configuration's ranks
+start once and stay warm (idle) between its turns, all started before round 0 (--cold:
+fresh ranks every round):
   single    one rank alone on host 0 (the ideal), same per-rank batch
   scaleout  DataParallel + DistributedOptimizer(SGD momentum 0.9)
   --vs      ddp, ddp-fp16 (fp16_compress_hook), ddp-powersgd (powerSGD_hook, rank 2,
@@ -103,6 +105,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="record per-rank traces of every run that trains with scaleout's "
                              "DataParallel into DIR/<configuration>/round<r>/trace.<rank>.json "
                              "(scaleout sim chrome / sim run --trace read them)")
+    parser.add_argument("--cold", action="store_true",
+                        help="fresh ranks for every configuration and round (default: each "
+                             "configuration's ranks stay warm from round to round; --trace "
+                             "always runs cold)")
     parser.add_argument("--no-testbed", action="store_true",
                         help="run over loopback without namespaces or shaping (no root needed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -181,7 +187,8 @@ def handler(args: argparse.Namespace) -> int:
             rounds=args.rounds, iters=args.iters, warmup=_warmup(args), batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
-            timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None))
+            timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None),
+            warm=not getattr(args, "cold", False))
     except (ValueError, TypeError) as err:
         return _error(str(err))
     if args.plot:

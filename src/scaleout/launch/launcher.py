@@ -150,7 +150,7 @@ class _Signals:
 
 
 def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper | None = None,
-           out: IO[str] | None = None) -> int:
+           out: IO[str] | None = None, stop: threading.Event | None = None) -> int:
     """Run ``target`` as ``config.nprocs`` ranks of this node and wait for them.
 
     Args:
@@ -158,6 +158,9 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         config: the launch layout.
         wrapper: per local rank, an argv prefix and environment (used by the testbed).
         out: where rank output goes (default ``sys.stdout``).
+        stop: when set (from another thread), the launch ends as on SIGTERM: every rank is
+            stopped and the exit code is ``128 + SIGTERM``. For a launch that runs in a
+            thread other than the main one, where no signal handler can be installed.
 
     Returns:
         0 when every rank succeeded (after at most ``config.max_restarts`` restarts); else
@@ -176,6 +179,10 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
     in_main = threading.current_thread() is threading.main_thread()
     previous = ({sig: signal.signal(sig, signals.handle) for sig in _STOP_SIGNALS}
                 if in_main else {})
+    ended = threading.Event()
+    if stop is not None:
+        threading.Thread(target=_forward_stop, args=(stop, ended, signals), daemon=True,
+                         name="scaleout-launch-stop").start()
     try:
         with tempfile.TemporaryDirectory(prefix="scaleout-run-") as workdir:
             state = (config.env.get(STATE_DIR_VAR) or os.environ.get(STATE_DIR_VAR)
@@ -183,8 +190,17 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
             os.makedirs(state, exist_ok=True)
             return _attempts(argv, config, wrapper, out, signals, workdir, state)
     finally:
+        ended.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _forward_stop(stop: threading.Event, ended: threading.Event, signals: _Signals) -> None:
+    """Turn ``stop`` into a SIGTERM for the launch, until the launch has ended."""
+    while not ended.is_set():
+        if stop.wait(0.1):
+            signals.handle(signal.SIGTERM, None)
+            return
 
 
 def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None,

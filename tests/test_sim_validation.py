@@ -22,8 +22,10 @@ from scaleout.sim.network import preset
 from scaleout.sim.published import (
     GOYAL_BACKPROP_S,
     P100_TF_IMAGES_PER_S,
+    THEMIS_SYSTEMS,
     goyal_p100,
     p100_measured,
+    themis_topology,
 )
 from scaleout.sim.validation import Scenario, validate
 
@@ -114,3 +116,14 @@ def test_validate_collectives_exit_code_matches(tmp_path, capsys) -> None:
     assert rc == (0 if report["ok"] else 1)
     assert len(report["outcomes"]) == len(MEASURED)
     assert "collectives:" in capsys.readouterr().out
+
+
+def test_themis_systems_are_the_artifacts() -> None:
+    # allreduce_themis.sh: 4d_ring_fc_ring_switch is 4x8x4x8, links 2/7/6/1 of 187.5/25/25/100
+    topo = themis_topology("4d_ring_fc_ring_switch")
+    assert [d.npus for d in topo.dims] == [4, 8, 4, 8]
+    assert [d.kind for d in topo.dims] == ["ring", "fully_connected", "ring", "switch"]
+    assert [d.bandwidth / 2**30 for d in topo.dims] == pytest.approx([375, 175, 150, 100])
+    assert len(THEMIS_SYSTEMS) == 6
+    with pytest.raises(ValueError, match="unknown Themis system"):
+        themis_topology("5d")

@@ -98,5 +98,9 @@ def test_bad_input_raises() -> None:
         run([[Post("end")]], bandwidth=0, latency=L)
     with pytest.raises(ValueError, match="deadlock"):
         run([[Post("recv", 1, N), Post("wait_recv")], [Post("end")]], bandwidth=B, latency=L)
-    with pytest.raises(ValueError, match="unknown step"):
-        run([[Post("jump")]], bandwidth=B, latency=L)
+    with pytest.raises(ValueError, match="step kind"):
+        Post("jump")
+    with pytest.raises(ValueError, match="one start per rank"):
+        run([[Post("end")]], bandwidth=B, latency=L, starts=[0.0, 1.0])
+    with pytest.raises(ValueError, match="among the other"):
+        run([[Post("send", 0, N)]], bandwidth=B, latency=L)

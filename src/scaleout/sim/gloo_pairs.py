@@ -39,9 +39,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Post", "PROGRAMS", "alltoall_program", "allgather_program", "run", "call_time"]
+__all__ = ["KINDS", "Post", "PROGRAMS", "alltoall_program", "allgather_program", "run", "call_time"]
 
-_EPS = 1e-12
+_EPS = 1e-12  # seconds
+_BYTE_EPS = 1e-6  # bytes left that count as sent
+KINDS = ("send", "recv", "wait_send", "wait_recv", "end")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ class Post:
     peer: int = -1
     nbytes: float = 0.0
     slot: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"step kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind in ("send", "recv") and (self.peer < 0 or self.nbytes < 0):
+            raise ValueError(f"a {self.kind} needs a peer >= 0 and bytes >= 0, got "
+                             f"{self.peer}, {self.nbytes}")
 
 
 def alltoall_program(rank: int, ranks: int, nbytes: float, slot: int = 0) -> list[Post]:
@@ -116,14 +125,21 @@ def run(programs: Sequence[list[Post]], *, bandwidth: float, latency: float,
         starts: when each rank starts (default all at 0).
 
     Raises:
-        ValueError: a non-positive bandwidth, a negative latency, or programs that deadlock.
+        ValueError: a non-positive bandwidth, a negative latency, ``starts`` not one per rank,
+            a peer that is not a rank, or programs that deadlock.
     """
     if bandwidth <= 0 or latency < 0:
         raise ValueError(f"need bandwidth > 0 and latency >= 0, got {bandwidth}, {latency}")
     p = len(programs)
-    ranks = [_Rank(list(prog), (starts or [0.0] * p)[r]) for r, prog in enumerate(programs)]
+    starts = [0.0] * p if starts is None else list(starts)
+    if len(starts) != p:
+        raise ValueError(f"need one start per rank ({p}), got {len(starts)}")
+    if any(post.peer >= p or post.peer == r for r, prog in enumerate(programs) for post in prog
+           if post.kind in ("send", "recv")):
+        raise ValueError(f"every send and recv needs a peer among the other {p - 1} ranks")
+    ranks = [_Rank(list(prog), starts[r]) for r, prog in enumerate(programs)]
     fifo: dict[tuple[int, int], deque[list]] = {}  # (src, dst) -> [["data"|"note", bytes, slot]]
-    pending: dict[tuple[int, int, int], int] = {}  # (src, dst, slot): sends waiting for recv-ready
+    pending: dict[tuple[int, int, int], deque[float]] = {}  # (src, dst, slot): sends' bytes
     ready: dict[tuple[int, int, int], int] = {}  # (src, dst, slot): recv-readies src holds
     flying: list[tuple[float, str, int, int, int]] = []  # (arrival, what, src, dst, slot)
     now = 0.0
@@ -155,10 +171,8 @@ def run(programs: Sequence[list[Post]], *, bandwidth: float, latency: float,
                 if rank.recvs_done <= rank.recv_waits:
                     break
                 rank.recv_waits += 1
-            elif post.kind == "end":
+            else:  # "end"
                 rank.ends.append(now)
-            else:
-                raise ValueError(f"unknown step {post.kind!r}")
             rank.pc += 1
             moved = True
         return moved
@@ -180,7 +194,7 @@ def run(programs: Sequence[list[Post]], *, bandwidth: float, latency: float,
                         ready[key] = ready.get(key, 0) + 1
                 changed = True
             for (src, dst), queue in fifo.items():
-                while queue and (queue[0][0] == "note" or queue[0][1] <= _EPS):
+                while queue and (queue[0][0] == "note" or queue[0][1] <= _BYTE_EPS):
                     what, _, slot = queue.popleft()
                     if what == "data":
                         ranks[src].sends_done += 1

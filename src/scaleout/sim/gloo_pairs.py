@@ -225,8 +225,11 @@ def call_time(op: str, ranks: int, nbytes: float, *, bandwidth: float, latency: 
     calls back to back, the slowest rank's time divided by their number.
 
     The ranks leave the barrier out of step: rank 0 first, the others one ``latency`` later.
-    Any skew of at least one notification's latency gives the same time, whichever rank is
-    late (tested); ranks within less than that of each other exchange both ways at once. On
+    Any skew of at least one notification's latency gives the same steady time per call,
+    whichever rank is late (tested); at 3 ranks the first call's time depends on which is
+    (all-to-all: 1.5x or 2x the textbook time), and the bench's blocks of 2 calls (16 and
+    64 MB) include it. Ranks within less than one latency of each other exchange both ways
+    at once. On
     this 2-core machine a rank woken from the barrier takes longer than that to run (2-3
     ranks and other work share the cores), which is the assumption. ``iterations``
     defaults to the bench's own choice: ``budget`` over one call's time, at least 2.

@@ -8,7 +8,9 @@ benchmarks/RESULTS.md §1 ("Bus bandwidth on the testbed"). Run, as root, one ra
         python3 benchmarks/gloo_duplex_probe.py & done; wait
     scaleout testbed down --name si1
 
-Rank 0 prints the best of three of each, in ms.
+Rank 0 prints the best of three of each (a barrier before each), in ms, and the mean of four
+calls back to back (as ``bench collectives`` times them) for the two orders of posting a
+send and a receive (docs/simulator.md, "Validation": gloo's recv-ready protocol).
 """
 
 import datetime
@@ -37,13 +39,27 @@ def main() -> None:
     peer = 1 - rank
     a, b = torch.ones(N), torch.empty(N)
 
-    def both_ways() -> None:
-        for work in (dist.isend(a, peer), dist.irecv(b, peer)):
+    def both_ways() -> None:  # send posted first, as gloo's all-to-all and all-gather do
+        for work in [dist.isend(a, peer), dist.irecv(b, peer)]:
             work.wait()
+
+    def both_ways_recv_first() -> None:  # recv posted first, as gloo's all-reduce does
+        for work in [dist.irecv(b, peer), dist.isend(a, peer)]:
+            work.wait()
+
+    def back_to_back(fn, calls: int = 4) -> float:  # ms per call, no barrier in between
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e3
 
     results = {
         "send 16 MB one way": best_ms(lambda: dist.send(a, peer) if rank == 0 else dist.recv(b, peer)),
         "isend+irecv 16 MB both ways": best_ms(both_ways),
+        "irecv+isend 16 MB both ways": best_ms(both_ways_recv_first),
+        "isend+irecv x4 back to back": back_to_back(both_ways),
+        "irecv+isend x4 back to back": back_to_back(both_ways_recv_first),
         "all_reduce 16 MB": best_ms(lambda: dist.all_reduce(a)),
         "all_gather_into_tensor 32 MB out": best_ms(
             lambda: dist.all_gather_into_tensor(torch.empty(2 * N), a)),

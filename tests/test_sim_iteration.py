@@ -234,7 +234,7 @@ def test_pipelined_and_themis_allreduce_inside_an_iteration() -> None:
         IterationConfig(pipeline="random")
 
 
-def _host_case(host: float) -> float:
+def _host_case(host: float, codec: CodecModel | None = None) -> float:
     # backward runs b (1 s, 8 B of gradients) then a (20 s, none): b's all-reduce (2 ranks,
     # 1 B/s: 8 s on the wire) runs entirely under a's backward
     work = Workload(
@@ -246,7 +246,8 @@ def _host_case(host: float) -> float:
     )
     topo = parse_topology("2", bandwidths=[1.0], latencies=[0.0], kinds=["ring"])
     cfg = IterationConfig(
-        scheduler=SchedulerConfig(policy="fifo"), mode="sync", host_s_per_byte=host
+        scheduler=SchedulerConfig(policy="fifo"), mode="sync", host_s_per_byte=host,
+        codec=codec or CodecModel(),
     )
     return simulate(work, topo, cfg).iteration_s
 
@@ -265,3 +266,11 @@ def test_host_cpu_per_byte_charges_compute_only_while_it_overlaps() -> None:
         assert simulate(one, topo, cfg).iteration_s == pytest.approx(expected)
     with pytest.raises(ValueError, match="host_s_per_byte"):
         IterationConfig(host_s_per_byte=-1.0)
+
+
+def test_a_codec_on_the_host_shares_the_compute_cores() -> None:
+    half = CodecModel(name="half", ratio=0.5, seconds_per_byte=0.25)  # 8 B in: 2 s of codec
+    # no host: the codec's 2 s lengthen the transfer (4 s on the wire), all hidden under a
+    assert _host_case(0.0, half) == pytest.approx(22.0)
+    # host 0.5 s/B: 4 wire B cost 2 s of CPU, the codec 2 s more, all while a computes
+    assert _host_case(0.5, half) == pytest.approx(26.0)

@@ -11,7 +11,10 @@ What goes in, and nothing else:
   :mod:`scaleout.sim.testbed_cases`. The 0.98 is the training split: the 2-rank 1 Gbit/s
   allreduce (RESULTS.md §1, stop 6: 0.122 GB/s), so those cells are not scored here;
 * each op as the backend really runs it, read from its source (not from these numbers):
-  :data:`GLOO`.
+  :data:`GLOO`. Where gloo posts a ``send`` before the ``recv`` on a pair that carries data
+  both ways (all-to-all; the all-gather ring at 2 ranks), the cell is priced by
+  :mod:`scaleout.sim.gloo_pairs`, gloo's recv-ready protocol as a fluid model, which lets
+  one direction of such a pair wait for the other; the rest by the alpha-beta formulas.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from scaleout.sim.collectives import bus_factor, collective_cost
+from scaleout.sim.gloo_pairs import call_time
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 
@@ -30,6 +34,8 @@ RELATIVE_BOUND = 0.15
 RATES = MappingProxyType({"100mbit": 100e6 / 8, "1gbit": 1e9 / 8})
 
 # bench op -> (the simulator's op, algorithm, where the backend says so). torch on CPU = gloo.
+# Algorithm "gloo_pairs": gloo's own posting order through its recv-ready protocol
+# (scaleout.sim.gloo_pairs), not a textbook cost.
 GLOO = MappingProxyType({
     "allreduce": ("allreduce", "ring", "gloo ring all-reduce (gloo/allreduce.cc)"),
     "reduce_scatter": (
@@ -38,11 +44,16 @@ GLOO = MappingProxyType({
         "torch ProcessGroupGloo::reduce_scatter_tensor_coalesced all-reduces the whole input "
         "and copies out its chunk: it moves an all-reduce's bytes, not a reduce-scatter's",
     ),
-    "allgather": ("allgather", "ring", "gloo/allgather.cc: a ring, p-1 steps of n/p"),
+    "allgather": ("allgather", "gloo_pairs",
+                  "gloo/allgather.cc: a ring, p-1 steps of n/p in two halves, send(right) "
+                  "posted before recv(left); at 2 ranks right = left, so one direction of the "
+                  "pair can wait for the other (gloo's recv-ready protocol, sim/gloo_pairs.py)"),
     "bcast": ("broadcast", "halving_doubling",
               "gloo/broadcast.cc: binomial tree, every step the whole buffer"),
-    "alltoall": ("alltoall", "ring",
-                 "gloo/alltoall.cc: p-1 pairwise sends of n/p posted at once on one NIC"),
+    "alltoall": ("alltoall", "gloo_pairs",
+                 "gloo/alltoall.cc: p-1 pairwise sends of n/p posted at once, each send(rank+i) "
+                 "before recv(rank-i): a late rank's recv-ready leaves behind its data, so "
+                 "each pair's two directions run one after the other (sim/gloo_pairs.py)"),
 })
 _SIM_NAME = MappingProxyType({"bcast": "broadcast"})  # the bench's op names -> the simulator's
 
@@ -121,7 +132,12 @@ def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int) -> float:
     sim_op, algorithm, _ = GLOO[op]
     topology = parse_topology(str(ranks), bandwidths=[RATES[rate] * LINK_EFFICIENCY],
                               latencies=[HOP_LATENCY], kinds=["switch"])
-    time = collective_cost(topology, op=sim_op, algorithm=algorithm, nbytes=nbytes).time
+    if algorithm == "gloo_pairs":
+        dim = topology.dims[0]
+        time = call_time(sim_op, ranks, nbytes, bandwidth=dim.bandwidth,
+                         latency=dim.hops() * dim.latency)
+    else:
+        time = collective_cost(topology, op=sim_op, algorithm=algorithm, nbytes=nbytes).time
     return nbytes / time * _bus(op, ranks)
 
 

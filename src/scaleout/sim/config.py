@@ -49,32 +49,37 @@ class CodecModel:
 
 _MS_PER_MB = 1e-3 / (1 << 20)
 # scaleout's codecs as measured here: ratio = MB/it on the wire / 44.70 MB of ResNet-18's
-# gradients (benchmarks/RESULTS.md, resnet18-1gbit-ceilings); cost = the codec's exchange time
-# minus the exact one's (33 ms) for those 44.70 MB, 2 ranks on loopback (docs/compression.md,
-# "What a codec costs in CPU"). PowerSGD's ratio depends on the layer shapes (ResNet-18's here).
+# gradients (benchmarks/RESULTS.md, resnet18-1gbit-ceilings); cost = the CPU seconds per MB of
+# the codec's whole exchange (encode, its rounds, decode) on a world-size-1 group, one thread,
+# ResNet-18's 11.2M values (benchmarks/codec_cpu_probe.py, 2026-11-23: cast:fp16 0.20,
+# blockquant 1.47, sign 1.28, topk 1.69 ms/MB). These costs were first taken as the codec's
+# exchange time minus the exact one's (33 ms) for the 44.70 MB, 2 ranks on loopback, which
+# also subtracts the transport of the bytes the codec does not send (blockquant 0.34 ms/MB).
+# PowerSGD's cost depends on the layer shapes: still that difference for ResNet-18's layers
+# (docs/compression.md, "What a codec costs in CPU"), its ratio too.
 CODECS: Mapping[str, CodecModel] = MappingProxyType(
     {
         c.name: c
         for c in (
             CodecModel(
-                name="cast:fp16", ratio=22.37 / 44.70, seconds_per_byte=4 / 44.70 * _MS_PER_MB
+                name="cast:fp16", ratio=22.37 / 44.70, seconds_per_byte=0.20 * _MS_PER_MB
             ),
             CodecModel(
                 name="blockquant",
                 ratio=11.25 / 44.70,
-                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                seconds_per_byte=1.47 * _MS_PER_MB,
                 multi_round=True,
             ),
             CodecModel(
                 name="sign",
                 ratio=1.61 / 44.70,
-                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                seconds_per_byte=1.28 * _MS_PER_MB,
                 summable=False,
             ),
             CodecModel(
                 name="topk:ratio=0.01",
                 ratio=0.93 / 44.70,
-                seconds_per_byte=15 / 44.70 * _MS_PER_MB,
+                seconds_per_byte=1.69 * _MS_PER_MB,
                 summable=False,
             ),
             CodecModel(
@@ -128,7 +133,8 @@ class IterationConfig:
             its compute uses (a host without offload, e.g. TCP on a shared CPU). A chunk then
             takes at least ``host_s_per_byte x bytes``, and the share of that work done while
             the rank computes lengthens its compute (processor sharing); work done while it
-            waits costs nothing more. 0: the network has its own engine.
+            waits costs nothing more. A codec's compute then runs on those cores too and is
+            charged the same way. 0: the network has its own engine.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -15,6 +15,9 @@ Model, per rank:
 * one network: issued chunks are served one at a time, in issue order (so an urgent chunk
   waits behind the bulk bytes already issued: at most one credit under the priority policy);
   a chunk costs its collective's time on the compressed bytes plus the codec's compute;
+  with ``host_s_per_byte`` (a host whose CPU moves the bytes) the wire bytes' CPU and the
+  codec's run on the compute's cores: their share done while the rank computes lengthens
+  its compute (processor sharing);
 * ``mode="sync"`` (DDP): the next iteration starts when every bucket arrived and every
   update ran; ``mode="overlap"`` (scaleout): the next forward of layer ``i`` waits only for
   layer ``i``'s bucket, then runs its update and its forward.
@@ -220,6 +223,9 @@ class _Run:
         cost = self.cost(wire, summable)
         host = wire * self.cfg.host_s_per_byte  # the CPU the wire bytes cost (testbed)
         duration = max(cost.time, host) + codec_s
+        # on such a host the codec runs on the compute's cores too: its share done while the
+        # rank computes is charged the same way
+        cpu = host + codec_s if self.cfg.host_s_per_byte else 0.0
         self.net_busy = True
         start, clock = self.q.now, self.compute_clock()
         if chunk.iteration == 1:  # a steady-state iteration's traffic, counted once
@@ -228,8 +234,8 @@ class _Run:
 
         def finish() -> None:
             self.net_busy = False
-            if host and duration > 0:  # the host work done while the rank computed
-                self.debt += host * (self.compute_clock() - clock) / duration
+            if cpu and duration > 0:  # the host work done while the rank computed
+                self.debt += cpu * (self.compute_clock() - clock) / duration
             lane = chunk.bucket.lane
             self.inflight[lane] -= 1
             self.inflight_bytes[lane] -= chunk.nbytes

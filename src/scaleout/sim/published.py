@@ -15,7 +15,7 @@ from types import MappingProxyType
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.models import DEVICES, Device, model, model_workload
-from scaleout.sim.network import parse_topology, preset
+from scaleout.sim.network import Topology, parse_topology, preset
 from scaleout.sim.scaling import relative_efficiency
 from scaleout.sim.themis import themis_gain
 from scaleout.sim.validation import Scenario
@@ -23,11 +23,12 @@ from scaleout.sim.validation import Scenario
 __all__ = [
     "GOYAL_BACKPROP_S",
     "P100_TF_IMAGES_PER_S",
-    "THEMIS_TOPOLOGIES",
+    "THEMIS_SYSTEMS",
     "goyal_p100",
     "p100_measured",
     "published_scenarios",
     "themis_mean_gain",
+    "themis_topology",
 ]
 
 MB = 1 << 20
@@ -86,29 +87,46 @@ def goyal_p100() -> Device:
     )
 
 
-# Stand-ins for Themis's multi-dimensional evaluation networks (the paper's exact per-dimension
-# bandwidths are not in REFERENCES.md): fast local dimensions, slower outer ones.
-THEMIS_TOPOLOGIES = (
-    ("16x16", ["100GB/s", "100GB/s"], ["ring", "ring"]),
-    ("4x8x8", ["200GB/s", "100GB/s", "50GB/s"], ["ring", "fully_connected", "switch"]),
-    (
-        "4x4x4x8",
-        ["250GB/s", "200GB/s", "100GB/s", "50GB/s"],
-        ["ring", "fully_connected", "ring", "switch"],
-    ),
+# Themis's six evaluation systems as its artifact runs them: ASTRA-sim's analytical backend,
+# themis_inputs/script/allreduce_themis.sh (github.com/aakash-sharma/astra-sim, commit 97c7392,
+# an ASTRA-sim fork carrying the Themis inputs; the same table in its run_DDL_themis script):
+# units per dimension, links per NPU x GB/s per link (the command line's values, which
+# override the JSON files'), 1 ns per link; topology per dimension from the system's name.
+THEMIS_SYSTEMS = (
+    ("2d_switch", "16x64", (6, 1), (25, 100), ("switch", "switch")),
+    ("3d_switch_homo", "16x8x8", (4, 4, 1), (25, 25, 100), ("switch",) * 3),
+    ("3d_switch_hetero", "16x8x8", (8, 4, 1), (25, 25, 50), ("switch",) * 3),
+    ("3d_fc_ring_switch", "8x16x8", (7, 4, 1), (25, 25, 50),
+     ("fully_connected", "ring", "switch")),
+    ("4d_ring_switch_switch_switch", "4x4x8x8", (2, 8, 4, 1), (125, 25, 25, 50),
+     ("ring", "switch", "switch", "switch")),
+    ("4d_ring_fc_ring_switch", "4x8x4x8", (2, 7, 6, 1), (187.5, 25, 25, 100),
+     ("ring", "fully_connected", "ring", "switch")),
 )
+THEMIS_LINK_LATENCY = "1ns"
+
+
+def themis_topology(name: str) -> Topology:
+    """One of :data:`THEMIS_SYSTEMS` as a topology: a dimension's per-NPU bandwidth is its
+    links per NPU times the bandwidth of one (ASTRA-sim's ``links-count`` x
+    ``link-bandwidth``).
+
+    Raises:
+        ValueError: a name not in :data:`THEMIS_SYSTEMS`.
+    """
+    for system, spec, links, per_link, kinds in THEMIS_SYSTEMS:
+        if system == name:
+            bandwidths = [f"{n * gbs}GB/s" for n, gbs in zip(links, per_link)]
+            return parse_topology(spec, bandwidths=bandwidths, latencies=THEMIS_LINK_LATENCY,
+                                  kinds=list(kinds))
+    raise ValueError(f"unknown Themis system {name!r}; known: "
+                     f"{', '.join(s[0] for s in THEMIS_SYSTEMS)}")
 
 
 def themis_mean_gain(nbytes: int = 1 << 30, chunks: int = 64) -> float:
-    """Mean all-reduce time gain of Themis over the fixed order on :data:`THEMIS_TOPOLOGIES`."""
-    gains = [
-        themis_gain(
-            parse_topology(spec, bandwidths=bws, latencies="500ns", kinds=kinds),
-            nbytes=nbytes,
-            chunks=chunks,
-        )[0]
-        for spec, bws, kinds in THEMIS_TOPOLOGIES
-    ]
+    """Mean all-reduce time gain of Themis over the fixed order on :data:`THEMIS_SYSTEMS`."""
+    gains = [themis_gain(themis_topology(system[0]), nbytes=nbytes, chunks=chunks)[0]
+             for system in THEMIS_SYSTEMS]
     return sum(gains) / len(gains)
 
 
@@ -239,12 +257,12 @@ def published_scenarios() -> tuple[Scenario, ...]:
             bound=0.03 * 1.72,
             source="Themis (ISCA'22): all-reduce bandwidth utilisation 1.72x on average",
             assumptions=(
-                "1 GiB all-reduce in 64 chunks, ring per dimension, 500 ns/hop, one active chunk "
-                "per dimension; baseline: fixed order, FIFO dimensions; Themis: least-loaded "
-                "order, smallest-chunk-first dimensions (ASTRA-sim's SCF); mean over the "
-                "stand-in topologies THEMIS_TOPOLOGIES (16x16 100/100 GB/s; 4x8x8 "
-                "200/100/50 GB/s; 4x4x4x8 250/200/100/50 GB/s; the paper's are not in our "
-                "sources), "
+                "1 GiB all-reduce in 64 chunks, ring per dimension, one active chunk per "
+                "dimension; baseline: fixed order, FIFO dimensions; Themis: least-loaded "
+                "order, smallest-chunk-first dimensions (ASTRA-sim's SCF); mean over Themis's "
+                "six evaluation systems as its artifact's allreduce_themis.sh runs them "
+                "(THEMIS_SYSTEMS: units, links x GB/s per link, 1 ns per link; "
+                "github.com/aakash-sharma/astra-sim themis_inputs), "
                 "gain = fixed-order time / Themis time"
             ),
             predict=themis_mean_gain,

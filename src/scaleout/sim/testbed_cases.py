@@ -4,7 +4,9 @@ What is predicted: the iteration time of the 2-rank ``scaleout`` row (priority p
 cross-iteration overlap) and ``ddp`` row (FIFO, 25 MB buckets, synchronous step) of each
 stop-7 table (three workloads x 100 Mbit/s, 1 Gbit/s, 10 Gbit/s: 18 scenarios), and the
 ``scaleout+blockquant`` row of the 100 Mbit/s and 1 Gbit/s tables (6 more), whose codec is
-``CODECS["blockquant"]`` (its bytes on the wire also count for the CPU-per-MB charge).
+``CODECS["blockquant"]`` (its bytes on the wire also count for the CPU-per-MB charge, and its
+own CPU, measured by ``benchmarks/codec_cpu_probe.py``, is charged on the compute's cores the
+same way).
 
 What goes in, and nothing else:
 
@@ -67,8 +69,8 @@ TESTBED_ROWS = (
     ("dlrm", "10gbit", 7.1, 23.8, 20.4, 5.21, "dlrm-10gbit"),
 )
 # the same tables' scaleout+blockquant rows (iteration ms); blockquant is only at 100 Mbit/s and
-# 1 Gbit/s there. Its CPU cost comes from docs/compression.md (measured at stop 8, 48 ms per
-# 44.70 MB exchange against 51 ms at stop 7, when these rows were measured).
+# 1 Gbit/s there. Its CPU cost is CODECS["blockquant"]'s (the CPU time of its whole exchange
+# on one thread, benchmarks/codec_cpu_probe.py).
 BLOCKQUANT_ROWS = MappingProxyType(
     {
         ("resnet18", "100mbit"): 1294.6,
@@ -159,7 +161,8 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                             "scaleout": "priority, overlap",
                             "ddp": "FIFO 25 MB buckets, sync",
                             "scaleout+blockquant": "priority, overlap, blockquant as "
-                            "CODECS['blockquant'] (ratio 0.252, 0.34 ms/MB, two rounds)",
+                            "CODECS['blockquant'] (ratio 0.252, 1.47 ms of CPU per MB on the "
+                            "compute's cores, two rounds)",
                         }[peer]
                     ),
                     predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(

@@ -25,6 +25,7 @@ from scaleout.core.communicator import (
     reduce_scatter_single,
 )
 from scaleout.core.consistency import _same_everywhere, _verify_same_call, verify_plan
+from scaleout.core.pairwise import exchange_blocks, recv_first
 from scaleout.core.request import Request
 
 __all__ = [
@@ -94,6 +95,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _blocks(comm: Communicator, name: str, sends: Sequence[torch.Tensor],
+            recvs: Sequence[torch.Tensor]) -> list[object]:
+    """Start :func:`~scaleout.core.pairwise.exchange_blocks` (gloo, receives posted first)."""
+    works = _start(comm, name, lambda: exchange_blocks(comm.group, comm.ranks, comm.rank,
+                                                       sends, recvs, comm.timeout),
+                   lambda: recvs[0].copy_(sends[0].view_as(recvs[0])))
+    return works if isinstance(works, list) else [works]
+
+
 def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
     """Reduce ``tensor`` over the group, in place on every rank."""
     name = "allreduce"
@@ -141,6 +151,9 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
     name = "allgather"
     send = _rows(_checked(comm, name, tensor))
     out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
+    if recv_first(comm.group, send, _nbytes(send), ranks=comm.size, gather=True):
+        works = _blocks(comm, name, [send] * comm.size, out.split([send.shape[0]] * comm.size))
+        return comm.request(name, works, lambda: out, _nbytes(send))
     work = _start(comm, name, lambda: all_gather_single(
         out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out, _nbytes(send))
@@ -156,6 +169,11 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
             f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
             f"{counts[comm.rank]} rows, got a tensor of shape {tuple(send.shape)}"
         )
+    if recv_first(comm.group, send, max(counts) * _nbytes(send[:1]), ranks=comm.size, gather=True):
+        # no padding: every block travels at its own size
+        out = send.new_empty((sum(counts), *send.shape[1:]))
+        works = _blocks(comm, name, [send] * comm.size, out.split(list(counts)))
+        return comm.request(name, works, lambda: out, sum(counts) * _nbytes(send[:1]))
     longest = max(counts)
     if send.shape[0] != longest:
         padded = send.new_zeros((longest, *send.shape[1:]))
@@ -229,6 +247,10 @@ def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None 
     check_divisible(tensor, comm.size, name)
     send = tensor.contiguous()
     out = _output(out, tuple(send.shape), send, name)
+    if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
+        rows = [send.shape[0] // comm.size] * comm.size
+        return comm.request(name, _blocks(comm, name, send.split(rows), out.split(rows)),
+                            lambda: out)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out)
@@ -247,6 +269,10 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
             f"got shape {tuple(send.shape)}"
         )
     out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name)
+    row = _nbytes(send[:1]) if send.shape[0] else 0
+    if recv_first(comm.group, send, max(*send_counts, *recv_counts) * row, ranks=comm.size):
+        works = _blocks(comm, name, send.split(list(send_counts)), out.split(list(recv_counts)))
+        return comm.request(name, works, lambda: out)
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
         group=comm.group, async_op=True), lambda: out.copy_(send))

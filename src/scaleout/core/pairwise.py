@@ -1,0 +1,153 @@
+"""All-to-all and all-gather over gloo as point-to-point messages, every receive posted first.
+
+Gloo (``gloo/transport/tcp/pair.cc``) sends a buffer only after the peer's *recv-ready*
+notice, and that notice travels in the same per-pair FIFO as data. Gloo's own alltoall and
+allgather post each send before the matching receive, so on a pair that carries data both
+ways a late rank's notice queues behind its own data and the two directions run one after
+the other: at 2 ranks torch's ``all_to_all_single`` took 137 ms for 8 MB each way at
+1 Gbit/s where full duplex takes ~68 ms, and ``all_gather_into_tensor`` 254-354 ms for
+16 MB each way where 136 ms would do (benchmarks/RESULTS.md §1; the simulator's model of it
+is :mod:`scaleout.sim.gloo_pairs`). Posting every receive before any send (as gloo's
+allreduce does) sends every notice first, so both directions run at once.
+
+These exchanges are built from ``torch.distributed.irecv`` / ``isend`` (no transport of our
+own): receives from every peer first, then sends to every peer, this rank's own block
+copied locally. They carry the same bytes as gloo's collectives (an allgather sends this
+rank's block to each peer directly rather than around a ring: ``p - 1`` blocks out either
+way). Used for CPU tensors on gloo groups where it was measured to pay (:func:`recv_first`);
+``SCALEOUT_GLOO_RECV_FIRST=0`` turns it off (torch's collectives then run unchanged). Messages match by order per pair, so every rank must
+issue these calls in the same order on a group, as with any collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+__all__ = ["ENV_VAR", "MIN_BLOCK_BYTES", "PairwiseWork", "recv_first", "exchange_blocks"]
+
+ENV_VAR = "SCALEOUT_GLOO_RECV_FIRST"
+
+
+#: Blocks smaller than this go through gloo's own collective: on the 1 Gbit/s testbed the
+#: point-to-point exchange was slower below it (2 ranks: alltoall of 128 KB per peer 2.4x
+#: torch's time, 256 KB per peer 0.89x; allgather of 128 KB 2.4x, 256 KB 0.78x).
+MIN_BLOCK_BYTES = 256 * 1024
+
+
+def recv_first(group: Any, tensor: torch.Tensor, block_bytes: int, *, ranks: int,
+               gather: bool = False) -> bool:
+    """Whether an all-to-all (or, with ``gather``, an all-gather) of ``tensor`` on ``group``
+    goes through :func:`exchange_blocks`: a CPU tensor on a group whose CPU backend is gloo,
+    blocks of at least :data:`MIN_BLOCK_BYTES` (``block_bytes``: the largest block one peer
+    gets), and for an all-gather 2 ranks (at 3, gloo's ring was as fast: 1.03-1.16x torch's
+    time with the exchange); never with ``SCALEOUT_GLOO_RECV_FIRST=0``."""
+    if (tensor.device.type != "cpu" or block_bytes < MIN_BLOCK_BYTES or (gather and ranks != 2)
+            or os.environ.get(ENV_VAR, "1") == "0"):
+        return False
+    try:
+        backend = str(tdist.get_backend(group))
+    except (RuntimeError, ValueError):  # not a torch process group
+        return False
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+class PairwiseWork:
+    """The point-to-point works of one exchange as one work.
+
+    A gloo ``irecv`` / ``isend`` work whose ``wait(timeout)`` times out is aborted (it then
+    reports completion, and a second ``wait`` returns as if it had succeeded), so these are
+    never waited on in slices the way scaleout waits on collectives (checking the watchdog
+    between slices): :func:`~scaleout.core.watchdog.wait_work` reads ``whole_wait`` and waits
+    once, for all the time left. A peer that dies still ends the wait at once (gloo reports
+    the closed connection). Gloo's point-to-point works have no future; :meth:`get_future`
+    makes one, completed by one waiter thread for the whole exchange.
+
+    Args:
+        works: the started ``isend`` / ``irecv`` works.
+        timeout_s: the longest the future's waiter thread waits for them.
+    """
+
+    whole_wait = True
+
+    def __init__(self, works: Sequence[Any], timeout_s: float) -> None:
+        self._works = list(works)
+        self._timeout_s = timeout_s
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until every message is through; raise what failed.
+
+        Raises:
+            RuntimeError: ``timeout`` passed first (gloo's "Timed out waiting ..."), or a
+                message failed (a peer closed the connection).
+        """
+        seconds = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+        for work in self._works:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed (or failed) when every message is through."""
+        future: torch.futures.Future = torch.futures.Future()
+
+        def wait_all() -> None:
+            try:
+                self.wait()
+            except RuntimeError as err:
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+        threading.Thread(target=wait_all, daemon=True, name="scaleout-pairwise").start()
+        return future
+
+
+def exchange_blocks(group: Any, ranks: Sequence[int], rank: int,
+                    sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+                    timeout_s: float) -> list[Any]:
+    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[i]`` from group rank ``i``,
+    every receive posted before any send; this rank's own block is copied.
+
+    Args:
+        group: the process group.
+        ranks: the group's global ranks, in group-rank order.
+        rank: this process's group rank.
+        sends: one contiguous tensor per group rank (``sends[rank]`` is copied into
+            ``recvs[rank]``).
+        recvs: one contiguous tensor per group rank, written in place.
+        timeout_s: the longest the messages may take (the communicator's timeout).
+
+    Returns:
+        One :class:`PairwiseWork` (none when there is nothing to send or receive).
+
+    Raises:
+        ValueError: ``sends`` or ``recvs`` does not hold one tensor per rank, or this
+            rank's send and receive blocks differ in size.
+    """
+    size = len(ranks)
+    if len(sends) != size or len(recvs) != size:
+        raise ValueError(f"exchange_blocks: expected {size} send and receive blocks, got "
+                         f"{len(sends)} and {len(recvs)}")
+    if sends[rank].numel() != recvs[rank].numel():
+        raise ValueError(f"exchange_blocks: this rank's own block has {sends[rank].numel()} "
+                         f"elements to send but {recvs[rank].numel()} to receive")
+    # Peers in the order gloo's alltoall uses (rank + i, rank - i): every pair's two
+    # directions are posted at comparable points on both sides.
+    peers = [(rank - i) % size for i in range(1, size)]
+    works = [tdist.irecv(recvs[p], src=ranks[p], group=group) for p in peers
+             if recvs[p].numel()]
+    works += [tdist.isend(sends[p], dst=ranks[p], group=group)
+              for p in ((rank + i) % size for i in range(1, size)) if sends[p].numel()]
+    recvs[rank].copy_(sends[rank].view_as(recvs[rank]))
+    return [PairwiseWork(works, timeout_s)] if works else []

@@ -1,0 +1,81 @@
+"""All-to-all and all-gather as receive-first point-to-point exchanges over gloo
+(scaleout.core.pairwise): the same results as the collectives they replace, the path really
+taken, and a peer that never comes is a timeout, not a silent success."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import scaleout
+from harness import run_ranks
+from scaleout.core import pairwise
+from test_collectives import body_all_groups
+
+OPS = ["allgather", "allgatherv", "alltoall", "alltoallv"]
+
+
+@pytest.mark.parametrize("op_name", OPS)
+@pytest.mark.parametrize("grid", [(2, 2, 1), (3, 3, 1), (3, 1, 1)])
+def test_small_blocks_through_the_exchange_match_the_oracle(
+        op_name: str, grid: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block goes through the exchange (threshold 0: the ranks are forked from here)."""
+    monkeypatch.setattr(pairwise, "MIN_BLOCK_BYTES", 0)
+    world, data_parts, model_parts = grid
+    run_ranks(world, body_all_groups, op_name, data_parts, model_parts, timeout=90)
+
+
+def body_large_blocks() -> list[bool]:
+    env = scaleout.init(timeout=60)
+    d = env.create_distribution()
+    comm = d.communicator(scaleout.GroupType.DATA)
+    rows = pairwise.MIN_BLOCK_BYTES // 4  # one block of exactly the threshold per peer
+    x = torch.arange(2 * rows, dtype=torch.float32) + 1000 * env.rank
+    taken = [pairwise.recv_first(comm.group, x, rows * 4, ranks=2),
+             pairwise.recv_first(comm.group, x, rows * 4 - 1, ranks=2),
+             pairwise.recv_first(comm.group, x, rows * 4, ranks=3, gather=True)]
+    out = d.alltoall(x, group=scaleout.GroupType.DATA).wait()
+    peer = 1 - env.rank
+    want = torch.cat([torch.arange(rows) + rows * env.rank + 1000 * r for r in (0, 1)]).float()
+    assert torch.equal(out, want), (out[:4], want[:4], peer)
+    gathered = d.allgather(x[:rows], group=scaleout.GroupType.DATA).wait()
+    assert torch.equal(gathered, torch.cat([torch.arange(rows) + 1000 * r for r in (0, 1)]).float())
+    env.finalize()
+    return taken
+
+
+def test_blocks_from_the_threshold_up_take_the_exchange() -> None:
+    taken = run_ranks(2, body_large_blocks, timeout=90)
+    assert taken == [[True, False, False]] * 2
+
+
+def body_peer_never_comes() -> str:
+    env = scaleout.init(timeout=2)
+    d = env.create_distribution()
+    if env.rank == 1:
+        time.sleep(4)  # never calls the alltoall (no finalize: the peers disagree by design)
+        return "slept"
+    began = time.monotonic()
+    try:
+        d.alltoall(torch.ones(2 * pairwise.MIN_BLOCK_BYTES // 4),
+                   group=scaleout.GroupType.DATA).wait()
+    except scaleout.CommunicationTimeout as err:
+        assert time.monotonic() - began < 3.5
+        return str(err)
+    return "no error"
+
+
+def test_a_missing_peer_is_a_timeout_not_a_result() -> None:
+    message = run_ranks(2, body_peer_never_comes, timeout=60)[0]
+    assert "alltoall" in message and "did not complete within 2 s" in message, message
+
+
+def test_recv_first_is_off_for_gpu_tensors_and_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.ones(4)
+    assert not pairwise.recv_first(None, cpu, 1 << 30, ranks=2)  # not a process group
+    monkeypatch.setenv(pairwise.ENV_VAR, "0")
+    assert not pairwise.recv_first(None, cpu, 1 << 30, ranks=2)
+    with pytest.raises(ValueError, match="expected 2 send and receive blocks"):
+        pairwise.exchange_blocks(None, [0, 1], 0, [cpu], [cpu, cpu], 1.0)

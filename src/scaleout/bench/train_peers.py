@@ -26,9 +26,14 @@ Configurations:
   tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
   parallel through DataParallel; each iteration prefetches the next batch's ids
   (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
-  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
-* ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
-  when it runs (what prefetching gains, in one interleaved run).
+  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`);
+  backward sends the rows' gradients back without waiting for them
+  (:meth:`~scaleout.pytorch.EmbeddingCollection.defer_backward`: they land before the tables'
+  step).
+* ``hybrid-blocking`` — ``hybrid`` whose backward waits for the rows' gradients (what
+  deferring them gains, in one interleaved run).
+* ``hybrid-noprefetch`` — ``hybrid`` with none of the three: each forward exchanges its ids
+  and rows when it runs, backward waits for the gradients (what all of it gains).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -54,8 +59,8 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-noprefetch",
-         *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-blocking",
+         "hybrid-noprefetch", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -186,7 +191,8 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
     "hybrid": build_hybrid,
-    "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False),
+    "hybrid-blocking": lambda o: build_hybrid(o, defer=False),
+    "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False, defer=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }

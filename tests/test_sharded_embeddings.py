@@ -282,3 +282,30 @@ def body_prefetch_errors() -> None:
 
 def test_prefetch_checks_its_batches() -> None:
     run_ranks(2, body_prefetch_errors, timeout=60)
+
+
+def body_deferred_accumulates() -> None:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution()
+    specs = [TableSpec(rows=r, dim=3) for r in (9, 5, 4)]
+    blocking, deferred = (EmbeddingCollection(specs, dist) for _ in range(2))
+    with pytest.raises(TypeError, match="expected a torch optimizer or None, got list"):
+        deferred.defer_backward([])
+    handle = deferred.defer_backward(None)  # no step: they land at the next forward
+    batches = [torch.tensor([[env.rank, s, 1], [2, 0, s]]) for s in (0, 3)]
+    for ids in batches:  # two backward passes, no step: the tables' gradients accumulate
+        for ec in (blocking, deferred):
+            (ec(ids) * torch.arange(1.0, 4.0)).pow(2).sum().backward()
+    assert len(deferred._landing) == 1  # the first landed at the second forward
+    assert deferred.land_gradients() and not deferred.land_gradients()
+    for t in blocking.held():
+        want, got = (ec.get_submodule(str(t)).weight.grad for ec in (blocking, deferred))
+        assert torch.equal(got.to_dense(), want.to_dense()), t
+    handle.remove()  # backward blocks again
+    deferred(batches[0]).sum().backward()
+    assert len(deferred._landing) == 0 and not deferred.land_gradients()
+    env.finalize()
+
+
+def test_deferred_gradients_accumulate_like_blocking_ones() -> None:
+    run_ranks(2, body_deferred_accumulates, timeout=60)

@@ -9,7 +9,8 @@ Forward, on every rank of the data group (each with its own samples):
    (steps 1-2: :mod:`~scaleout.pytorch.embeddings.ids_exchange`; :meth:`~EmbeddingCollection.
    prefetch` starts them for a later batch, so that its forward waits only for step 4);
 3. lookup: each holder looks every requested id up once (a row-wise table: the ids in its
-   block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere);
+   block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere;
+   :mod:`~scaleout.pytorch.embeddings.lookup`);
 4. rows: an alltoallv sends the rows back; each sample takes its vector from its table's
    distinct rows, and the blocks of row- and column-wise tables are summed (MLSL's
    model-parallel -> data-parallel transition, an all-to-all).
@@ -31,13 +32,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
+from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
     ROW_WISE,
@@ -45,7 +46,7 @@ from scaleout.pytorch.embeddings.planner import (
     TableSpec,
     plan_tables,
 )
-from scaleout.pytorch.embeddings.rows_exchange import Landing, exchange_rows
+from scaleout.pytorch.embeddings.rows_exchange import Deferral, Landing, exchange_rows
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 from scaleout.pytorch.placement import Kind, Placement, place
 
@@ -114,8 +115,7 @@ class EmbeddingCollection(nn.Module):
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
-        self._landing = Landing(self.divisor, self.exchange_recorder)
-        self._defer = False  # defer_backward: the rows' gradients land before the step
+        self._landing = Landing(self.divisor, self.exchange_recorder)  # defer_backward's
         for t in self.plan.tables_of(self.comm.rank):
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
@@ -156,7 +156,7 @@ class EmbeddingCollection(nn.Module):
             looked = self._look_up(received.ids, received.asked)
         rows = exchange_rows(looked, self.comm, exchange.recv, exchange.send, self.divisor,
                              self.exchange_recorder, started,
-                             self._landing if self._defer else None)
+                             self._landing if self._landing.active else None)
         self._advance()  # the next batches' ids travel while this one computes
         return exchange.gather(rows, self.dim)
 
@@ -206,7 +206,7 @@ class EmbeddingCollection(nn.Module):
                             f"got {type(optimizer).__name__}")
         return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
 
-    def defer_backward(self, optimizer: torch.optim.Optimizer | None) -> _Deferral:
+    def defer_backward(self, optimizer: torch.optim.Optimizer | None) -> Deferral:
         """Let the rows' gradients travel back to the tables' holders while the rest of
         backward runs, and land them before every ``optimizer.step()`` (a step pre-hook).
 
@@ -237,8 +237,8 @@ class EmbeddingCollection(nn.Module):
             raise TypeError(f"EmbeddingCollection.defer_backward: expected a torch optimizer "
                             f"or None, got {type(optimizer).__name__}")
         hook = None if optimizer is None else optimizer.register_step_pre_hook(self._land_hook)
-        self._defer = True
-        return _Deferral(self, hook)
+        self._landing.active = True
+        return Deferral(self._landing, hook)
 
     def _land_hook(self, *_: Any) -> None:  # (a step pre-hook must return None)
         self.land_gradients()
@@ -333,37 +333,8 @@ class EmbeddingCollection(nn.Module):
         return first
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids``: the other ranks' requests side by side, each rank's in the order
-        of my tables (``asked[rank, j]`` ids of my ``j``-th table)."""
-        mine = self.held()
-        if not mine:  # (requires grad: the backward exchange must run here too)
-            return torch.zeros(0, self.dim, dtype=self.dtype, device=ids.device,
-                               requires_grad=True)
-        table_of = torch.repeat_interleave(
-            torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
-            asked.reshape(-1).to(ids.device))
-        order = torch.argsort(table_of, stable=True)  # grouped by table, then back
-        sizes = torch.bincount(table_of, minlength=len(mine)).tolist()
-        grouped = ids[order].split(sizes)
-        looked = torch.cat([self._lookup(t, part) for t, part in zip(mine, grouped)])
-        return looked[torch.argsort(order)]
-
-    def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.get_submodule(str(table)).weight
-        if self.plan.owners[table] == COLUMN_WISE:  # my columns, zeros elsewhere: summed later
-            column, width = self.plan.cols_of(table, self.comm.rank)
-            if width == 0:
-                return weight.new_zeros(ids.shape[0], self.dim)
-            looked = F.embedding(ids, weight, sparse=True)
-            return F.pad(looked, (column, self.dim - column - width))
-        if self.plan.owners[table] != ROW_WISE:
-            return F.embedding(ids, weight, sparse=True)
-        first, count = self.plan.rows_of(table, self.comm.rank)
-        outside = (ids < first) | (ids >= first + count)
-        if count == 0:
-            return weight.new_zeros(ids.shape[0], self.dim)
-        local = torch.where(outside, torch.zeros_like(ids), ids - first)
-        return F.embedding(local, weight, sparse=True).masked_fill(outside.unsqueeze(1), 0.0)
+        weights = {t: self.get_submodule(str(t)).weight for t in self.held()}
+        return look_up(weights, self.plan, self.comm.rank, ids, asked, self.dtype)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every table's weight on every rank (a broadcast from each owner, an allgatherv of
@@ -403,20 +374,6 @@ class EmbeddingCollection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"
-
-
-class _Deferral:
-    """:meth:`EmbeddingCollection.defer_backward`'s handle."""
-
-    def __init__(self, collection: EmbeddingCollection, hook: Any) -> None:
-        self.collection, self.hook = collection, hook
-
-    def remove(self) -> None:
-        """Land what is pending, remove the step hook; backward blocks again."""
-        self.collection.land_gradients()
-        self.collection._defer = False
-        if self.hook is not None:
-            self.hook.remove()
 
 
 def _dlrm_init(spec: TableSpec, index: int, weight: torch.Tensor, first: int,

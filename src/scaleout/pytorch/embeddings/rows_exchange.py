@@ -22,7 +22,7 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 
-__all__ = ["Landing", "exchange_rows"]
+__all__ = ["Deferral", "Landing", "exchange_rows"]
 
 
 class Landing:
@@ -36,6 +36,7 @@ class Landing:
 
     def __init__(self, divisor: int, recorder: ExchangeRecorder) -> None:
         self.divisor, self.recorder = divisor, recorder
+        self.active = False  # whether the collection's backward exchanges are deferred
         self._pending: deque[tuple[torch.Tensor, Started, torch.Tensor]] = deque()
 
     def __len__(self) -> int:
@@ -55,6 +56,20 @@ class Landing:
             back = self.recorder.wait(started, grad)
             torch.autograd.backward(rows, collectives.average_into(back, back, self.divisor))
         return landed
+
+
+class Deferral:
+    """:meth:`EmbeddingCollection.defer_backward`'s handle: ``remove()`` lands what is
+    pending, removes the step hook (if any) and makes backward block again."""
+
+    def __init__(self, landing: Landing, hook: Any) -> None:
+        self.landing, self.hook = landing, hook
+
+    def remove(self) -> None:
+        self.landing.land()
+        self.landing.active = False
+        if self.hook is not None:
+            self.hook.remove()
 
 
 def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv: list[int],

@@ -1,7 +1,6 @@
 """``bench train``'s ``hybrid`` set-up: DLRM's tables sharded across the ranks, its dense
-MLPs data parallel, the next batch's ids and rows prefetched and the rows' gradients sent
-back without blocking backward (``hybrid-blocking``: backward waits for them;
-``hybrid-noprefetch``: neither prefetch nor deferral)."""
+MLPs data parallel, the next batch's ids and rows prefetched (``hybrid-noprefetch``: not;
+``hybrid-deferred``: prefetched, and the rows' gradients sent back without blocking backward)."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = True) -> Setup:
+def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False) -> Setup:
     import scaleout
     from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
                                   TableSpec, plan_tables)

@@ -26,14 +26,12 @@ Configurations:
   tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
   parallel through DataParallel; each iteration prefetches the next batch's ids
   (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
-  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`);
-  backward sends the rows' gradients back without waiting for them
-  (:meth:`~scaleout.pytorch.EmbeddingCollection.defer_backward`: they land before the tables'
-  step).
-* ``hybrid-blocking`` — ``hybrid`` whose backward waits for the rows' gradients (what
-  deferring them gains, in one interleaved run).
-* ``hybrid-noprefetch`` — ``hybrid`` with none of the three: each forward exchanges its ids
-  and rows when it runs, backward waits for the gradients (what all of it gains).
+  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
+* ``hybrid-deferred`` — ``hybrid`` whose backward sends the rows' gradients back without
+  waiting for them (:meth:`~scaleout.pytorch.EmbeddingCollection.defer_backward`: they land
+  before the tables' step; what deferring them gains, in one interleaved run).
+* ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
+  when it runs (what prefetching gains, in one interleaved run).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -59,7 +57,7 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-blocking",
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
          "hybrid-noprefetch", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
@@ -191,8 +189,8 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
     "hybrid": build_hybrid,
-    "hybrid-blocking": lambda o: build_hybrid(o, defer=False),
-    "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False, defer=False),
+    "hybrid-deferred": lambda o: build_hybrid(o, defer=True),
+    "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }

@@ -30,10 +30,9 @@ Every round runs each configuration once, as fresh ranks, in a rotated order:
             iteration: the best any synchronous data-parallel run can do here) and
             lockstep-traffic (that, plus the exact gradients' bytes in flight, hidden
             behind a whole iteration); hybrid (DLRM: tables sharded across the ranks,
-            dense MLPs data parallel, the next batch's ids and rows prefetched, the
-            rows' gradients sent back without blocking backward; also --parallel
-            hybrid), hybrid-blocking (backward waits for those gradients),
-            hybrid-noprefetch (neither prefetch nor deferral)
+            dense MLPs data parallel, the next batch's ids and rows prefetched; also
+            --parallel hybrid), hybrid-deferred (the same, the rows' gradients sent
+            back without blocking backward), hybrid-noprefetch (without prefetching)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
 tc; --no-testbed runs over loopback instead, with no rate limit. A configuration that
 fails is reported with its reason and not run again; the others go on (exit code 1).

@@ -27,11 +27,16 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out.json"
     assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
-                 "--vs", "ddp,hybrid-noprefetch", "--json", str(out)]) == 0
+                 "--vs", "ddp,hybrid-deferred,hybrid-noprefetch", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-noprefetch"}
-    # prefetching the next batch's ids and rows trains the same model, to the last bit
+    assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-deferred",
+                            "hybrid-noprefetch"}
+    # prefetching the next batch's ids and rows, and deferring the rows' gradients, train
+    # the same model, to the last bit
     assert summary["hybrid"]["final_loss"] == summary["hybrid-noprefetch"]["final_loss"]
+    assert summary["hybrid"]["final_loss"] == summary["hybrid-deferred"]["final_loss"]
+    assert "land before the tables' step" in summary["hybrid-deferred"]["details"]["backward"]
+    assert summary["hybrid"]["details"]["backward"].startswith("blocks")
     assert summary["hybrid"]["final_loss"] == pytest.approx(summary["ddp"]["final_loss"], 1e-5)
     assert "lookups once the tables are updated" in summary["hybrid"]["details"]["prefetch"]
     assert summary["hybrid-noprefetch"]["details"]["prefetch"] is None

@@ -383,3 +383,21 @@ def test_batch_to_keeps_structure(workloads: dict) -> None:
     inputs, targets = workloads["dlrm"].make_batch(3, 0, 0)
     moved = batch_to((inputs, targets), "cpu")
     assert isinstance(moved[0], DLRMInputs) and _equal(moved[0], inputs)
+
+
+def test_dlrm_interaction_is_every_pair_of_vectors_once() -> None:
+    # the pairs' dot products (index_select of the flattened block) are the strict lower
+    # triangle, forward and backward to the bit (the plain 2-D indexing as the oracle)
+    config = DLRMConfig(table_sizes=(30, 20, 10), bottom_mlp=(8,), top_mlp=(8,))
+    model = DLRMWorkload(config=config).build_model(seed=0)
+    inputs, _ = DLRMWorkload(config=config).make_batch(16, step=0, seed=0)
+    stacked = torch.randn(16, 4, config.embedding_dim, requires_grad=True)
+    dots = torch.bmm(stacked, stacked.transpose(1, 2))
+    rows, cols = torch.tril_indices(4, 4, offset=-1)
+    grad = torch.randn(16, rows.numel())
+    want = dots[:, rows, cols]
+    got = dots.flatten(1).index_select(1, model._pairs)
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(v, stacked, grad, retain_graph=True)[0]
+                         for v in (got, want)))
+    assert model(inputs).shape == (16,)

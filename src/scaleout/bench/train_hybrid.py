@@ -1,5 +1,6 @@
 """``bench train``'s ``hybrid`` set-up: DLRM's tables sharded across the ranks, its dense
-MLPs data parallel, the next batch's ids and rows prefetched (``hybrid-noprefetch``: not)."""
+MLPs data parallel, the next batch's ids and rows prefetched (``hybrid-noprefetch``: not;
+``hybrid-deferred``: prefetched, and the rows' gradients sent back without blocking backward)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def build_hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
+def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False) -> Setup:
     import scaleout
     from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
                                   TableSpec, plan_tables)
@@ -66,6 +67,8 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
     model = DataParallel(net, dist, scheduler=options.scheduler())
     dense_opt = DistributedOptimizer(sgd(dense), model, mode=options.mode)
     table_opt = torch.optim.SGD(sparse, lr=LR) if sparse else None
+    if defer:  # the rows' gradients land in table_opt's step (no table here: next lookup)
+        net.embeddings.defer_backward(table_opt)
 
     def close() -> None:
         model.close()
@@ -74,7 +77,9 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True) -> Setup:
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
                "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
                "prefetch": "the next batch's ids; its lookups once the tables are updated"
-               if prefetch else None}
+               if prefetch else None,
+               "backward": "the rows' gradients travel during the dense backward and land "
+               "before the tables' step" if defer else "blocks on the rows' gradients"}
     statistics, reset = statistics_of(model)  # gradients and activation exchanges
     if not prefetch:
         return Setup(model=model, optimizer=Pair(dense_opt, table_opt), settle=model.synchronize,

@@ -27,6 +27,9 @@ Configurations:
   parallel through DataParallel; each iteration prefetches the next batch's ids
   (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
   starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
+* ``hybrid-deferred`` — ``hybrid`` whose backward sends the rows' gradients back without
+  waiting for them (:meth:`~scaleout.pytorch.EmbeddingCollection.defer_backward`: they land
+  before the tables' step; what deferring them gains, in one interleaved run).
 * ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
   when it runs (what prefetching gains, in one interleaved run).
 
@@ -54,8 +57,8 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-noprefetch",
-         *CEILINGS)
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
+         "hybrid-noprefetch", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -186,6 +189,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
     "hybrid": build_hybrid,
+    "hybrid-deferred": lambda o: build_hybrid(o, defer=True),
     "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),

@@ -121,8 +121,9 @@ class DLRM(nn.Module):
             nn.init.uniform_(table.weight, -(table.num_embeddings ** -0.5), table.num_embeddings ** -0.5)
         n_vectors = config.num_sparse + 1
         rows, cols = torch.tril_indices(n_vectors, n_vectors, offset=-1)
-        self.register_buffer("_pair_rows", rows, persistent=False)
-        self.register_buffer("_pair_cols", cols, persistent=False)
+        # the pairs as positions in a flattened (F, F) block: index_select's backward is an
+        # index_add, about half the time of 2-D advanced indexing's (an index_put with a sort)
+        self.register_buffer("_pairs", rows * n_vectors + cols, persistent=False)
         n_pairs = n_vectors * (n_vectors - 1) // 2
         self.top_mlp = _mlp([dim + n_pairs, *config.top_mlp, 1], final_relu=False)
 
@@ -135,7 +136,7 @@ class DLRM(nn.Module):
         else:  # sharded (scaleout.pytorch.EmbeddingCollection): (B, F - 1, D) for my samples
             stacked = torch.cat([x.unsqueeze(1), self.embeddings(sparse)], dim=1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # (B, F, F)
-        pairs = dots[:, self._pair_rows, self._pair_cols]
+        pairs = dots.flatten(1).index_select(1, self._pairs)  # the strict lower triangle
         return self.top_mlp(torch.cat([x, pairs], dim=1)).squeeze(1)
 
 

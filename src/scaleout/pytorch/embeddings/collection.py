@@ -9,7 +9,8 @@ Forward, on every rank of the data group (each with its own samples):
    (steps 1-2: :mod:`~scaleout.pytorch.embeddings.ids_exchange`; :meth:`~EmbeddingCollection.
    prefetch` starts them for a later batch, so that its forward waits only for step 4);
 3. lookup: each holder looks every requested id up once (a row-wise table: the ids in its
-   block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere);
+   block of rows, zeros for the others; a column-wise one: its columns, zeros elsewhere;
+   :mod:`~scaleout.pytorch.embeddings.lookup`);
 4. rows: an alltoallv sends the rows back; each sample takes its vector from its table's
    distinct rows, and the blocks of row- and column-wise tables are summed (MLSL's
    model-parallel -> data-parallel transition, an all-to-all).
@@ -18,7 +19,10 @@ Backward is the reverse of step 4: the gradients of a row's samples are summed b
 that asked for it before they travel, and reach the table weights as sparse row gradients,
 scaled like DataParallel's average over the data group; the tables are then updated by a
 row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad / SparseAdam, which accept
-sparse gradients). The dense layers around stay data parallel.
+sparse gradients). The dense layers around stay data parallel. With
+:meth:`~EmbeddingCollection.defer_backward` the reverse exchange does not block backward: it
+travels while the dense layers' backward and allreduce run, and lands (the sparse gradients
+are written) before the tables' optimizer steps.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
+from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
     ROW_WISE,
@@ -42,7 +46,7 @@ from scaleout.pytorch.embeddings.planner import (
     TableSpec,
     plan_tables,
 )
-from scaleout.pytorch.embeddings.rows_exchange import exchange_rows
+from scaleout.pytorch.embeddings.rows_exchange import Deferral, Landing, exchange_rows
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 from scaleout.pytorch.placement import Kind, Placement, place
 
@@ -59,7 +63,8 @@ class EmbeddingCollection(nn.Module):
     has the keys of an ``nn.ModuleList`` of ``nn.Embedding``; :meth:`full_state` gathers
     every table on every rank. :meth:`prefetch` (or the :func:`prefetching` loader wrapper)
     and :meth:`start_lookup` (or :meth:`look_up_after`) send a later batch's ids and rows
-    ahead of its forward, with the same results.
+    ahead of its forward, and :meth:`defer_backward` lets the rows' gradients travel while
+    the rest of backward runs, with the same results.
 
     Args:
         tables: the tables (all with one ``dim``).
@@ -110,6 +115,7 @@ class EmbeddingCollection(nn.Module):
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
+        self._landing = Landing(self.divisor, self.exchange_recorder)  # defer_backward's
         for t in self.plan.tables_of(self.comm.rank):
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
@@ -143,12 +149,14 @@ class EmbeddingCollection(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check(ids, "forward")
         exchange = self._take(ids)
+        self.land_gradients()  # (a backward without a step since: its gradients accumulate)
         looked, started = self._started.pop(id(exchange), (None, None))
         if looked is None:
             received = exchange.received()
             looked = self._look_up(received.ids, received.asked)
         rows = exchange_rows(looked, self.comm, exchange.recv, exchange.send, self.divisor,
-                             self.exchange_recorder, started)
+                             self.exchange_recorder, started,
+                             self._landing if self._landing.active else None)
         self._advance()  # the next batches' ids travel while this one computes
         return exchange.gather(rows, self.dim)
 
@@ -168,6 +176,7 @@ class EmbeddingCollection(nn.Module):
         Raises:
             RuntimeError: the first prefetched batch's lookup started already.
         """
+        self.land_gradients()  # the rows read below are those after every backward so far
         if not self._pending:
             return False
         exchange = self._pending[0]
@@ -196,6 +205,49 @@ class EmbeddingCollection(nn.Module):
             raise TypeError(f"EmbeddingCollection.look_up_after: expected a torch optimizer, "
                             f"got {type(optimizer).__name__}")
         return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
+
+    def defer_backward(self, optimizer: torch.optim.Optimizer | None) -> Deferral:
+        """Let the rows' gradients travel back to the tables' holders while the rest of
+        backward runs, and land them before every ``optimizer.step()`` (a step pre-hook).
+
+        Without it, backward blocks on that exchange when it reaches the tables (the dense
+        layers' backward below them and their allreduce wait behind it). With it, backward
+        only starts the exchange; :meth:`land_gradients` waits for it and writes the tables'
+        sparse gradients, the same ones: it runs before ``optimizer`` steps and before
+        anything reads the tables (:meth:`forward`, :meth:`start_lookup`, :meth:`drain`), so
+        a second backward without a step between accumulates as usual.
+
+        Args:
+            optimizer: the tables' optimizer; ``None`` on a rank that holds no table (its
+                part of the exchange then lands at its next forward or lookup).
+
+        Returns:
+            A handle: ``.remove()`` lands what is pending, removes the hook and makes
+            backward block again.
+
+        Raises:
+            TypeError: ``optimizer`` is neither a ``torch.optim.Optimizer`` nor ``None``.
+
+        Example (each rank):
+            >>> ec.defer_backward(table_opt)   # table_opt's step waits for the gradients
+            >>> loss_fn(model(inputs), targets).backward()   # returns before they land
+            >>> dense_opt.step(); table_opt.step()
+        """
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"EmbeddingCollection.defer_backward: expected a torch optimizer "
+                            f"or None, got {type(optimizer).__name__}")
+        hook = None if optimizer is None else optimizer.register_step_pre_hook(self._land_hook)
+        self._landing.active = True
+        return Deferral(self._landing, hook)
+
+    def _land_hook(self, *_: Any) -> None:  # (a step pre-hook must return None)
+        self.land_gradients()
+
+    def land_gradients(self) -> bool:
+        """Wait for the rows' gradients whose exchange a deferred backward started and
+        write the tables' sparse gradients (:meth:`defer_backward`); whether any was
+        pending (``False`` without deferral)."""
+        return self._landing.land()
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start sending the ids of a batch that a later :meth:`forward` will get.
@@ -230,7 +282,9 @@ class EmbeddingCollection(nn.Module):
 
     def drain(self) -> None:
         """Finish the exchanges of prefetched batches no forward will take (at the end of
-        training, say) and forget them; every rank of the data group at the same point."""
+        training, say) and forget them; every rank of the data group at the same point
+        (deferred gradients land first)."""
+        self.land_gradients()
         while self._pending:
             exchange = self._pending.popleft()
             exchange.received()
@@ -279,37 +333,8 @@ class EmbeddingCollection(nn.Module):
         return first
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids``: the other ranks' requests side by side, each rank's in the order
-        of my tables (``asked[rank, j]`` ids of my ``j``-th table)."""
-        mine = self.held()
-        if not mine:  # (requires grad: the backward exchange must run here too)
-            return torch.zeros(0, self.dim, dtype=self.dtype, device=ids.device,
-                               requires_grad=True)
-        table_of = torch.repeat_interleave(
-            torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
-            asked.reshape(-1).to(ids.device))
-        order = torch.argsort(table_of, stable=True)  # grouped by table, then back
-        sizes = torch.bincount(table_of, minlength=len(mine)).tolist()
-        grouped = ids[order].split(sizes)
-        looked = torch.cat([self._lookup(t, part) for t, part in zip(mine, grouped)])
-        return looked[torch.argsort(order)]
-
-    def _lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        weight = self.get_submodule(str(table)).weight
-        if self.plan.owners[table] == COLUMN_WISE:  # my columns, zeros elsewhere: summed later
-            column, width = self.plan.cols_of(table, self.comm.rank)
-            if width == 0:
-                return weight.new_zeros(ids.shape[0], self.dim)
-            looked = F.embedding(ids, weight, sparse=True)
-            return F.pad(looked, (column, self.dim - column - width))
-        if self.plan.owners[table] != ROW_WISE:
-            return F.embedding(ids, weight, sparse=True)
-        first, count = self.plan.rows_of(table, self.comm.rank)
-        outside = (ids < first) | (ids >= first + count)
-        if count == 0:
-            return weight.new_zeros(ids.shape[0], self.dim)
-        local = torch.where(outside, torch.zeros_like(ids), ids - first)
-        return F.embedding(local, weight, sparse=True).masked_fill(outside.unsqueeze(1), 0.0)
+        weights = {t: self.get_submodule(str(t)).weight for t in self.held()}
+        return look_up(weights, self.plan, self.comm.rank, ids, asked, self.dtype)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every table's weight on every rank (a broadcast from each owner, an allgatherv of

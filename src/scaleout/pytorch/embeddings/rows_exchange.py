@@ -3,10 +3,17 @@
 An alltoallv whose backward is the reverse alltoallv of the rows' gradients, divided by the
 data group's size (DataParallel's average); the gradients then reach the tables as sparse
 row gradients through the lookups' own backward.
+
+The backward exchange either blocks (the lookups' backward runs inside the training loop's
+backward, as any autograd function's) or is *deferred*: it starts the reverse alltoallv and
+returns at once, so that the rest of backward (the dense layers below, their gradients'
+allreduce) runs while the gradients travel; :class:`Landing` then waits for them and runs
+the lookups' backward, which leaves exactly the sparse gradients the blocking path leaves.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -15,12 +22,59 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 
-__all__ = ["exchange_rows"]
+__all__ = ["Deferral", "Landing", "exchange_rows"]
+
+
+class Landing:
+    """Rows' gradients on their way back to the tables' holders (deferred backward exchanges),
+    oldest first.
+
+    Args:
+        divisor: the data group's size (the gradients' average).
+        recorder: records the waits (exposed) and the exchanges' time.
+    """
+
+    def __init__(self, divisor: int, recorder: ExchangeRecorder) -> None:
+        self.divisor, self.recorder = divisor, recorder
+        self.active = False  # whether the collection's backward exchanges are deferred
+        self._pending: deque[tuple[torch.Tensor, Started, torch.Tensor]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, rows: torch.Tensor, started: Started, grad: torch.Tensor) -> None:
+        """``started`` sends ``grad`` (the gradient of the rows this rank received) back;
+        what lands is the gradient of ``rows`` (this rank's lookups, in the tables' graph)."""
+        self._pending.append((rows, started, grad))
+
+    def land(self) -> bool:
+        """Wait for every pending exchange and run its lookups' backward (the tables' sparse
+        ``.grad`` accumulate); whether any was pending."""
+        landed = bool(self._pending)
+        while self._pending:
+            rows, started, grad = self._pending.popleft()
+            back = self.recorder.wait(started, grad)
+            torch.autograd.backward(rows, collectives.average_into(back, back, self.divisor))
+        return landed
+
+
+class Deferral:
+    """:meth:`EmbeddingCollection.defer_backward`'s handle: ``remove()`` lands what is
+    pending, removes the step hook (if any) and makes backward block again."""
+
+    def __init__(self, landing: Landing, hook: Any) -> None:
+        self.landing, self.hook = landing, hook
+
+    def remove(self) -> None:
+        self.landing.land()
+        self.landing.active = False
+        if self.hook is not None:
+            self.hook.remove()
 
 
 def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv: list[int],
                   divisor: int, recorder: ExchangeRecorder,
-                  started: Started | None = None) -> torch.Tensor:
+                  started: Started | None = None, landing: Landing | None = None) -> torch.Tensor:
     """Send ``send[j]`` of ``rows`` to rank ``j``, receive ``recv[i]`` from rank ``i``.
 
     Args:
@@ -29,11 +83,19 @@ def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv:
         recorder: records both exchanges.
         started: the forward exchange when it was started already (the rows were looked up
             and sent ahead, :meth:`EmbeddingCollection.start_lookup`): only waited for.
+        landing: defer the backward exchange: backward starts it and adds it to ``landing``
+            (whose :meth:`Landing.land` must run before the tables are read or updated);
+            ``None``: backward blocks on it.
 
     Returns:
         The rows this rank asked for, in the autograd graph.
     """
-    return _Exchange.apply(rows, comm, send, recv, divisor, recorder, started)
+    if landing is None:
+        return _Exchange.apply(rows, comm, send, recv, divisor, recorder, started, None)
+    # the graph stops here (a tuple: autograd does not see ``rows`` as an input); the
+    # lookups' part of it runs when the gradients land
+    return _Exchange.apply(rows.detach().requires_grad_(), comm, send, recv, divisor,
+                           recorder, started, (rows, landing))
 
 
 class _Exchange(torch.autograd.Function):
@@ -41,8 +103,10 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, comm: Communicator, send: list[int],
                 recv: list[int], divisor: int, recorder: ExchangeRecorder,
-                started: Started | None) -> torch.Tensor:
+                started: Started | None,
+                deferred: tuple[torch.Tensor, Landing] | None) -> torch.Tensor:
         ctx.args = (comm, send, recv, divisor, recorder)
+        ctx.deferred = deferred
         if started is not None:
             return recorder.wait(started, rows)
         return recorder.run(rows, lambda: collectives.alltoallv(comm, rows, send, recv).wait())
@@ -51,5 +115,11 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         comm, send, recv, divisor, recorder = ctx.args
         grad = grad.contiguous()
+        if ctx.deferred is not None:
+            looked, landing = ctx.deferred
+            ctx.deferred = None  # (the lookups' graph is the landing's from here on)
+            landing.add(looked, recorder.start(collectives.alltoallv(comm, grad, recv, send)),
+                        grad)
+            return (None,) * 8
         back = recorder.run(grad, lambda: collectives.alltoallv(comm, grad, recv, send).wait())
-        return collectives.average_into(back, back, divisor), *[None] * 6
+        return collectives.average_into(back, back, divisor), *[None] * 7

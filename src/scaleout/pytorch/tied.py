@@ -21,7 +21,10 @@ it did not find, a micro-batch under ``no_sync()``) stays in ``.grad`` and trave
 lookup's share, so the sum stays exact in every case; only the overlap is lost.
 
 :func:`find_tied` decides at the first forward which weights to split (the same on every
-rank: rank 0's graph decides).
+rank: rank 0's graph decides; a first forward without autograd, or one ``torch.compile``
+fused into a single node, finds none, and the weight then travels whole). A forward whose
+graph is never backpropagated leaves a hook waiting: the early share of the next backward
+then leaves at its end (still exact, without the overlap).
 """
 
 from __future__ import annotations

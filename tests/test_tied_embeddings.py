@@ -138,6 +138,13 @@ def test_tied_weight_not_split_when_not_exact_allreduce(options: dict) -> None:
     assert all(not split for split, _ in results)
 
 
+def test_tied_weight_split_can_be_turned_off() -> None:
+    """``SCALEOUT_SPLIT_TIED=0``: the weight travels whole, training still exact."""
+    results = run_ranks(2, body, "overlap", False, 1, {}, timeout=120,
+                        env={"SCALEOUT_SPLIT_TIED": "0"})
+    assert all(not split and not early_first for split, early_first in results)
+
+
 def body_unsplit(options: dict) -> tuple[bool, list[bool]]:
     env = scaleout.init(timeout=60)
     torch.manual_seed(0)

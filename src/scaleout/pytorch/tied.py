@@ -34,13 +34,19 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import os
+
 import torch
 from torch import nn
 
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 
-__all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE"]
+__all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_VAR"]
+
+#: ``SCALEOUT_SPLIT_TIED=0`` sends tied weights whole (to measure the split, or where the extra
+#: bytes cost more than the shorter tail saves: see benchmarks/RESULTS.md, issue 16).
+ENV_VAR = "SCALEOUT_SPLIT_TIED"
 
 #: The lookup's share goes whole when more than this share of the rows was touched on some
 #: rank. Each row flag costs one value of a row of ``d`` values, so rows pay almost up to
@@ -118,7 +124,10 @@ def find_tied(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
 def splittable(param: nn.Parameter, name: str, compression: Any, other_exchange: Any) -> bool:
     """Whether tied ``param`` (named ``name``) travels in two shares: only when it is sent
     exact (``compression`` has no codec for it) by the built-in all-reduce
-    (``other_exchange`` falsy: no sharded update, no comm hook)."""
+    (``other_exchange`` falsy: no sharded update, no comm hook), and not turned off
+    (``SCALEOUT_SPLIT_TIED=0``)."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return False
     return not other_exchange and (compression is None or compression.codec_for(
         name, param.numel(), param.dtype) is None)
 

@@ -335,9 +335,10 @@ class DataParallel(BackwardSide, CheckpointSurface):
         bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
-        self._shares = EarlyShares({layer.params[i]: self._sender(ps) for layer in self._forward_order
-                                    for i, ps in layer.early.items()},
-                                   holding_back=lambda: self._no_sync, on_share=self._on_share)
+        early = {layer.params[i]: self._sender(ps) for layer in self._forward_order
+                 for i, ps in layer.early.items()}
+        self._shares = EarlyShares(early, holding_back=lambda: self._no_sync,
+                                   on_share=self._on_share)
 
     def _nothing_to_exchange(self) -> bool:
         """A lone rank (data and model groups of one) with exact gradients and nothing

@@ -23,12 +23,14 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
+from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
                                       register_layers)
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
+from scaleout.pytorch.tied import EarlyShares, find_tied, splittable
 from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
@@ -39,7 +41,7 @@ from scaleout.session.trace import TraceRecorder
 
 __all__ = ["DataParallel"]
 
-class DataParallel(CheckpointSurface):
+class DataParallel(BackwardSide, CheckpointSurface):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
@@ -65,6 +67,11 @@ class DataParallel(CheckpointSurface):
         tune: choose ``scheduler`` (and codecs) from the first iterations' measurements:
             ``True`` (exact), ``"lossy"`` (codecs per layer allowed) or a ``TuneConfig``
             (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
+
+    A weight read by an embedding lookup and by other operations (an LM head tied to the
+    token embedding) is found in the first forward's graph and, when sent exact, travels in
+    two shares: the other operations' share as soon as it exists, the lookup's row-sparse at
+    the end of backward (:mod:`scaleout.pytorch.tied`).
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -115,6 +122,8 @@ class DataParallel(CheckpointSurface):
         self._no_sync = self._backward_queued = False
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
+        self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
+        self._shares: EarlyShares | None = None
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
             broadcast_tensors(self._model_comm, [
@@ -222,7 +231,7 @@ class DataParallel(CheckpointSurface):
             return self.module(*args, **kwargs)
         self._before_forward(args)
         output = self.module(*args, **kwargs)
-        self._after_forward()
+        self._after_forward(output)
         return output
 
     # torch.compile traces the module, never the communication around it: the hooks and
@@ -240,9 +249,13 @@ class DataParallel(CheckpointSurface):
             self._trace.batch_size = args[0].shape[0]
 
     @torch.compiler.disable
-    def _after_forward(self) -> None:
+    def _after_forward(self, output: Any) -> None:
         if self._session is None:
+            self._tied = find_tied(output, [p for layer in self._layers for p in layer.params],
+                                   self.comm, self._device)
             self._commit()
+        if self._shares and self.training and torch.is_grad_enabled():
+            self._shares.hook(output)
         for layer in self._forward_order:  # layers this forward did not run
             self.updates.complete(layer)
         if self.training and self._buffer_average is not None:
@@ -297,13 +310,17 @@ class DataParallel(CheckpointSurface):
         session = Session(self.env, Phase.TRAIN, scheduler=self._scheduler, trace=self._trace)
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)
-        usage = register_layers(session, self.distribution, self._forward_order,
-                                {id(p): n for n, p in self.module.named_parameters()},
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        split = [p for p in self._tied if splittable(
+            p, names[id(p)], self._compression, self.distributed_update or self._comm_hook)]
+        usage = register_layers(session, self.distribution, self._forward_order, names,
                                 distributed_update=self.distributed_update,
-                                compression=self._compression)
+                                compression=self._compression, split={id(p) for p in split})
         session.commit()
         param_of = {id(ps): p for layer in self._forward_order
                     for p, ps in zip(layer.params, layer.sets)}
+        param_of.update({id(ps): layer.params[i] for layer in self._forward_order
+                         for i, ps in layer.early.items()})
         for bucket in session.buckets:
             bucket.set_parameters([param_of[id(ps)] for ps in bucket.members if id(ps) in param_of])
         self.updates.commit(self._forward_order, usage, self._trace)
@@ -318,6 +335,10 @@ class DataParallel(CheckpointSurface):
         bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
+        early = {layer.params[i]: self._sender(ps) for layer in self._forward_order
+                 for i, ps in layer.early.items()}
+        self._shares = EarlyShares(early, holding_back=lambda: self._no_sync,
+                                   on_share=self._on_share)
 
     def _nothing_to_exchange(self) -> bool:
         """A lone rank (data and model groups of one) with exact gradients and nothing
@@ -348,49 +369,6 @@ class DataParallel(CheckpointSurface):
             else:
                 self._stopwatch.restart()
         return torch.compiler.disable(hook)
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        self._used[id(param)] = True
-        if self._no_sync:
-            return
-        if self._session is None:
-            raise RuntimeError("backward ran through DataParallel before its first forward")
-        if not self._backward_queued:
-            self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        layer, ps = self._set_of[id(param)]
-        self._stopwatch.lap(self._session.statistics, layer.name, phase="backward")
-        if ps.gradient_pending:
-            raise RuntimeError(
-                f"rank {self.env.rank}: gradient of {ps.name} produced twice before its update "
-                "(two backward passes without a forward between them?); wrap all but the last "
-                "micro-batch in model.no_sync()")
-        ps.start_gradient_comm(param.grad)
-        self._sent_version[id(param)] = param.grad._version
-
-    def _end_backward(self) -> None:
-        self._backward_queued = False
-        self.replicas.exchanged()
-        used = []
-        for layer in self._forward_order:
-            for param, ps in zip(layer.params, layer.sets):
-                if not ps.gradient_pending:  # unused here: send zeros, keep the order
-                    ps.start_gradient_comm(param.new_zeros(ps.local_count))
-                used.append(1.0 if self._used[id(param)] else 0.0)
-                self._used[id(param)] = False
-        assert self._session is not None  # a gradient arrived, so the session exists
-        usage = self._session.operations[0].parameter_sets[0]  # registered first
-        self.updates.all_used_here = all(used)
-        kind = dict(dtype=usage.spec.dtype, device=usage.spec.device)
-        # the usual case, every parameter used here, needs no host-to-device copy
-        flags = torch.ones(len(used), **kind) if all(used) else torch.tensor(used, **kind)
-        usage.start_gradient_comm(flags)
-        if self.distributed_update:
-            if self.updates.updater is None:
-                raise RuntimeError("DataParallel(distributed_update=True) needs a "
-                                   "DistributedOptimizer to apply the sharded update")
-        elif self.updates.mode == "sync":
-            self.updates.gradients_to_grad()
 
     def _finish_buffers(self) -> None:
         if self._buffer_average is not None:

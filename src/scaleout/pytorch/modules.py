@@ -3,18 +3,20 @@ and the broadcast of their tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from scaleout.compression import RowsCodec
 from scaleout.core.collectives import Communicator
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.placement import is_local, registration
+from scaleout.pytorch.tied import LOOKUP_DENSE_ABOVE
 from scaleout.session import Operation, ParameterSet, ParameterSetSpec, Session
 
 __all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors", "register_layers", "USAGE"]
@@ -29,6 +31,9 @@ class Layer:
         module: the module.
         params: its own trainable parameters (each becomes a ParameterSet).
         op / sets: the Operation and ParameterSets once the session is committed.
+        early: for a tied parameter split in two shares (``scaleout.pytorch.tied``), its
+            index in ``params`` -> the parameter set of its early share; its set in ``sets``
+            then carries the lookup's share.
         update_requested: gradients are in flight and ``step()`` asked for the update.
         increments_pending: new values (distributed update) are in flight.
     """
@@ -38,8 +43,13 @@ class Layer:
     params: list[nn.Parameter]
     op: Operation | None = None
     sets: list[ParameterSet] = field(default_factory=list)
+    early: dict[int, ParameterSet] = field(default_factory=dict)
     update_requested: bool = False
     increments_pending: bool = False
+
+    def all_sets(self) -> list[ParameterSet]:
+        """Its parameter sets and its parameters' early shares."""
+        return [*self.sets, *self.early.values()]
 
 
 def find_layers(module: nn.Module) -> list[Layer]:
@@ -107,13 +117,16 @@ USAGE = "<parameters used>"
 
 def register_layers(session: Session, distribution: Distribution, layers: list[Layer],
                     names: dict[int, str], *, distributed_update: bool,
-                    compression: Any) -> ParameterSet | None:
+                    compression: Any, split: Collection[int] = ()) -> ParameterSet | None:
     """Add one Operation per layer (in ``layers``' order) to ``session``, one ParameterSet per
     parameter, after the operation that carries who used what; return that one's set.
 
     The usage set is registered first, so it shares the bucket of the first layers'
     gradients (the last to be ready in backward): knowing who used what costs no collective
-    of its own. ``names``: parameter id to qualified name.
+    of its own. ``names``: parameter id to qualified name. ``split``: ids of tied parameters
+    sent in two shares (``scaleout.pytorch.tied``): their own set carries the lookup's share,
+    row-sparse; an operation after the last layer (so first in backward order) carries the
+    early share, exact, in ``layer.early``.
     """
     params = [p for layer in layers for p in layer.params]
     usage = None
@@ -124,10 +137,22 @@ def register_layers(session: Session, distribution: Distribution, layers: list[L
     model_comm = distribution.communicator(GroupType.MODEL)
     for layer in layers:
         specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
-                                  distributed_update=distributed_update, compression=compression,
-                                  shape=shape, device=p.device, model_split=split)
+                                  distributed_update=distributed_update,
+                                  compression=(RowsCodec(dense_above=LOOKUP_DENSE_ABOVE)
+                                               if id(p) in split else compression),
+                                  shape=shape, device=p.device, model_split=parted)
                  for p in layer.params
-                 for count, shape, split in [registration(p, model_comm)]]
+                 for count, shape, parted in [registration(p, model_comm)]]
         layer.op = session.add_operation(layer.name, distribution, parameter_sets=specs)
         layer.sets = layer.op.parameter_sets
+        layer.early = {}
+    for layer in layers:
+        for index, (p, ps) in enumerate(zip(layer.params, layer.sets)):
+            if id(p) in split:
+                name = f"{ps.name} (early share)"
+                spec = ParameterSetSpec(count=ps.spec.count, dtype=p.dtype, name=name,
+                                        shape=ps.spec.shape, device=p.device,
+                                        model_split=ps.spec.model_split)
+                op = session.add_operation(name, distribution, parameter_sets=[spec])
+                layer.early[index] = op.parameter_sets[0]
     return usage

@@ -21,7 +21,7 @@ from scaleout.pytorch.modules import Layer
 from scaleout.session import ParameterSet
 from scaleout.session.trace import TraceRecorder
 
-__all__ = ["LazyUpdates", "Updater"]
+__all__ = ["LazyUpdates", "Updater", "averaged"]
 
 
 class Updater(Protocol):
@@ -83,7 +83,7 @@ class LazyUpdates:
     def pending(self) -> list[Layer]:
         """Layers whose gradients are in flight."""
         return [layer for layer in self.forward_order
-                if any(ps.gradient_pending for ps in layer.sets)]
+                if any(ps.gradient_pending for ps in layer.all_sets())]
 
     def used_globally(self) -> dict[int, bool]:
         """Whether any rank used each parameter in the last backward (unused: no update).
@@ -110,20 +110,21 @@ class LazyUpdates:
 
     def gradients_to_grad(self) -> None:
         """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
-        pending = [(param, ps) for layer in self.forward_order
-                   for param, ps in zip(layer.params, layer.sets) if ps.gradient_pending]
-        arrived = [ps.wait_gradient_comm() for _, ps in pending]
+        pending = [(param, layer, i) for layer in self.forward_order
+                   for i, (param, ps) in enumerate(zip(layer.params, layer.sets))
+                   if ps.gradient_pending]
+        arrived = [averaged(layer, i) for _, layer, i in pending]
         used = self.used_globally()  # after the gradients: waits count against their layers
-        for (param, _), averaged in zip(pending, arrived):
+        for (param, _, _), averaged_grad in zip(pending, arrived):
             if not used.get(id(param), True):
                 param.grad = None
             elif self.distributed_update:
                 raise RuntimeError("distributed_update needs a DistributedOptimizer to "
                                    "apply the sharded update")
             elif param.grad is None:
-                param.grad = averaged.view_as(param).clone()
+                param.grad = averaged_grad.view_as(param).clone()
             else:
-                param.grad.copy_(averaged.view_as(param))
+                param.grad.copy_(averaged_grad.view_as(param))
 
     def complete(self, layer: Layer) -> None:
         """Apply ``layer``'s requested update and install its gathered shards, if pending."""
@@ -152,7 +153,7 @@ class LazyUpdates:
         for later in self.forward_order[self._position[id(layer)] + 1:]:
             if not later.update_requested:
                 continue
-            if not all(ps.test_gradient_comm() for ps in later.sets):
+            if not all(ps.test_gradient_comm() for ps in later.all_sets()):
                 break
             batch.append(later)
         return batch
@@ -163,12 +164,20 @@ class LazyUpdates:
         params, grads = [], []
         for layer in layers:
             layer.update_requested = False
-            for param, ps in zip(layer.params, layer.sets):
+            for i, param in enumerate(layer.params):
                 params.append(param)
-                grads.append(ps.wait_gradient_comm())
+                grads.append(averaged(layer, i))
         used = self.used_globally()  # after the gradients: waits count against their layers
         began = time.perf_counter()
         self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])
         if self._trace is not None:
             self._trace.span("compute", "update " + "+".join(l.name for l in layers), began,
                              time.perf_counter(), phase="update")
+
+
+def averaged(layer: Layer, index: int) -> torch.Tensor:
+    """Wait for ``layer``'s parameter ``index``'s averaged gradient: its set's, plus its early
+    share's when it travels in two (a tied parameter: ``scaleout.pytorch.tied``)."""
+    gradient = layer.sets[index].wait_gradient_comm()
+    early = layer.early.get(index)
+    return gradient if early is None else gradient + early.wait_gradient_comm()

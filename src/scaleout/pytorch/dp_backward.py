@@ -1,0 +1,80 @@
+"""DataParallel's backward side: each gradient leaves the moment it exists, and the end of
+backward sends what did not (zeros for parameters unused here, a tied parameter's early share
+that no hook took) and the flags saying who used what.
+
+A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``_session``,
+``_set_of``, ``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_sent_version``,
+``_stopwatch``, ``updates``, ``replicas``, ``distributed_update`` and ``env``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BackwardSide"]
+
+
+class BackwardSide:
+    """The autograd-side callbacks of DataParallel (see the module docstring)."""
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self._used[id(param)] = True
+        if self._no_sync:
+            return
+        if self._session is None:
+            raise RuntimeError("backward ran through DataParallel before its first forward")
+        self._on_share(param)
+        layer, ps = self._set_of[id(param)]
+        self._stopwatch.lap(self._session.statistics, layer.name, phase="backward")
+        self._sender(ps)(param.grad)
+        self._sent_version[id(param)] = param.grad._version
+
+    def _on_share(self, param: nn.Parameter) -> None:
+        """A gradient (or a tied parameter's early share) of ``param`` left: it was used, and
+        the end of this backward sends what did not."""
+        self._used[id(param)] = True
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _sender(self, ps: Any) -> Callable[[torch.Tensor], None]:
+        def send(gradient: torch.Tensor) -> None:
+            if ps.gradient_pending:
+                raise RuntimeError(
+                    f"rank {self.env.rank}: gradient of {ps.name} produced twice before its "
+                    "update (two backward passes without a forward between them?); wrap all "
+                    "but the last micro-batch in model.no_sync()")
+            ps.start_gradient_comm(gradient)
+        return send
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        self.replicas.exchanged()
+        if self._shares:
+            self._shares.end_backward()
+        used = []
+        for layer in self._forward_order:
+            for ps in layer.all_sets():
+                if not ps.gradient_pending:  # unused here: send zeros, keep the order
+                    ps.start_gradient_comm(torch.zeros(ps.local_count, dtype=ps.spec.dtype,
+                                                       device=ps.spec.device))
+            for param in layer.params:
+                used.append(1.0 if self._used[id(param)] else 0.0)
+                self._used[id(param)] = False
+        assert self._session is not None  # a gradient arrived, so the session exists
+        usage = self._session.operations[0].parameter_sets[0]  # registered first
+        self.updates.all_used_here = all(used)
+        kind = dict(dtype=usage.spec.dtype, device=usage.spec.device)
+        # the usual case, every parameter used here, needs no host-to-device copy
+        flags = torch.ones(len(used), **kind) if all(used) else torch.tensor(used, **kind)
+        usage.start_gradient_comm(flags)
+        if self.distributed_update:
+            if self.updates.updater is None:
+                raise RuntimeError("DataParallel(distributed_update=True) needs a "
+                                   "DistributedOptimizer to apply the sharded update")
+        elif self.updates.mode == "sync":
+            self.updates.gradients_to_grad()

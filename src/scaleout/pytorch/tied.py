@@ -1,0 +1,222 @@
+"""Tied embeddings: a weight read by an embedding lookup *and* by other operations travels
+in two shares, the others' share early and the lookup's share row-sparse.
+
+A language model that ties its LM head to its token embedding (GPT-2's layout) reads one
+weight twice: the head's product at the end of forward, the lookup at its start. Autograd
+sums both gradients at the leaf, so the weight's gradient exists only when backward ends,
+and it is needed first by the next forward: its whole exchange lies in the open. Yet the
+head's share exists at the start of backward, dense, while the lookup's share, which
+arrives last, is zero outside the rows of the batch's tokens.
+
+:class:`EarlyShares` keeps the two apart. At every training forward it walks the autograd
+graph from the outputs to the operations that read such a weight (other than the lookup)
+and hooks them: each hook takes that operation's gradient for the weight out of autograd's
+sum (autograd then accumulates only the lookup's share into ``.grad``) and, once every
+hooked operation produced its share, hands the sum to the weight's *early share*, a
+parameter set of its own that goes on the wire at once. The lookup's share leaves from the
+leaf's hook as any gradient does, with the lossless row-sparse codec
+(:class:`~scaleout.compression.RowsCodec`). The averaged gradient is the sum of the two
+averaged shares: exact up to float summation order. Whatever a hook misses (an operation
+it did not find, a micro-batch under ``no_sync()``) stays in ``.grad`` and travels with the
+lookup's share, so the sum stays exact in every case; only the overlap is lost.
+
+:func:`find_tied` decides at the first forward which weights to split (the same on every
+rank: rank 0's graph decides; a first forward without autograd, or one ``torch.compile``
+fused into a single node, finds none, and the weight then travels whole). A forward whose
+graph is never backpropagated leaves a hook waiting: the early share of the next backward
+then leaves at its end (still exact, without the overlap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import os
+
+import torch
+from torch import nn
+
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+
+__all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_VAR"]
+
+#: ``SCALEOUT_SPLIT_TIED=0`` sends tied weights whole (to measure the split, or where the extra
+#: bytes cost more than the shorter tail saves: see benchmarks/RESULTS.md, issue 16).
+ENV_VAR = "SCALEOUT_SPLIT_TIED"
+
+#: The lookup's share goes whole when more than this share of the rows was touched on some
+#: rank. Each row flag costs one value of a row of ``d`` values, so rows pay almost up to
+#: all rows (the transformer benchmark touches 56% of its 4096 rows per step).
+LOOKUP_DENSE_ABOVE = 0.9
+
+_Node = Any  # an autograd graph node (torch._C._functions.*)
+
+
+def _is_lookup(node: _Node) -> bool:
+    """An embedding lookup's backward (``F.embedding``, ``F.embedding_bag``, dense)."""
+    return type(node).__name__.startswith("Embedding")
+
+
+def _roots(outputs: Any) -> list[_Node]:
+    """The grad_fn of every tensor in ``outputs`` (a tensor, or nested tuples, lists, dicts)."""
+    found: list[_Node] = []
+    stack = [outputs]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                found.append(obj.grad_fn)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+    return found
+
+
+def _readers(outputs: Any, params: dict[int, nn.Parameter],
+             enough: Callable[[dict[int, list[tuple[_Node, int]]]], bool] | None = None,
+             ) -> dict[int, list[tuple[_Node, int]]]:
+    """Per parameter id in ``params``: the graph nodes that read it, with the input slot.
+
+    Breadth first from the outputs (the head sits next to them); stops early once
+    ``enough(found so far)`` holds.
+    """
+    found: dict[int, list[tuple[_Node, int]]] = {}
+    queue, seen = deque(_roots(outputs)), set()
+    while queue:
+        node = queue.popleft()
+        for slot, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            variable = getattr(nxt, "variable", None)  # an AccumulateGrad: a leaf
+            if variable is not None and id(variable) in params:
+                found.setdefault(id(variable), []).append((node, slot))
+            elif id(nxt) not in seen:
+                seen.add(id(nxt))
+                queue.append(nxt)
+        if enough is not None and enough(found):
+            break
+    return found
+
+
+def find_tied(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
+              device: torch.device) -> list[nn.Parameter]:
+    """The parameters ``outputs``' graph reads by an embedding lookup and by something else.
+
+    Rank 0's answer counts (one broadcast of a flag per parameter, once), so that every rank
+    registers the same parameter sets even if its first forward differed.
+    """
+    params = list(params)
+    readers = _readers(outputs, {id(p): p for p in params})
+    flags = torch.tensor([
+        1 if any(_is_lookup(n) for n, _ in readers.get(id(p), ()))
+        and any(not _is_lookup(n) for n, _ in readers.get(id(p), ())) else 0
+        for p in params], dtype=torch.int64, device=device)
+    if comm.size > 1:
+        collectives.bcast(comm, flags, 0).wait()
+    return [p for p, flag in zip(params, flags.tolist()) if flag]
+
+
+def splittable(param: nn.Parameter, name: str, compression: Any, other_exchange: Any) -> bool:
+    """Whether tied ``param`` (named ``name``) travels in two shares: only when it is sent
+    exact (``compression`` has no codec for it) by the built-in all-reduce
+    (``other_exchange`` falsy: no sharded update, no comm hook), and not turned off
+    (``SCALEOUT_SPLIT_TIED=0``)."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return False
+    return not other_exchange and (compression is None or compression.codec_for(
+        name, param.numel(), param.dtype) is None)
+
+
+@dataclass(eq=False)
+class _Share:
+    """One tied parameter's early share in this iteration."""
+
+    param: nn.Parameter
+    start: Callable[[torch.Tensor], None]
+    expected: int = 0  # hooked operations whose share has not arrived yet
+    gradient: torch.Tensor | None = None
+    started: bool = False
+
+
+class EarlyShares:
+    """Takes tied parameters' non-lookup gradients out of autograd and sends them early.
+
+    Args:
+        starts: per tied parameter, what sends its early share (``start(gradient)``).
+        holding_back: whether gradients stay local now (``no_sync()``): the hooks then leave
+            the gradient to autograd.
+        on_share: called with the parameter when a hook takes a share (DataParallel notes
+            the parameter as used and arranges for the end of backward).
+    """
+
+    def __init__(self, starts: dict[nn.Parameter, Callable[[torch.Tensor], None]], *,
+                 holding_back: Callable[[], bool],
+                 on_share: Callable[[nn.Parameter], None]) -> None:
+        self._shares = {id(p): _Share(param=p, start=start) for p, start in starts.items()}
+        self._params = {id(p): p for p in starts}
+        self._holding_back = holding_back
+        self._on_share = on_share
+        self._per_forward = 0  # readers found at the first hooked forward (stops the walk)
+
+    def __bool__(self) -> bool:
+        return bool(self._shares)
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        return (share.param for share in self._shares.values())
+
+    def hook(self, outputs: Any) -> None:
+        """Hook the operations of this forward's graph that read a tied parameter (other
+        than its lookup); call after every forward whose graph backward will run."""
+        if not self._shares:
+            return
+        want = self._per_forward
+
+        def enough(found: dict[int, list[tuple[_Node, int]]]) -> bool:
+            return want > 0 and sum(not _is_lookup(n) for nodes in found.values()
+                                    for n, _ in nodes) >= want
+        readers = _readers(outputs, self._params, enough)
+        count = 0
+        for key, nodes in readers.items():
+            share = self._shares[key]
+            for node, slot in nodes:
+                if _is_lookup(node):
+                    continue
+                node.register_hook(self._take(share, slot))
+                share.expected += 1
+                count += 1
+        self._per_forward = max(self._per_forward, count)
+
+    def _take(self, share: _Share, slot: int) -> Callable[..., Any]:
+        def hook(grad_inputs: tuple[Any, ...], _grad_outputs: Any) -> Any:
+            share.expected -= 1
+            grad = grad_inputs[slot]
+            if grad is None or self._holding_back() or share.started:
+                return None  # autograd accumulates it into .grad (it travels with the rest)
+            share.gradient = grad if share.gradient is None else share.gradient + grad
+            self._on_share(share.param)
+            if share.expected <= 0:
+                self._start(share)
+            return tuple(None if i == slot else g for i, g in enumerate(grad_inputs))
+        return hook
+
+    def _start(self, share: _Share) -> None:
+        share.started = True
+        gradient, share.gradient = share.gradient, None
+        share.start(gradient)
+
+    def end_backward(self) -> list[nn.Parameter]:
+        """Send what was taken but not sent yet (an operation hooked but not run); forget
+        this iteration. Returns the parameters whose early share was not sent at all."""
+        unsent = []
+        for share in self._shares.values():
+            if share.gradient is not None and not share.started:
+                self._start(share)
+            if not share.started:
+                unsent.append(share.param)
+            share.started, share.expected = False, 0
+        return unsent

@@ -18,6 +18,12 @@ from scaleout import SchedulerConfig
 from scaleout.compression import CompressionConfig
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 
+
+@pytest.fixture(autouse=True)
+def _split_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split is opt-in (SCALEOUT_SPLIT_TIED=1); the forked ranks inherit this."""
+    monkeypatch.setenv("SCALEOUT_SPLIT_TIED", "1")
+
 VOCAB, SEQ, WIDTH, PER_RANK, STEPS = 40, 6, 8, 3, 5
 TINY = SchedulerConfig(bucket_bytes=4096, first_bucket_bytes=1024, partition_bytes=1024,
                        credit_bytes=2048, urgent_bytes=600)
@@ -138,10 +144,15 @@ def test_tied_weight_not_split_when_not_exact_allreduce(options: dict) -> None:
     assert all(not split for split, _ in results)
 
 
-def test_tied_weight_split_can_be_turned_off() -> None:
-    """``SCALEOUT_SPLIT_TIED=0``: the weight travels whole, training still exact."""
+@pytest.mark.parametrize("value", ["0", None])
+def test_tied_weight_split_is_off_unless_turned_on(value: str | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SCALEOUT_SPLIT_TIED=0`` or unset (the default): the weight travels whole, training
+    still exact."""
+    if value is None:
+        monkeypatch.delenv("SCALEOUT_SPLIT_TIED")
     results = run_ranks(2, body, "overlap", False, 1, {}, timeout=120,
-                        env={"SCALEOUT_SPLIT_TIED": "0"})
+                        env={} if value is None else {"SCALEOUT_SPLIT_TIED": value})
     assert all(not split and not early_first for split, early_first in results)
 
 

@@ -29,12 +29,11 @@ then leaves at its end (still exact, without the overlap).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import os
 
 import torch
 from torch import nn
@@ -44,8 +43,10 @@ from scaleout.core.collectives import Communicator
 
 __all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_VAR"]
 
-#: ``SCALEOUT_SPLIT_TIED=0`` sends tied weights whole (to measure the split, or where the extra
-#: bytes cost more than the shorter tail saves: see benchmarks/RESULTS.md, issue 16).
+#: ``SCALEOUT_SPLIT_TIED=1`` turns the split on. It is off by default: on the 2-core machine
+#: it was not shown to pay (its quietest before/after pair was slower, 1122 against 1006 ms
+#: per iteration: the early share adds bytes on a link that is already busy for most of
+#: backward; benchmarks/RESULTS.md, issue 16, stop 12).
 ENV_VAR = "SCALEOUT_SPLIT_TIED"
 
 #: The lookup's share goes whole when more than this share of the rows was touched on some
@@ -124,9 +125,9 @@ def find_tied(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
 def splittable(param: nn.Parameter, name: str, compression: Any, other_exchange: Any) -> bool:
     """Whether tied ``param`` (named ``name``) travels in two shares: only when it is sent
     exact (``compression`` has no codec for it) by the built-in all-reduce
-    (``other_exchange`` falsy: no sharded update, no comm hook), and not turned off
-    (``SCALEOUT_SPLIT_TIED=0``)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
+    (``other_exchange`` falsy: no sharded update, no comm hook), and turned on
+    (``SCALEOUT_SPLIT_TIED=1``)."""
+    if os.environ.get(ENV_VAR, "0") != "1":
         return False
     return not other_exchange and (compression is None or compression.codec_for(
         name, param.numel(), param.dtype) is None)

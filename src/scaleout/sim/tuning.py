@@ -164,7 +164,7 @@ class TuneChoice:
         codecs = ", ".join(f"{spec} on {specs.count(spec)} layers" for spec in sorted(set(specs)))
         lines = [
             f"link: {self.link.describe()}; compute {format_time(self.compute_s)}/it",
-            f"chosen: policy={s.policy} bucket={format_bytes(s.bucket_bytes)} "
+            f"chosen: policy={s.policy or 'default'} bucket={format_bytes(s.bucket_bytes)} "
             f"first_bucket={format_bytes(s.first_bucket_bytes)} "
             f"chunk={format_bytes(s.partition_bytes)} credit={format_bytes(s.credit_bytes)} "
             f"urgent={format_bytes(s.urgent_bytes)}; codecs: "

@@ -42,7 +42,7 @@ class TableBatch:
         self.lo = torch.tensor(firsts)
         self.hi = torch.tensor([f + c for f, c in zip(firsts, counts)])
         # only whole tables: every id asked for is held (ids are checked to be in range)
-        self.whole = all(b is not None and b == (0, r) for b, r in zip(blocks, rows))
+        self.whole = all(b is not None and tuple(b) == (0, r) for b, r in zip(blocks, rows))
 
     def view(self, j: int) -> torch.Tensor:
         """Table ``j``'s rows of the batched weight (a view: writes go to both)."""

@@ -118,9 +118,10 @@ class EmbeddingCollection(nn.Module):
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
         self._landing = Landing(self.divisor, self.exchange_recorder)  # defer_backward's
         mine = self.plan.tables_of(self.comm.rank)
+        # my tables' rows in one weight (the column-wise blocks apart)
         self._batch = TableBatch([None if self.plan.owners[t] == COLUMN_WISE
                                   else self.plan.rows_of(t, self.comm.rank) for t in mine],
-                                 [tables[t].rows for t in mine], self.dim, dtype)  # my tables' rows in one weight
+                                 [tables[t].rows for t in mine], self.dim, dtype)
         for j, t in enumerate(mine):
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)

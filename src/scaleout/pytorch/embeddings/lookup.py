@@ -43,8 +43,11 @@ def look_up(batch: TableBatch, weights: Mapping[int, torch.Tensor], plan: Shardi
     table_of = torch.repeat_interleave(
         torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
         asked.reshape(-1).to(ids.device))
-    looked = batch.look_up(batch.rows(ids, table_of), table_of,
-                           [weights[mine[j]] for j in batch.members])
+    if batch.members:
+        looked = batch.look_up(batch.rows(ids, table_of), table_of,
+                               [weights[mine[j]] for j in batch.members])
+    else:  # only column-wise blocks
+        looked = weights[mine[0]].new_zeros(ids.shape[0], dim)
     for j, t in enumerate(mine):  # column-wise blocks: each its own lookup
         if plan.owners[t] == COLUMN_WISE:
             at = (table_of == j).nonzero().squeeze(1)

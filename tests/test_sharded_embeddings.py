@@ -31,6 +31,7 @@ from scaleout.pytorch import (
     prefetching,
     tensor_parallel,
 )
+from scaleout.pytorch.embeddings.batched import TableBatch
 from scaleout.workloads import DLRMConfig, DLRMInputs, DLRMWorkload
 
 CONFIG = DLRMConfig(num_dense=4, table_sizes=(50, 30, 20, 10, 7, 5), embedding_dim=4,
@@ -309,3 +310,37 @@ def body_deferred_accumulates() -> None:
 
 def test_deferred_gradients_accumulate_like_blocking_ones() -> None:
     run_ranks(2, body_deferred_accumulates, timeout=60)
+
+
+def test_table_batch_looks_up_every_table_in_one_gather_like_one_lookup_each() -> None:
+    # tables of 6 (whole), 9 (my rows 3..7 of a row-wise one), one kept apart, 4 (whole)
+    blocks, rows = [(0, 6), (3, 5), None, (0, 4)], [6, 9, 7, 4]
+    batch = TableBatch(blocks, rows, dim=3, dtype=torch.float32)
+    assert not batch.whole and batch.weight.shape == (15, 3)
+    weights = [torch.nn.Parameter(batch.view(j)) for j in batch.members]
+    for w, j in zip(weights, batch.members):
+        w.data = batch.view(j)
+        w.data.copy_(torch.randn(w.shape))
+    assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))
+    table = torch.tensor([0, 1, 3, 1, 2, 0, 3, 1, 0])
+    ids = torch.tensor([5, 2, 3, 7, 6, 5, 0, 4, 1])  # 2 and 8 are not my rows of table 1
+    looked = batch.look_up(batch.rows(ids, table), table, weights)
+    blocks_of = dict(zip(batch.members, weights))
+    want = torch.stack([blocks_of[int(t)][int(i) - blocks[int(t)][0]]
+                        if blocks[int(t)] and 0 <= int(i) - blocks[int(t)][0] < blocks[int(t)][1]
+                        else torch.zeros(3) for t, i in zip(table, ids)])
+    assert torch.equal(looked, want)
+    grad = torch.randn(9, 3)
+    looked.backward(grad)
+    for j, w in zip(batch.members, weights):  # each table's sparse gradient of its rows
+        first, count = blocks[j]
+        dense = torch.zeros(count, 3)
+        for k, (t, i) in enumerate(zip(table.tolist(), ids.tolist())):
+            if t == j and first <= i < first + count:
+                dense[i - first] += grad[k]
+        assert w.grad.is_sparse and torch.equal(w.grad.to_dense(), dense), j
+    for w in weights:  # module.double() replaces the data: the next lookup rebinds them
+        w.data = w.data.double()
+    again = batch.look_up(batch.rows(ids, table), table, weights)
+    assert again.dtype == torch.float64 and torch.equal(again, want.double())
+    assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))

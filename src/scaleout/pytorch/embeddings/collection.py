@@ -37,6 +37,7 @@ from torch import nn
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
+from scaleout.pytorch.embeddings.batched import TableBatch
 from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
 from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
@@ -116,11 +117,19 @@ class EmbeddingCollection(nn.Module):
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
         self._landing = Landing(self.divisor, self.exchange_recorder)  # defer_backward's
-        for t in self.plan.tables_of(self.comm.rank):
+        mine = self.plan.tables_of(self.comm.rank)
+        # my tables' rows in one weight (the column-wise blocks apart)
+        self._batch = TableBatch([None if self.plan.owners[t] == COLUMN_WISE
+                                  else self.plan.rows_of(t, self.comm.rank) for t in mine],
+                                 [tables[t].rows for t in mine], self.dim, dtype)
+        for j, t in enumerate(mine):
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
             table = nn.Embedding(max(count, 1), max(width, 1), sparse=True, dtype=dtype)
-            table.weight.data = table.weight.data[:count, :width]  # a rank may hold nothing
+            if self.plan.owners[t] == COLUMN_WISE:
+                table.weight.data = table.weight.data[:count, :width]  # may hold nothing
+            else:  # a view of the batched weight
+                table.weight.data = self._batch.view(j)
             with torch.no_grad():
                 if init is not None:
                     init(t, table.weight, first, column)
@@ -334,7 +343,7 @@ class EmbeddingCollection(nn.Module):
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
         weights = {t: self.get_submodule(str(t)).weight for t in self.held()}
-        return look_up(weights, self.plan, self.comm.rank, ids, asked, self.dtype)
+        return look_up(self._batch, weights, self.plan, self.comm.rank, ids, asked, self.dtype)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every table's weight on every rank (a broadcast from each owner, an allgatherv of

@@ -79,7 +79,7 @@ def test_loopback_with_no_rate_limit_chooses_nothing_lossy() -> None:
 
 
 def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:
-    tune = TuneConfig(allow_lossy=True, link=SLOW)
+    tune = TuneConfig(allow_lossy=True, link=SLOW, verify=0)  # what-if: not timed here
     results = run_ranks(2, body, tune, "adamw", True, 7, timeout=120)
     assert results[0]["key"] == results[1]["key"]
     chosen = set(results[0]["codecs"].values())
@@ -93,13 +93,52 @@ def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:
 def test_a_latency_bound_link_rebuilds_the_plan_with_fewer_messages() -> None:
     from scaleout.scheduler import SchedulerConfig
 
-    results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND), "sgd", timeout=120)
+    results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND, verify=0), "sgd", timeout=120)
     assert results[0]["key"] == results[1]["key"]
     chosen = results[0]["chosen"]
     assert chosen != SchedulerConfig(), results[0]["summary"]
     assert results[0]["in_use"] == chosen  # the session was rebuilt with it
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_choice_is_timed_and_every_rank_keeps_what_the_check_decided() -> None:
+    """The real path: tuned at forward 4, the choice settles at 5, is timed over 5-6 and
+    decided at 7; kept or undone, the report says which and the session runs it."""
+    results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND), "sgd", True, 9, timeout=120)
+    assert results[0]["key"] == results[1]["key"]
+    assert "measured: the choice ran" in results[0]["summary"], results[0]["summary"]
+    assert results[0]["in_use"] == results[0]["chosen"]  # what the report says is what runs
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_choice_slower_than_the_defaults_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from scaleout.pytorch import tune_check
+    from scaleout.scheduler import SchedulerConfig
+    from scaleout.sim.tuning import TuneChoice
+
+    rebuilt = []
+    model = SimpleNamespace(_device=torch.device("cpu"), comm=SimpleNamespace(size=1),
+                            synchronize=lambda: None, _rebuild=lambda *a: rebuilt.append(a))
+    choice = TuneChoice(scheduler=SchedulerConfig(bucket_bytes=1 << 20), codecs={"l0": "blockquant"},
+                        predicted_s=0.01, default_s=0.02, exact_s=0.02, compute_s=0.005,
+                        link=LATENCY_BOUND, reasons=(), candidates=())
+    defaults = (SchedulerConfig(), None)
+    for per_iteration, kept in ((0.05, False), (0.01, True)):
+        clock = iter([1.0, 1.0 + per_iteration, 1.0 + 2 * per_iteration])
+        monkeypatch.setattr(tune_check.time, "perf_counter", lambda: next(clock))
+        check = tune_check.ChoiceCheck(default_s=0.02, fallback=defaults, verify=2)
+        assert check.at_forward(model, choice) is None  # the choice's first iteration ended
+        assert check.at_forward(model, choice) is None
+        decided = check.at_forward(model, choice)
+        if kept:
+            assert decided.key() == choice.key() and decided.reasons[-1].endswith(": kept")
+        else:
+            assert rebuilt == [defaults] and decided.scheduler == SchedulerConfig()
+            assert decided.codecs == {} and "defaults are restored" in decided.reasons[-1]
 
 
 @pytest.mark.gpu
@@ -162,20 +201,20 @@ def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> No
     from scaleout.bench.train import TrainBenchConfig
 
     config = TrainBenchConfig(workload="digits-mlp", compression=("none", "auto", "auto-exact"),
-                              warmup=3, testbed=False)
+                              warmup=6, testbed=False)
     assert config.configurations[1:4] == ("scaleout", "scaleout+auto", "scaleout+auto-exact")
     with pytest.raises(ValueError, match="warm-up"):
-        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=2, testbed=False)
+        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=5, testbed=False)
 
 
 def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
     from scaleout.cli.main import main
 
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "3",
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "6",
                  "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "codecs: none (exact)" in out and "measured after tuning" in out
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "2"]) == 2
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "5"]) == 2
 
 
 def test_a_codec_is_timed_by_its_best_run_not_one_spike(monkeypatch) -> None:

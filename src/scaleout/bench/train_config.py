@@ -11,8 +11,10 @@ from scaleout.scheduler.config import POLICIES
 __all__ = ["AUTO_WARMUP", "TrainBenchConfig", "split_variant", "variant_name"]
 
 
-#: The fewest warm-up iterations with ``compression="auto"`` (plan, measure, run the tuned plan).
-AUTO_WARMUP = 3
+#: The fewest warm-up iterations with ``compression="auto"``: one builds the plan, one is
+#: measured, one runs the tuned plan, two time it (``TuneConfig.verify``), and one runs the plan
+#: that check kept.
+AUTO_WARMUP = 6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,8 @@ class TrainBenchConfig:
         if set(AUTO) & set(self.compression) and self.warmup < AUTO_WARMUP:
             raise ValueError(f"compression 'auto' tunes during the warm-up: warmup must be >= "
                              f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, one "
-                             f"runs the tuned plan), got {self.warmup}")
+                             f"runs the tuned plan, two time it, one runs what was kept), got "
+                             f"{self.warmup}")
         for spec in self.compression:
             if spec not in AUTO:
                 make_codec(spec)  # raises ValueError naming the valid codecs

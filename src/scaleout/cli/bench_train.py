@@ -68,8 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed iterations before them (default 2; 4 with --compression "
-                             "auto, which tunes during them)")
+                        help="untimed iterations before them (default 2; 6 with --compression "
+                             "auto, which tunes and checks its choice during them)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",
@@ -165,10 +165,10 @@ def _error(message: str) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    """``--warmup``, or its default: 2, or 4 when a variant tunes itself (``auto``)."""
+    """``--warmup``, or its default: 2, or 6 when a variant tunes itself (``auto``)."""
     if args.warmup is not None:
         return args.warmup
-    return 4 if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+    return 6 if {"auto", "auto-exact"} & set(args.compression or ()) else 2
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The autotuner of :class:`~scaleout.pytorch.DataParallel`: measure, agree, choose, rebuild once.
+"""The autotuner of :class:`~scaleout.pytorch.DataParallel`: measure, agree, choose, rebuild,
+check.
 
 With ``DataParallel(..., tune=True)`` the first iterations run with the default scheduling
 options while they are measured: each layer's forward and backward compute (the model's
@@ -9,7 +10,8 @@ of tensors of that layer's shapes). Every rank's measurements are combined with 
 all-reduce (the slowest rank's figure counts), so every rank feeds the same numbers to the
 same deterministic search (:func:`scaleout.sim.tuning.choose`, the simulator pricing the
 runtime's own plans) and makes the same choice, which is verified across ranks before the
-plan is rebuilt with it.
+plan is rebuilt with it. The choice is then timed for ``TuneConfig.verify`` iterations and
+undone if it ran slower than the defaults (:mod:`scaleout.pytorch.tune_check`).
 
 Example (every rank):
     >>> model = DataParallel(net, dist, tune=TuneConfig(allow_lossy=True))
@@ -34,6 +36,7 @@ from scaleout.compression.advice import optimizer_traits
 from scaleout.compression.state import CodecState
 from scaleout.core.collectives import ReduceOp, allreduce
 from scaleout.core.consistency import verify_plan
+from scaleout.pytorch.tune_check import ChoiceCheck
 from scaleout.scheduler import SchedulerConfig
 from scaleout.sim.config import CodecModel
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
@@ -68,6 +71,9 @@ class TuneConfig:
             DistributedOptimizer is attached (lossy tuning without either stays exact).
         link: a :class:`~scaleout.sim.tuning.LinkModel` to tune for instead of measuring the
             link (what-if tuning; tests). Its ranks must be the data group's size.
+        verify: iterations of the chosen plan timed (after one to settle) before it is kept:
+            when they ran slower than the defaults did, the defaults come back
+            (:mod:`scaleout.pytorch.tune_check`); 0 keeps the choice unmeasured.
 
     Raises:
         ValueError / TypeError: a bad value (an unknown codec spec included).
@@ -81,6 +87,7 @@ class TuneConfig:
     min_gain_exact: float = 0.01
     optimizer: torch.optim.Optimizer | None = None
     link: LinkModel | None = None
+    verify: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.allow_lossy, bool):
@@ -91,7 +98,7 @@ class TuneConfig:
             if make_codec(spec).name == "none":
                 raise ValueError("codecs lists lossy codecs; 'none' is always a candidate")
         object.__setattr__(self, "codecs", tuple(self.codecs))
-        for name, low in (("skip", 0), ("measure", 1)):
+        for name, low in (("skip", 0), ("measure", 1), ("verify", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -216,6 +223,8 @@ class Tuner:
         self.choice: TuneChoice | None = None
         self._start: dict[str, tuple[float, float]] | None = None
         self._start_iteration = 0
+        self._started = 0.0  # wall clock at the first measured iteration's forward
+        self._check: ChoiceCheck | None = None
 
     @property
     def done(self) -> bool:
@@ -229,16 +238,27 @@ class Tuner:
         Raises:
             RuntimeError: ``now`` before one iteration was measured.
         """
+        if self._check is not None and not now:  # a choice being timed (forwards only)
+            decided = self._check.at_forward(model, self.choice)
+            if decided is not None:
+                self.choice, self._check = decided, None
+            return
         if now and not self.done and (model.session is None or self._start is None
                                       or model.statistics.iterations <= self._start_iteration):
             raise RuntimeError(f"tuning needs one measured iteration: {self.config.skip + 1} "
                                "iterations first")
         if self.due(model.statistics, model._forward_order) or (now and not self.done):
+            iterations = max(model.statistics.iterations - self._start_iteration, 1)
+            default_s = (time.perf_counter() - self._started) / iterations
             model.synchronize()
             self.tune(model)
             compression = self.compression(model)
             if compression is not None or self.scheduler() != model._scheduler:
+                fallback = (model._scheduler, model._compression)
                 model._rebuild(self.scheduler(), compression)  # (unchanged: the plan stays)
+                if self.config.verify:
+                    self._check = ChoiceCheck(default_s=default_s, fallback=fallback,
+                                              verify=self.config.verify)
 
     def due(self, statistics: Any, layers: Sequence[Any]) -> bool:
         """Called at the start of every forward: snapshot the compute figures after
@@ -249,6 +269,7 @@ class Tuner:
             self._start = None
         if statistics.iterations >= self.config.skip and self._start is None:
             self._start, self._start_iteration = _compute(statistics, layers), statistics.iterations
+            self._started = time.perf_counter()
         return (self._start is not None
                 and statistics.iterations - self._start_iteration >= self.config.measure)
 

@@ -1,10 +1,11 @@
 """Convergence on real data: every codec x {MLP, CNN} x {SGD momentum 0.9 at lr 0.1, 0.05,
 0.02; AdamW at lr 1e-3} x {overlap, sync} on scikit-learn's digits, through DataParallel.
 
-Fast by construction: ONE 2-rank launch trains every configuration. For each (model,
-optimizer, mode) one DataParallel wraps an ensemble of independent copies of the model, one
-per (codec, lr, seed), the copies of one seed starting from the same weights; parameter-name globs give each copy its
-codec (``nets.3.* -> sign``), the optimizer gives each its lr (one parameter group per copy),
+Fast by construction: one 2-rank launch per model trains every configuration. For each
+(model, optimizer, mode) one DataParallel wraps an ensemble of independent copies of the
+model, one per (codec, lr, seed), the copies of one seed starting from the same weights;
+parameter-name globs give each copy its codec (``nets.3.* -> sign``), the optimizer gives
+each its lr (one parameter group per copy),
 and the loss is the sum of the copies' losses, so each copy gets its own gradients. Copies of
 one codec (its three lrs) share buckets, as one model's layers do (docs/codecs.md, "The grid").
 
@@ -95,7 +96,7 @@ class Ensemble(nn.Module):
 
 
 def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...], mode: str,
-           epochs: int, device: str) -> tuple[dict, list[str], list[torch.Tensor]]:
+           epochs: int, device: str) -> tuple[dict, dict, list[str], list[torch.Tensor]]:
     """Train every (codec, lr, seed) copy on ``device``; return the accuracies averaged over
     the seeds, each seed's difference to uncompressed, the warnings, and the weights after
     the first epoch."""

@@ -5,9 +5,9 @@ Fast by construction: one 2-rank launch per model trains every configuration. Fo
 (model, optimizer, mode) one DataParallel wraps an ensemble of independent copies of the
 model, one per (codec, lr, seed), the copies of one seed starting from the same weights;
 parameter-name globs give each copy its codec (``nets.3.* -> sign``), the optimizer gives
-each its lr (one parameter group per copy),
-and the loss is the sum of the copies' losses, so each copy gets its own gradients. Copies of
-one codec (its three lrs) share buckets, as one model's layers do (docs/codecs.md, "The grid").
+each its lr (one parameter group per copy), and the loss is the sum of the copies' losses,
+so each copy gets its own gradients. Copies of one codec share buckets, as one model's layers
+do (docs/codecs.md, "The grid").
 
 Asserted, per configuration: the final test accuracy (mean of the last 3 epochs' accuracies
 on the 360 held-out images, which smooths the +-1 image a lossy trajectory lands either side),

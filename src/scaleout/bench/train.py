@@ -281,10 +281,11 @@ def _start_warm(config: TrainBenchConfig, names: tuple[str, ...], place: Placeme
         ports.add(port)
         folder = os.path.join(directory, f"{name}.warm")
         os.mkdir(folder)
+        result = os.path.join(folder, "result.json")
         warm[name] = WarmRanks(
-            name, _worker_args(config, name, os.path.join(folder, "result.json")),
+            name, _worker_args(config, name, result),
             _launch_config(config, name, place, port=port), folder=folder,
-            json_path=os.path.join(folder, "result.json"), rounds=config.rounds,
+            json_path=result, rounds=config.rounds,
             out=_RankOutput(bar), wrapper=place.wrapper, go_timeout_s=go_timeout)
     deadline = time.monotonic() + config.timeout_s
     waiting = dict(warm)

@@ -22,7 +22,18 @@ import torch
 from scaleout.core.collectives import ReduceOp, allreduce
 from scaleout.sim.units import format_time
 
-__all__ = ["ChoiceCheck"]
+__all__ = ["ChoiceCheck", "slowest"]
+
+
+def slowest(comm: Any, device: torch.device, values: list[float]) -> list[float]:
+    """Each of ``values`` as the slowest (largest) rank's figure, the same list on every rank
+    of ``comm`` (an all-reduce MAX), so that every rank decides alike."""
+    figures = torch.tensor(values, dtype=torch.float64, device=device)
+    if comm.size > 1:
+        allreduce(comm, figures, ReduceOp.MAX).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return figures.tolist()
 
 
 @dataclass
@@ -51,14 +62,8 @@ class ChoiceCheck:
             return None
         if self._forwards <= self.verify:
             return None
-        figures = torch.tensor([self.default_s, (now - self._started) / self.verify],
-                               dtype=torch.float64, device=model._device)
-        if model.comm.size > 1:  # the slowest rank's: every rank decides alike
-            request = allreduce(model.comm, figures, ReduceOp.MAX)
-            if model._device.type == "cuda":
-                torch.cuda.synchronize(model._device)
-            request.wait()
-        default_s, chosen_s = figures.tolist()
+        default_s, chosen_s = slowest(model.comm, model._device,
+                                      [self.default_s, (now - self._started) / self.verify])
         said = (f"measured: the choice ran {format_time(chosen_s)} per iteration, the defaults "
                 f"{format_time(default_s)}")
         if chosen_s <= default_s:

@@ -34,9 +34,9 @@ import torch
 from scaleout.compression import CompressionConfig, make_codec
 from scaleout.compression.advice import optimizer_traits
 from scaleout.compression.state import CodecState
-from scaleout.core.collectives import ReduceOp, allreduce
+from scaleout.core.collectives import allreduce
 from scaleout.core.consistency import verify_plan
-from scaleout.pytorch.tune_check import ChoiceCheck
+from scaleout.pytorch.tune_check import ChoiceCheck, slowest
 from scaleout.scheduler import SchedulerConfig
 from scaleout.sim.config import CodecModel
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
@@ -286,11 +286,8 @@ class Tuner:
         codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
         link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
                 else [0.0, 0.0])
-        agreed = torch.tensor([*link, *compute, *(seconds for _, seconds in codecs)],
-                              dtype=torch.float64, device=model._device)
-        if comm.size > 1:  # the slowest rank's figures: every rank then decides alike
-            _wait(allreduce(comm, agreed, ReduceOp.MAX), model._device)
-        values = agreed.tolist()
+        # the slowest rank's figures: every rank then decides alike
+        values = slowest(comm, model._device, [*link, *compute, *(s for _, s in codecs)])
         link_model = config.link or LinkModel.fit(comm.size, (PROBE_BYTES[0], values[0]),
                                                   (PROBE_BYTES[1], values[1]))
         if link_model.ranks != comm.size:

@@ -214,10 +214,13 @@ class DataParallel(BackwardSide, CheckpointSurface):
 
     def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
         """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
+        changed = [p for layer in layers for p in layer.params
+                   if p.grad is not None and id(p) in self._sent_version
+                   and p.grad._version != self._sent_version[id(p)]]
+        if not changed:  # (every step in overlap mode: no walk over the module's names)
+            return []
         names = {id(p): n for n, p in self.module.named_parameters()}
-        return [names.get(id(p), "?") for layer in layers for p in layer.params
-                if p.grad is not None and id(p) in self._sent_version
-                and p.grad._version != self._sent_version[id(p)]]
+        return [names.get(id(p), "?") for p in changed]
 
     def synchronize(self) -> None:
         """Finish every pending communication and update; afterwards all ranks agree."""

@@ -129,7 +129,7 @@ class LazyUpdates:
     def complete(self, layer: Layer) -> None:
         """Apply ``layer``'s requested update and install its gathered shards, if pending."""
         if layer.update_requested:
-            self._apply(self._ready_with(layer))
+            self._apply(layer)
         if layer.increments_pending:
             layer.increments_pending = False
             with torch.no_grad():
@@ -143,13 +143,13 @@ class LazyUpdates:
         if self.pending():
             self.gradients_to_grad()
 
-    def _ready_with(self, layer: Layer) -> list[Layer]:
-        """``layer`` and the requested layers right after it whose gradients already arrived.
+    def _arrived_after(self, layer: Layer) -> list[Layer]:
+        """The requested layers right after ``layer`` whose gradients already arrived.
 
-        Updating them together costs one optimizer step (which walks every parameter) instead
-        of one per layer; the values are the same, only applied earlier.
+        Updating them with ``layer`` costs one optimizer step (which walks every parameter)
+        instead of one per layer; the values are the same, only applied earlier.
         """
-        batch = [layer]
+        batch = []
         for later in self.forward_order[self._position[id(layer)] + 1:]:
             if not later.update_requested:
                 continue
@@ -158,15 +158,25 @@ class LazyUpdates:
             batch.append(later)
         return batch
 
-    def _apply(self, layers: list[Layer]) -> None:
-        """Wait for ``layers``' averaged gradients and apply their update in one step."""
+    def _apply(self, layer: Layer) -> None:
+        """Wait for ``layer``'s averaged gradients and apply its update in one step with the
+        layers after it whose gradients arrived meanwhile (looked for after the wait, so one
+        wait for a bucket of many layers is followed by one step for all of them)."""
         assert self.updater is not None, "updates are requested by an attached optimizer"
-        params, grads = [], []
-        for layer in layers:
-            layer.update_requested = False
-            for i, param in enumerate(layer.params):
+        params: list[nn.Parameter] = []
+        grads: list[torch.Tensor] = []
+        layers = [layer]
+
+        def take(one: Layer) -> None:
+            one.update_requested = False
+            for i, param in enumerate(one.params):
                 params.append(param)
-                grads.append(averaged(layer, i))
+                grads.append(averaged(one, i))
+
+        take(layer)
+        for later in self._arrived_after(layer):
+            take(later)
+            layers.append(later)
         used = self.used_globally()  # after the gradients: waits count against their layers
         began = time.perf_counter()
         self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])

@@ -66,6 +66,9 @@ class GradBucket:
         self.state = state
         self.statistics = statistics
         self._buffer = torch.zeros(numel, dtype=dtype, device=device)
+        # each member's slice of the buffer, cut once (fill and result run every iteration)
+        self._slices = {id(ps): self._buffer[off: off + ps.local_count]
+                        for ps, off in zip(members, offsets)}
         self._last = last
         self._params: list[torch.Tensor] = []
         self._filled = 0
@@ -140,8 +143,7 @@ class GradBucket:
 
     def fill(self, ps: ParameterSet, flat: torch.Tensor) -> None:
         """Copy ``ps``'s gradient in; the last member to arrive hands the bucket to the engine."""
-        offset = self.offsets[id(ps)]
-        self._buffer[offset: offset + flat.numel()].copy_(flat)
+        self._slices[id(ps)].copy_(flat)  # (start_gradient_comm checked the element count)
         if self._ready:
             self._ready[id(ps)].record()  # on the stream that produced the gradient
         self._filled += 1
@@ -165,8 +167,7 @@ class GradBucket:
         """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
         if ps.spec.distributed_update:
             return self._buffer[: ps.owned_valid]
-        offset = self.offsets[id(ps)]
-        return self._buffer[offset: offset + ps.local_count]
+        return self._slices[id(ps)]
 
     def _start(self, begin: int, end: int) -> Request:
         # (engine thread: its current stream is the communication stream)

@@ -1,0 +1,81 @@
+"""CPU time per training iteration of one ``bench train`` configuration, per rank and per thread.
+
+On a 2-core machine two ranks that also move their gradients are CPU-bound: an iteration
+cannot take less than the CPU one rank spends on it. This measures that CPU (``getrusage``:
+user + system, the context switches) and the main thread's own CPU per phase (forward,
+backward, step + zero_grad), so the overhead a configuration adds over ``single`` and
+``ddp`` shows in figures that other load on the machine disturbs less than wall time. Run
+with torchrun (one process per rank), on loopback::
+
+    torchrun --nproc_per_node 2 benchmarks/cpu_per_iteration.py scaleout [WORKLOAD] [ITERS]
+
+``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``) and ``SCALEOUT_MODE`` (``overlap``,
+``sync``) choose scaleout's set-up. Rank 0 prints one line. Interleave configurations and
+repeat (the machine's speed drifts by 20-30% over minutes here).
+"""
+
+import os
+import resource
+import sys
+import time
+
+import torch
+
+from scaleout.bench.train_peers import build_setup
+from scaleout.bench.train_setup import SetupOptions
+from scaleout.workloads import get_workload
+
+WARMUP = 10
+DISTINCT_BATCHES = 8
+
+
+def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    workload = get_workload(workload_name)
+    options = SetupOptions(workload=workload,
+                           policy=os.environ.get("SCALEOUT_POLICY", "default"),
+                           mode=os.environ.get("SCALEOUT_MODE", "overlap"))
+    setup = build_setup(config, options)
+    batch = workload.default_batch_size
+    batches = [workload.make_batch(batch * world, step, 0, rank=rank, world_size=world)
+               for step in range(DISTINCT_BATCHES)]
+    phases = [0.0, 0.0, 0.0]  # main thread CPU: forward, backward, step + zero_grad
+
+    def iteration(step: int, record: bool) -> None:
+        inputs, targets = batches[step % DISTINCT_BATCHES]
+        began = time.thread_time()
+        loss = workload.loss_fn(setup.model(inputs), targets)
+        forward = time.thread_time()
+        loss.backward()
+        backward = time.thread_time()
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+        if record:
+            phases[0] += forward - began
+            phases[1] += backward - forward
+            phases[2] += time.thread_time() - backward
+
+    for step in range(WARMUP):
+        iteration(step, False)
+    setup.settle()
+    before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for step in range(iters):
+        iteration(step, True)
+    setup.settle()
+    wall = (time.perf_counter() - started) / iters
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / iters
+    system = (after.ru_stime - before.ru_stime) / iters
+    switches = (after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw) / iters
+    if rank == 0:
+        forward, backward, step = (1e3 * p / iters for p in phases)
+        print(f"{config} {workload_name} {world} ranks: {1e3 * wall:.2f} ms/it wall, "
+              f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
+              f"switches/it; main thread CPU forward {forward:.2f} backward {backward:.2f} "
+              f"step {step:.2f} ms/it", flush=True)
+    setup.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(sys.argv[2:3]), *(int(a) for a in sys.argv[3:4]))

@@ -79,3 +79,48 @@ def test_recv_first_is_off_for_gpu_tensors_and_by_environment(monkeypatch: pytes
     assert not pairwise.recv_first(None, cpu, 1 << 30, ranks=2)
     with pytest.raises(ValueError, match="expected 2 send and receive blocks"):
         pairwise.exchange_blocks(None, [0, 1], 0, [cpu], [cpu, cpu], 1.0)
+
+
+def body_uneven_alltoallv(rows: int) -> bool:
+    """Counts where the ranks see different largest blocks: C[i][j] rows from i to j, the
+    one large block from rank 0 to rank 1 (and, at 2 ranks, rank 1 sending nothing)."""
+    env = scaleout.init(timeout=20)
+    d = env.create_distribution()
+    world, me = env.world_size, env.rank
+    counts = [[0 if world == 2 else 1] * world for _ in range(world)]
+    counts[0][1] = rows
+    if world == 2:
+        counts[1][0] = 0
+    send_counts = counts[me]
+    recv_counts = [counts[i][me] for i in range(world)]
+    width = 16
+    x = torch.cat([torch.full((counts[me][j], width), float(100 * me + j)) for j in range(world)])
+    out = d.alltoallv(x, send_counts, recv_counts, group=scaleout.GroupType.DATA).wait()
+    want = torch.cat([torch.full((counts[i][me], width), float(100 * i + me))
+                      for i in range(world)])
+    env.finalize()
+    return bool(torch.equal(out, want))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_on_the_path_when_their_alltoallv_blocks_differ(world: int) -> None:
+    """The exchange or gloo's collective is chosen alike on every rank, whatever blocks each
+    one sends or receives (a rank that sends no rows, a third rank with only small blocks);
+    otherwise some ranks post messages the others never match and the call times out."""
+    rows = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2  # one block twice the threshold
+    assert run_ranks(world, body_uneven_alltoallv, rows, timeout=60) == [True] * world
+
+
+def body_allgatherv_one_rank_empty(rows: int) -> bool:
+    env = scaleout.init(timeout=20)
+    d = env.create_distribution()
+    counts = [0, rows]  # rank 0 contributes no rows, rank 1 a block above the threshold
+    x = torch.full((counts[env.rank], 16), float(env.rank + 1))
+    out = d.allgatherv(x, counts, group=scaleout.GroupType.DATA).wait()
+    env.finalize()
+    return bool(torch.equal(out, torch.full((rows, 16), 2.0)))
+
+
+def test_a_rank_with_no_rows_takes_the_same_allgatherv_path() -> None:
+    rows = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2
+    assert run_ranks(2, body_allgatherv_one_rank_empty, rows, timeout=60) == [True, True]

@@ -9,6 +9,8 @@ every rank called the same collective in :mod:`scaleout.core.consistency`.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import torch
@@ -95,6 +97,20 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _row_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of one row of ``tensor`` (of at least one dimension), however many rows this
+    rank holds: the same on every rank, even one that sends none."""
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _crossing(send_counts: Sequence[int], recv_counts: Sequence[int], rank: int) -> int:
+    """The largest block between this rank and another in an all-to-all-v, in rows. At 2
+    ranks both ranks see the same two blocks, so they decide alike on it; a rank's block to
+    itself, which no other rank sees, does not count."""
+    return max((n for j, pair in enumerate(zip(send_counts, recv_counts)) if j != rank
+                for n in pair), default=0)
+
+
 def _blocks(comm: Communicator, name: str, sends: Sequence[torch.Tensor],
             recvs: Sequence[torch.Tensor]) -> list[object]:
     """Start :func:`~scaleout.core.pairwise.exchange_blocks` (gloo, receives posted first)."""
@@ -170,11 +186,12 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
             f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
             f"{counts[comm.rank]} rows, got a tensor of shape {tuple(send.shape)}"
         )
-    if recv_first(comm.group, send, max(counts) * _nbytes(send[:1]), ranks=comm.size, gather=True):
+    if recv_first(comm.group, send, max(counts) * _row_bytes(send), ranks=comm.size,
+                  gather=True):  # (counts are the same list everywhere: ranks decide alike)
         # no padding: every block travels at its own size
         out = send.new_empty((sum(counts), *send.shape[1:]))
         works = _blocks(comm, name, [send] * comm.size, out.split(list(counts)))
-        return comm.request(name, works, lambda: out, sum(counts) * _nbytes(send[:1]))
+        return comm.request(name, works, lambda: out, sum(counts) * _row_bytes(send))
     longest = max(counts)
     if send.shape[0] != longest:
         padded = send.new_zeros((longest, *send.shape[1:]))
@@ -270,8 +287,11 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
             f"got shape {tuple(send.shape)}"
         )
     out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name)
-    row = _nbytes(send[:1]) if send.shape[0] else 0
-    if recv_first(comm.group, send, max(*send_counts, *recv_counts) * row, ranks=comm.size):
+    # Every rank must take the same path. Each knows only its own row and column of the
+    # counts, so the exchange is taken at 2 ranks only, where both see the same blocks.
+    if comm.size == 2 and recv_first(
+            comm.group, send, _crossing(send_counts, recv_counts, comm.rank) * _row_bytes(send),
+            ranks=comm.size):
         works = _blocks(comm, name, send.split(list(send_counts)), out.split(list(recv_counts)))
         return comm.request(name, works, lambda: out)
     work = _start(comm, name, lambda: tdist.all_to_all_single(

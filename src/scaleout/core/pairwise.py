@@ -14,7 +14,9 @@ These exchanges are built from ``torch.distributed.irecv`` / ``isend`` (no trans
 own): receives from every peer first, then sends to every peer, this rank's own block
 copied locally. They carry the same bytes as gloo's collectives (an allgather sends this
 rank's block to each peer directly rather than around a ring: ``p - 1`` blocks out either
-way). Used for CPU tensors on gloo groups where it was measured to pay (:func:`recv_first`);
+way). Used for CPU tensors on gloo groups where it was measured to pay (:func:`recv_first`),
+and only where every rank reaches the same decision from what it knows: an all-to-all-v
+takes it at 2 ranks only (each rank sees only its own blocks; at 2 both see the same two);
 ``SCALEOUT_GLOO_RECV_FIRST=0`` turns it off (torch's collectives then run unchanged). Messages match by order per pair, so every rank must
 issue these calls in the same order on a group, as with any collective.
 """

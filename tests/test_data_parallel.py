@@ -187,3 +187,38 @@ def body_alone() -> bool:
     model.close()
     env.finalize()
     return committed
+
+
+def body_one_step_per_bucket() -> list[int]:
+    """Every gradient in one bucket: each overlap-mode update is one optimizer step (the wait
+    for the first layer's gradients brings every layer's, so all are updated together)."""
+    env = scaleout.init(timeout=60)
+    torch.manual_seed(0)
+    net = Net(False).double()
+    whole = SchedulerConfig(policy="fifo", bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
+    model = DataParallel(net, env.create_distribution(), scheduler=whole)
+    opt = DistributedOptimizer(make("sgd", net), model, mode="overlap")
+    steps: list[int] = []
+    apply_update = opt.apply_update
+
+    def counted(*args: object) -> None:
+        steps[-1] += 1
+        apply_update(*args)
+
+    opt.apply_update = counted  # type: ignore[method-assign]
+    for step in range(STEPS):
+        steps.append(0)  # the previous iteration's update runs in this forward
+        x, y = batch(step, env.world_size)
+        F.cross_entropy(model(x[:PER_RANK], True), y[:PER_RANK]).backward()
+        opt.step()
+        opt.zero_grad()
+    steps.append(0)
+    model.synchronize()
+    model.close()
+    env.finalize()
+    return steps
+
+
+def test_an_update_waiting_for_one_bucket_takes_one_step() -> None:
+    for steps in run_ranks(2, body_one_step_per_bucket, timeout=60):
+        assert steps == [0] + [1] * STEPS, steps

@@ -146,3 +146,35 @@ def body_sharded_resume(folder: str) -> list[float]:
 def test_sharded_update_resumes_with_the_loaded_weights(tmp_path: Path) -> None:
     for means in run_ranks(2, body_sharded_resume, str(tmp_path), timeout=60):
         assert means == [7.0] * 4, means
+
+
+def body_ranks_see_different_versions(folder: str) -> str:
+    """Rank 0 loads a path at its first version, rank 1 another path at its second: as ranks
+    would on a shared file system that shows them different versions of one path."""
+    env = scaleout.init(timeout=30)
+    net, model, opt = make(seed=0)
+    checkpoint.save(f"{folder}/a", model, opt, step=1)
+    checkpoint.save(f"{folder}/b", model, opt, step=1)
+    checkpoint.save(f"{folder}/b", model, opt, step=2)
+    before = [p.detach().clone() for p in net.parameters()]
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    changed = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match="different versions") as caught:
+        checkpoint.load(f"{folder}/{'a' if env.rank == 0 else 'b'}", model, opt)
+    assert all(torch.equal(p, c) for p, c in zip(net.parameters(), changed))  # nothing loaded
+    assert not all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    if env.rank == 0:  # only rank 0 finds one: the others' FileNotFoundError is not theirs alone
+        with pytest.raises(ValueError, match="rank 1: none"):
+            checkpoint.load(f"{folder}/a", model, opt)
+    else:
+        with pytest.raises(ValueError, match="rank 1: none"):
+            checkpoint.load(f"{folder}/missing", model, opt)
+    env.finalize()
+    return str(caught.value)
+
+
+def test_ranks_that_see_different_versions_load_nothing(tmp_path: Path) -> None:
+    for message in run_ranks(2, body_ranks_see_different_versions, str(tmp_path), timeout=60):
+        assert "rank 0: version 0 of 2 ranks, rank 1: version 1 of 2 ranks" in message, message

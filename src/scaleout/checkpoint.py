@@ -72,6 +72,30 @@ def _barrier() -> None:
         tdist.barrier()  # bounded by the process group's timeout
 
 
+def _agree_on_version(path: Path, current: Path | None, saved_world: int) -> None:
+    """Raise unless every rank of the job is loading the same version of ``path`` (or every
+    rank finds none).
+
+    A shared file system can show ranks different versions for a while (a client's cached
+    symbolic link); ranks that resumed from different versions would train on as if nothing
+    were wrong. A tensor all-gather (not a pickle), bounded by the process group's timeout.
+    """
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
+        return
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if str(tdist.get_backend()) == "nccl" else torch.device("cpu"))
+    version = int(current.name) if current is not None else -1
+    mine = torch.tensor([version, saved_world], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(every, mine)
+    seen = [tuple(int(v) for v in t.tolist()) for t in every]
+    if len(set(seen)) > 1:
+        found = ", ".join(f"rank {r}: " + (f"version {v} of {n} ranks" if v >= 0 else "none")
+                          for r, (v, n) in enumerate(seen))
+        raise ValueError(f"checkpoint {path}: the ranks see different versions ({found}); "
+                         "nothing was loaded (a shared file system that has not caught up?)")
+
+
 def _rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_py = random.getstate()
@@ -196,7 +220,9 @@ def load(path: str | os.PathLike[str], model: nn.Module,
 
     At the world size it was saved at (and the same sharding), each rank reads its own file.
     Otherwise the state is re-partitioned (see the module's notes): the model must be
-    replicated, codec residuals are reset with a ``UserWarning``.
+    replicated, codec residuals are reset with a ``UserWarning``. Every rank of the job calls
+    it (under a process group): before anything is restored the ranks check that they read
+    the same version of ``path``.
 
     Returns:
         ``(step, extra)`` as saved (at another world size, rank 0's ``extra``).
@@ -204,16 +230,18 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
         ValueError: it cannot be re-partitioned (tensor-parallel or rank-local parameters, a
-            model group, a file from before layouts were recorded), or holds no optimizer state.
+            model group, a file from before layouts were recorded), holds no optimizer state,
+            or the ranks see different versions of it (on every rank; nothing is restored).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     rank, world = _rank_world()
     path = Path(path)
     current = _current(path)
+    saved_world = _saved_world(current) if current is not None else 0
+    _agree_on_version(path, current, saved_world)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    saved_world = _saved_world(current)
     shards = shard_group(optimizer)
     own = _read(current, rank, saved_world, map_location) if rank < saved_world else None
     layout = own.get("layout") if own is not None else None  # None: written before layouts

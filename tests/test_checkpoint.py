@@ -149,8 +149,9 @@ def test_sharded_update_resumes_with_the_loaded_weights(tmp_path: Path) -> None:
 
 
 def body_ranks_see_different_versions(folder: str) -> str:
-    """Rank 0 loads a path at its first version, rank 1 another path at its second: as ranks
-    would on a shared file system that shows them different versions of one path."""
+    """Rank 0 uses a path at its first version, rank 1 another path at its second: as ranks
+    would on a shared file system that shows them different versions of one path. Neither a
+    load nor a save goes ahead."""
     env = scaleout.init(timeout=30)
     net, model, opt = make(seed=0)
     checkpoint.save(f"{folder}/a", model, opt, step=1)
@@ -171,10 +172,14 @@ def body_ranks_see_different_versions(folder: str) -> str:
     else:
         with pytest.raises(ValueError, match="rank 1: none"):
             checkpoint.load(f"{folder}/missing", model, opt)
+    with pytest.raises(ValueError, match="nothing was saved"):  # the new versions would differ
+        checkpoint.save(f"{folder}/{'a' if env.rank == 0 else 'b'}", model, opt, step=3)
+    checkpoint.save(f"{folder}/b", model, opt, step=3)  # the same version everywhere: saved
+    assert checkpoint.load(f"{folder}/b", model, opt)[0] == 3
     env.finalize()
     return str(caught.value)
 
 
-def test_ranks_that_see_different_versions_load_nothing(tmp_path: Path) -> None:
+def test_ranks_that_see_different_versions_load_and_save_nothing(tmp_path: Path) -> None:
     for message in run_ranks(2, body_ranks_see_different_versions, str(tmp_path), timeout=60):
         assert "rank 0: version 0 of 2 ranks, rank 1: version 1 of 2 ranks" in message, message

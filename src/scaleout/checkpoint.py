@@ -72,7 +72,8 @@ def _barrier() -> None:
         tdist.barrier()  # bounded by the process group's timeout
 
 
-def _agree_on_version(path: Path, current: Path | None, saved_world: int) -> None:
+def _agree_on_version(path: Path, current: Path | None, saved_world: int,
+                      outcome: str = "nothing was loaded") -> None:
     """Raise unless every rank of the job is loading the same version of ``path`` (or every
     rank finds none).
 
@@ -93,7 +94,7 @@ def _agree_on_version(path: Path, current: Path | None, saved_world: int) -> Non
         found = ", ".join(f"rank {r}: " + (f"version {v} of {n} ranks" if v >= 0 else "none")
                           for r, (v, n) in enumerate(seen))
         raise ValueError(f"checkpoint {path}: the ranks see different versions ({found}); "
-                         "nothing was loaded (a shared file system that has not caught up?)")
+                         f"{outcome} (a shared file system that has not caught up?)")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -169,7 +170,8 @@ def save(path: str | os.PathLike[str], model: nn.Module,
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``step`` not an int.
-        ValueError: ``path`` exists but is not a checkpoint.
+        ValueError: ``path`` exists but is not a checkpoint, or the ranks see different
+            versions of it (on every rank; nothing is written).
 
     Example:
         >>> checkpoint.save("ckpt/run", model, opt, step=step)        # every rank
@@ -183,6 +185,9 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     path = Path(path)
     versions = path.with_name(path.name + _VERSIONS)
     current = _current(path)
+    # every rank writes into the same new version (a rank that saw another would write where
+    # the commit does not point)
+    _agree_on_version(path, current, 0, "nothing was saved")
     number = int(current.name) + 1 if current is not None else 0
     fresh = versions / str(number)
     fresh.mkdir(parents=True, exist_ok=True)

@@ -124,3 +124,20 @@ def body_allgatherv_one_rank_empty(rows: int) -> bool:
 def test_a_rank_with_no_rows_takes_the_same_allgatherv_path() -> None:
     rows = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2
     assert run_ranks(2, body_allgatherv_one_rank_empty, rows, timeout=60) == [True, True]
+
+
+def body_setting_differs() -> str:
+    import os
+    env = scaleout.init(timeout=20)
+    d = env.create_distribution()
+    os.environ[pairwise.ENV_VAR] = "0" if env.rank == 1 else "1"  # as a launch that lost it
+    x = torch.zeros(2 * pairwise.MIN_BLOCK_BYTES // 4)
+    with pytest.raises(ValueError, match="recv_first=off") as caught:
+        d.alltoall(x, group=scaleout.GroupType.DATA).wait()
+    env.finalize()
+    return str(caught.value)
+
+
+def test_ranks_with_different_exchange_settings_get_an_error_not_a_hang() -> None:
+    for message in run_ranks(2, body_setting_differs, timeout=60):
+        assert "recv_first=on" in message and "recv_first=off" in message, message

@@ -28,6 +28,7 @@ from scaleout.core.communicator import (
 )
 from scaleout.core.consistency import _same_everywhere, _verify_same_call, verify_plan
 from scaleout.core.pairwise import exchange_blocks, recv_first
+from scaleout.core.pairwise import setting as pairwise_setting
 from scaleout.core.request import Request
 
 __all__ = [
@@ -166,7 +167,7 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
     is written into ``out`` when given (reuse one buffer across iterations).
     """
     name = "allgather"
-    send = _rows(_checked(comm, name, tensor))
+    send = _rows(_checked(comm, name, tensor, pairwise_setting()))
     out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
     if recv_first(comm.group, send, _nbytes(send), ranks=comm.size, gather=True):
         works = _blocks(comm, name, [send] * comm.size, out.split([send.shape[0]] * comm.size))
@@ -180,7 +181,8 @@ def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) 
     """Concatenate every rank's rows along dim 0, rank ``i`` contributing ``counts[i]`` rows."""
     name = "allgatherv"
     counts = check_counts(counts, comm.size, "counts", name)
-    send = _rows(_checked(comm, name, tensor, counts, rows_may_differ=True))
+    send = _rows(_checked(comm, name, tensor, counts, pairwise_setting(),
+                          rows_may_differ=True))
     if send.shape[0] != counts[comm.rank]:
         raise ValueError(
             f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
@@ -261,7 +263,7 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
 def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
     """Send row block j of ``tensor`` to rank j; result block i came from rank i."""
     name = "alltoall"
-    tensor = _checked(comm, name, tensor)
+    tensor = _checked(comm, name, tensor, pairwise_setting())
     check_divisible(tensor, comm.size, name)
     send = tensor.contiguous()
     out = _output(out, tuple(send.shape), send, name)
@@ -280,7 +282,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
     name = "alltoallv"
     send_counts = check_counts(send_counts, comm.size, "send_counts", name)
     recv_counts = check_counts(recv_counts, comm.size, "recv_counts", name)
-    send = _rows(_checked(comm, name, tensor, rows_may_differ=True))
+    send = _rows(_checked(comm, name, tensor, pairwise_setting(), rows_may_differ=True))
     if send.shape[0] != sum(send_counts):
         raise ValueError(
             f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "

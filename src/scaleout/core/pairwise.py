@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-__all__ = ["ENV_VAR", "MIN_BLOCK_BYTES", "PairwiseWork", "recv_first", "exchange_blocks"]
+__all__ = ["ENV_VAR", "MIN_BLOCK_BYTES", "PairwiseWork", "recv_first", "exchange_blocks",
+           "setting"]
 
 ENV_VAR = "SCALEOUT_GLOO_RECV_FIRST"
 
@@ -42,6 +43,13 @@ ENV_VAR = "SCALEOUT_GLOO_RECV_FIRST"
 #: point-to-point exchange was slower below it (2 ranks: alltoall of 128 KB per peer 2.4x
 #: torch's time, 256 KB per peer 0.89x; allgather of 128 KB 2.4x, 256 KB 0.78x).
 MIN_BLOCK_BYTES = 256 * 1024
+
+
+def setting() -> str:
+    """This process's ``SCALEOUT_GLOO_RECV_FIRST`` choice, as the collectives' consistency
+    check names it: ranks that differ would take different paths for one call (and wait
+    for each other until the timeout), so it is part of what they check they agree on."""
+    return "recv_first=" + ("off" if os.environ.get(ENV_VAR, "1") == "0" else "on")
 
 
 def recv_first(group: Any, tensor: torch.Tensor, block_bytes: int, *, ranks: int,

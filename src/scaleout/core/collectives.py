@@ -10,7 +10,6 @@ every rank called the same collective in :mod:`scaleout.core.consistency`.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import torch

@@ -166,7 +166,7 @@ def body_ranks_see_different_versions(folder: str) -> str:
         checkpoint.load(f"{folder}/{'a' if env.rank == 0 else 'b'}", model, opt)
     assert all(torch.equal(p, c) for p, c in zip(net.parameters(), changed))  # nothing loaded
     assert not all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
-    if env.rank == 0:  # only rank 0 finds one: the others' FileNotFoundError is not theirs alone
+    if env.rank == 0:  # rank 1 finds none where rank 0 finds one: a ValueError on both ranks
         with pytest.raises(ValueError, match="rank 1: none"):
             checkpoint.load(f"{folder}/a", model, opt)
     else:

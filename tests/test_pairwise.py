@@ -4,6 +4,7 @@ taken, and a peer that never comes is a timeout, not a silent success."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -127,7 +128,6 @@ def test_a_rank_with_no_rows_takes_the_same_allgatherv_path() -> None:
 
 
 def body_setting_differs() -> str:
-    import os
     env = scaleout.init(timeout=20)
     d = env.create_distribution()
     os.environ[pairwise.ENV_VAR] = "0" if env.rank == 1 else "1"  # as a launch that lost it

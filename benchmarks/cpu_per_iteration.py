@@ -3,8 +3,9 @@
 On a 2-core machine two ranks that also move their gradients are CPU-bound: an iteration
 cannot take less than the CPU one rank spends on it. This measures that CPU (``getrusage``:
 user + system, the context switches) and the main thread's own CPU per phase (forward,
-backward, step + zero_grad), so the overhead a configuration adds over ``single`` and
-``ddp`` shows in figures that other load on the machine disturbs less than wall time. Run
+backward, step + zero_grad) and every thread's CPU (``/proc/self/task``: the progress thread,
+gloo's threads), so the overhead a configuration adds over ``single`` and ``ddp`` shows in
+figures that other load on the machine disturbs less than wall time. Run
 with torchrun (one process per rank), on loopback::
 
     torchrun --nproc_per_node 2 benchmarks/cpu_per_iteration.py scaleout [WORKLOAD] [ITERS]
@@ -17,7 +18,9 @@ repeat (the machine's speed drifts by 20-30% over minutes here).
 import os
 import resource
 import sys
+import threading
 import time
+from collections import defaultdict
 
 import torch
 
@@ -27,6 +30,29 @@ from scaleout.workloads import get_workload
 
 WARMUP = 10
 DISTINCT_BATCHES = 8
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of this process's threads, by name: Python threads by their
+    ``threading`` name (the OS shows ``python3`` for all of them), gloo's by their kernel name
+    (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per name. Empty where ``/proc`` is not."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = defaultdict(float)
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()  # from field 3 (state) on
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                kernel_name = handle.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[names.get(int(task), kernel_name)] += (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
@@ -59,12 +85,15 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     for step in range(WARMUP):
         iteration(step, False)
     setup.settle()
+    threads_before = thread_cpu()
     before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for step in range(iters):
         iteration(step, True)
     setup.settle()
     wall = (time.perf_counter() - started) / iters
     after = resource.getrusage(resource.RUSAGE_SELF)
+    threads = {name: (seconds - threads_before.get(name, 0.0)) / iters
+               for name, seconds in thread_cpu().items()}
     cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / iters
     system = (after.ru_stime - before.ru_stime) / iters
     switches = (after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw) / iters
@@ -74,6 +103,9 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
               f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
               f"switches/it; main thread CPU forward {forward:.2f} backward {backward:.2f} "
               f"step {step:.2f} ms/it", flush=True)
+        busy = sorted(((s, n) for n, s in threads.items() if s > 0), reverse=True)
+        print("  CPU per thread (ms/it, clock ticks): "
+              + ", ".join(f"{n} {1e3 * s:.2f}" for s, n in busy), flush=True)
     setup.close()
 
 

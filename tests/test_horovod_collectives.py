@@ -385,3 +385,23 @@ def test_arguments_refused_on_one_rank_raise_on_every_rank_at_once() -> None:
     assert all("refused its arguments to this call" in m for m in rank0), rank0
     assert not any("refused its arguments" in m for m in rank1), rank1
     assert all(m.startswith(("TypeError", "ValueError")) for m in rank1), rank1
+
+
+def body_join_stands_in_for_a_large_allgather() -> list[float]:
+    """The joined rank's stand-in sends no rows while the other sends a block above the
+    receive-first threshold (scaleout.core.pairwise): both must take the same path."""
+    hvd.init(timeout=20)
+    rows = 2 * 256 * 1024 // (16 * 4)
+    gathered: list[float] = []
+    if hvd.rank() == 1:
+        out = hvd.allgather(torch.full((rows, 16), 7.0))
+        gathered = [float(out.shape[0]), float(out.sum())]
+    hvd.join()
+    hvd.shutdown()
+    return gathered
+
+
+def test_join_stands_in_for_an_allgather_above_the_exchange_threshold() -> None:
+    rows = 2 * 256 * 1024 // (16 * 4)
+    got = run_ranks(2, body_join_stands_in_for_a_large_allgather, timeout=60)
+    assert got == [[], [float(rows), 7.0 * rows * 16]]

@@ -7,6 +7,7 @@ import torch
 
 import scaleout.horovod as hvd
 from harness import run_ranks
+from scaleout.core import pairwise
 
 # A process's first optimizer costs seconds of lazy torch imports: pay it once here, before
 # the ranks fork, not in every rank of every test.
@@ -387,11 +388,15 @@ def test_arguments_refused_on_one_rank_raise_on_every_rank_at_once() -> None:
     assert all(m.startswith(("TypeError", "ValueError")) for m in rank1), rank1
 
 
+#: rows of 16 float32 values: a block twice the receive-first exchange's threshold
+LARGE_ROWS = 2 * pairwise.MIN_BLOCK_BYTES // (16 * 4)
+
+
 def body_join_stands_in_for_a_large_allgather() -> list[float]:
     """The joined rank's stand-in sends no rows while the other sends a block above the
     receive-first threshold (scaleout.core.pairwise): both must take the same path."""
     hvd.init(timeout=20)
-    rows = 2 * 256 * 1024 // (16 * 4)
+    rows = LARGE_ROWS
     gathered: list[float] = []
     if hvd.rank() == 1:
         out = hvd.allgather(torch.full((rows, 16), 7.0))
@@ -402,6 +407,5 @@ def body_join_stands_in_for_a_large_allgather() -> list[float]:
 
 
 def test_join_stands_in_for_an_allgather_above_the_exchange_threshold() -> None:
-    rows = 2 * 256 * 1024 // (16 * 4)
     got = run_ranks(2, body_join_stands_in_for_a_large_allgather, timeout=60)
-    assert got == [[], [float(rows), 7.0 * rows * 16]]
+    assert got == [[], [float(LARGE_ROWS), 7.0 * LARGE_ROWS * 16]]

@@ -16,6 +16,8 @@ from scaleout.core import pairwise
 from test_collectives import body_all_groups
 
 OPS = ["allgather", "allgatherv", "alltoall", "alltoallv"]
+#: rows of 16 float32 values: a block twice the exchange's threshold
+LARGE_ROWS = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2
 
 
 @pytest.mark.parametrize("op_name", OPS)
@@ -108,8 +110,7 @@ def test_ranks_agree_on_the_path_when_their_alltoallv_blocks_differ(world: int) 
     """The exchange or gloo's collective is chosen alike on every rank, whatever blocks each
     one sends or receives (a rank that sends no rows, a third rank with only small blocks);
     otherwise some ranks post messages the others never match and the call times out."""
-    rows = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2  # one block twice the threshold
-    assert run_ranks(world, body_uneven_alltoallv, rows, timeout=60) == [True] * world
+    assert run_ranks(world, body_uneven_alltoallv, LARGE_ROWS, timeout=60) == [True] * world
 
 
 def body_allgatherv_one_rank_empty(rows: int) -> bool:
@@ -123,8 +124,7 @@ def body_allgatherv_one_rank_empty(rows: int) -> bool:
 
 
 def test_a_rank_with_no_rows_takes_the_same_allgatherv_path() -> None:
-    rows = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2
-    assert run_ranks(2, body_allgatherv_one_rank_empty, rows, timeout=60) == [True, True]
+    assert run_ranks(2, body_allgatherv_one_rank_empty, LARGE_ROWS, timeout=60) == [True, True]
 
 
 def body_setting_differs() -> str:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from scaleout.core.consistency import exchange_device
 from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.resharding import (
     consolidate_optimizer_state,
@@ -83,8 +84,7 @@ def _agree_on_version(path: Path, current: Path | None, saved_world: int,
     """
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
         return
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if str(tdist.get_backend()) == "nccl" else torch.device("cpu"))
+    device = exchange_device()  # (the default group's)
     version = int(current.name) if current is not None else -1
     mine = torch.tensor([version, saved_world], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]

@@ -5,13 +5,14 @@ the ranks' descriptions as UTF-8 bytes."""
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.core.communicator import Communicator, all_gather_single
 
-__all__ = ["verify_plan"]
+__all__ = ["exchange_device", "verify_plan"]
 
 
 _DESCRIPTION_BYTES = 240
@@ -25,7 +26,7 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     """
     if comm.size == 1:
         return
-    device = _exchange_device(comm)
+    device = exchange_device(comm.group)
     digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     every = torch.empty(comm.size, dtype=torch.int64, device=device)
@@ -49,11 +50,12 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
                      f"{listing}")
 
 
-def _exchange_device(comm: Communicator) -> torch.device:
-    """Where the check's small tensors must live: the current GPU on a group that only
-    NCCL serves (it has no CPU backend), else the CPU."""
+def exchange_device(group: Any = None) -> torch.device:
+    """Where a small control tensor exchanged on torch process group ``group`` (``None``: the
+    default group) must live: the current GPU on a group that only NCCL serves (it has no CPU
+    backend), else the CPU."""
     try:
-        backend = str(dist.get_backend(comm.group))
+        backend = str(dist.get_backend(group))
     except (RuntimeError, ValueError):  # not a torch process group (a group of one)
         return torch.device("cpu")
     if backend == "nccl":

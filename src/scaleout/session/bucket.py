@@ -66,9 +66,6 @@ class GradBucket:
         self.state = state
         self.statistics = statistics
         self._buffer = torch.zeros(numel, dtype=dtype, device=device)
-        # each member's slice of the buffer, cut once (fill and result run every iteration)
-        self._slices = {id(ps): self._buffer[off: off + ps.local_count]
-                        for ps, off in zip(members, offsets)}
         self._last = last
         self._params: list[torch.Tensor] = []
         self._filled = 0
@@ -143,7 +140,8 @@ class GradBucket:
 
     def fill(self, ps: ParameterSet, flat: torch.Tensor) -> None:
         """Copy ``ps``'s gradient in; the last member to arrive hands the bucket to the engine."""
-        self._slices[id(ps)].copy_(flat)  # (start_gradient_comm checked the element count)
+        offset = self.offsets[id(ps)]
+        self._buffer[offset: offset + flat.numel()].copy_(flat)
         if self._ready:
             self._ready[id(ps)].record()  # on the stream that produced the gradient
         self._filled += 1
@@ -167,7 +165,8 @@ class GradBucket:
         """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
         if ps.spec.distributed_update:
             return self._buffer[: ps.owned_valid]
-        return self._slices[id(ps)]
+        offset = self.offsets[id(ps)]
+        return self._buffer[offset: offset + ps.local_count]
 
     def _start(self, begin: int, end: int) -> Request:
         # (engine thread: its current stream is the communication stream)

@@ -43,6 +43,16 @@ class TableBatch:
         self.hi = torch.tensor([f + c for f, c in zip(firsts, counts)])
         # only whole tables: every id asked for is held (ids are checked to be in range)
         self.whole = all(b is not None and tuple(b) == (0, r) for b, r in zip(blocks, rows))
+        self._indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``shift``, ``lo``, ``hi`` and the tables' ``starts`` on ``device``, copied there
+        once (every lookup and its backward read them)."""
+        if device not in self._indices:
+            starts = torch.tensor(self.starts)
+            self._indices[device] = tuple(t.to(device) for t in (self.shift, self.lo, self.hi,
+                                                                  starts))
+        return self._indices[device]
 
     def view(self, j: int) -> torch.Tensor:
         """Table ``j``'s rows of the batched weight (a view: writes go to both)."""
@@ -67,11 +77,11 @@ class TableBatch:
         """The batched weight's row of each id (``table[i]``: the id's table, by its index
         among the rank's; ids checked to be in their tables' rows), ``-1`` for an id not
         held here (another rank's block of a row-wise table, or a table kept apart)."""
-        rows = ids + self.shift.to(ids.device).index_select(0, table)
+        shift, lo, hi, _ = self.indices(ids.device)
+        rows = ids + shift.index_select(0, table)
         if self.whole:  # every id is held here
             return rows
-        held = ((ids >= self.lo.to(ids.device).index_select(0, table))
-                & (ids < self.hi.to(ids.device).index_select(0, table)))
+        held = (ids >= lo.index_select(0, table)) & (ids < hi.index_select(0, table))
         return torch.where(held, rows, -1)
 
     def look_up(self, rows: torch.Tensor, table: torch.Tensor,
@@ -101,7 +111,7 @@ class _Lookup(torch.autograd.Function):
         # sorted, the rows fall into the tables' ranges one after the other (-1s first)
         rows, order = torch.sort(rows)
         grad = grad.index_select(0, order)
-        bounds = torch.searchsorted(rows, torch.tensor(batch.starts, device=rows.device))
+        bounds = torch.searchsorted(rows, batch.indices(rows.device)[3])
         bounds = bounds.tolist()
         grads = [torch.sparse_coo_tensor(
             (rows[bounds[j]: bounds[j + 1]] - batch.starts[j]).unsqueeze(0),

@@ -80,6 +80,8 @@ def average_into(target: torch.Tensor, summed: torch.Tensor, divisor: int) -> to
     one (divided before it is narrowed).
     ``divisor`` 1 copies (or does nothing when ``summed`` is ``target``).
     """
+    if summed is target and divisor == 1:  # (an in-place sum: nothing to do, no torch call)
+        return target
     summed = summed.reshape(target.shape)
     if divisor == 1:
         if summed.data_ptr() != target.data_ptr() or summed.dtype != target.dtype:

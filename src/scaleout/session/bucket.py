@@ -1,7 +1,8 @@
 """GradBucket: parameter sets' gradients fused into one flat buffer, and how it is sent.
 
-A bucket owns its buffer, its chunking (from the plan), the one place where its result is
-averaged (:meth:`GradBucket.averaged`) and its statistics. What its communication *is* —
+A bucket owns its buffer, its chunking (from the plan), where its result is averaged
+(:meth:`GradBucket.averaged`; for an exact sum, already on the way in: :meth:`GradBucket.fill`)
+and its statistics. What its communication *is* —
 exact allreduce, the sharded update's reduce-scatter, a codec's exchange, a user's DDP comm
 hook — is a hook ``hook(state, bucket) -> Request | torch.futures.Future`` whose result is
 the bucket's gradient averaged over the data group (DDP's comm-hook contract; the methods
@@ -66,6 +67,14 @@ class GradBucket:
         self.state = state
         self.statistics = statistics
         self._buffer = torch.zeros(numel, dtype=dtype, device=device)
+        # a hook that declares ``prescaled`` sums what fill() divided on the way in (DDP's
+        # reducer does the same: the division rides on the copy, one pass over the gradients
+        # fewer, and none on the progress thread, where every torch call waits for the GIL)
+        self._divisor = comm.size if getattr(hook, "prescaled", False) else 1
+        # each member's place in the buffer, flat and in its shape: fill() is one torch call
+        self._slots = {id(ps): (self._buffer[off: off + ps.local_count],
+                                self._buffer[off: off + ps.local_count].view(ps.shape))
+                       for ps, off in zip(members, offsets)}
         self._last = last
         self._params: list[torch.Tensor] = []
         self._filled = 0
@@ -127,21 +136,33 @@ class GradBucket:
         """The torch process group it is sent on."""
         return self.comm.group
 
-    # -- the one averaging site -----------------------------------------------------------
+    # -- averaging ------------------------------------------------------------------------
 
     def averaged(self, summed: Request) -> Request:
         """``summed`` (a request whose result is the sum over the data group) divided by the
-        group size, in place in the buffer. Every built-in hook averages through here."""
+        group size, in place in the buffer; a ``prescaled`` hook's sum is the average already
+        (only copied in). Every built-in hook averages through here or in its exchange."""
+        if self._divisor > 1:  # fill() divided already (the chunk's result lands in place)
+            return summed
         size = self.comm.size
         return summed.then(lambda result: collectives.average_into(
             self._buffer[: result.numel()], result, size))
 
     # -- the scaleout side ----------------------------------------------------------------
 
-    def fill(self, ps: ParameterSet, flat: torch.Tensor) -> None:
-        """Copy ``ps``'s gradient in; the last member to arrive hands the bucket to the engine."""
-        offset = self.offsets[id(ps)]
-        self._buffer[offset: offset + flat.numel()].copy_(flat)
+    def fill(self, ps: ParameterSet, gradient: torch.Tensor) -> None:
+        """Copy ``ps``'s gradient (``local_count`` elements, any shape) in, divided by the
+        group size for a ``prescaled`` hook; the last member to arrive hands the bucket to
+        the engine."""
+        flat, shaped = self._slots[id(ps)]
+        if gradient.requires_grad:  # (a backward with create_graph=True)
+            gradient = gradient.detach()
+        if gradient.shape != shaped.shape:
+            gradient, shaped = gradient.reshape(-1), flat
+        if self._divisor > 1:
+            torch.div(gradient, self._divisor, out=shaped)
+        else:
+            shaped.copy_(gradient)
         if self._ready:
             self._ready[id(ps)].record()  # on the stream that produced the gradient
         self._filled += 1
@@ -205,8 +226,7 @@ class GradBucket:
                 "comm", self.name, self.job.issued_at or self.job.ready_at, time.perf_counter(),
                 bytes=sent, raw_bytes=raw, priority_lane=self.job.lane,
                 codec=codec or getattr(self.hook, "__name__", "hook"))
-        for name, share in self._shares:  # by size
-            self.statistics.add(name, bytes=sent * share, raw_bytes=raw * share)
+        self.statistics.add_shared(self._shares, bytes=sent, raw_bytes=raw)  # by size
 
     def __repr__(self) -> str:
         return f"<GradBucket {self._index} {self.name} numel={self._buffer.numel()}>"

@@ -28,6 +28,7 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> Request:
 
 
 allreduce_hook.elementwise = True  # type: ignore[attr-defined]
+allreduce_hook.prescaled = True  # type: ignore[attr-defined]
 
 
 def reduce_scatter_hook(state: Any, bucket: GradBucket) -> Request:
@@ -36,6 +37,9 @@ def reduce_scatter_hook(state: Any, bucket: GradBucket) -> Request:
     The buffer is padded to ``owned_count * group size``; rank i owns block i.
     """
     return bucket.averaged(collectives.reduce_scatter(bucket.comm, bucket.buffer(), ReduceOp.SUM))
+
+
+reduce_scatter_hook.prescaled = True  # type: ignore[attr-defined]
 
 
 @dataclass(eq=False)

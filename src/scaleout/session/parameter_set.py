@@ -159,7 +159,7 @@ class ParameterSet:
             raise RuntimeError(f"start_gradient_comm on {self.name}: already started this "
                                "iteration; call wait_gradient_comm() first")
         self._started = True
-        bucket.fill(self, gradient.detach().reshape(-1))
+        bucket.fill(self, gradient)
 
     def wait_gradient_comm(self, timeout: float | None = None) -> torch.Tensor:
         """Block until the gradient is averaged over the data group; return it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +52,17 @@ class Statistics:
 
     def add(self, operation: str, **amounts: float) -> None:
         """Add ``amounts`` (field=value) to ``operation``'s figures."""
+        self.add_shared(((operation, 1.0),), **amounts)
+
+    def add_shared(self, shares: Sequence[tuple[str, float]], **amounts: float) -> None:
+        """Add ``amounts`` to several operations, each its share (a bucket's members, by
+        size), under one lock (the progress engine does this per bucket and iteration)."""
         with self._lock:
-            stats = self._ops[operation]
-            for key, value in amounts.items():
-                setattr(stats, key, getattr(stats, key) + value)
+            for operation, share in shares:
+                stats = self._ops[operation]
+                for key, value in amounts.items():
+                    part = value if share == 1.0 else value * share  # (ints stay ints)
+                    setattr(stats, key, getattr(stats, key) + part)
 
     def end_iteration(self) -> None:
         self.iterations += 1

@@ -32,13 +32,11 @@ def _trace(statistics: Statistics, operations: Operations, phase: str, start: fl
 def _add(statistics: Statistics, operations: Operations, field: str, seconds: float,
          phase: str = "") -> None:
     """Add ``seconds`` to ``field`` (and compute in backward to ``backward_s`` as well)."""
-    shares = [(operations, 1.0)] if isinstance(operations, str) else operations
-    backward = field == "compute_s" and phase == "backward"
-    for name, share in shares:
-        if backward:
-            statistics.add(name, compute_s=seconds * share, backward_s=seconds * share)
-        else:
-            statistics.add(name, **{field: seconds * share})
+    shares = ((operations, 1.0),) if isinstance(operations, str) else operations
+    if field == "compute_s" and phase == "backward":
+        statistics.add_shared(shares, compute_s=seconds, backward_s=seconds)
+    else:
+        statistics.add_shared(shares, **{field: seconds})
 
 
 class Stopwatch:

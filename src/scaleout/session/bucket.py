@@ -157,6 +157,8 @@ class GradBucket:
         flat, shaped = self._slots[id(ps)]
         if gradient.requires_grad:  # (a backward with create_graph=True)
             gradient = gradient.detach()
+        if gradient.device != flat.device:  # (a caller's tensor elsewhere: copied over)
+            gradient = gradient.to(flat.device)
         if gradient.shape != shaped.shape:
             gradient, shaped = gradient.reshape(-1), flat
         if self._divisor > 1:
@@ -186,8 +188,7 @@ class GradBucket:
         """``ps``'s averaged gradient (its owned slice, with the sharded update)."""
         if ps.spec.distributed_update:
             return self._buffer[: ps.owned_valid]
-        offset = self.offsets[id(ps)]
-        return self._buffer[offset: offset + ps.local_count]
+        return self._slots[id(ps)][0]
 
     def _start(self, begin: int, end: int) -> Request:
         # (engine thread: its current stream is the communication stream)

@@ -110,3 +110,17 @@ def test_sampler_partitions_what_is_left() -> None:
     assert rank0[0] == [0, 2, 4, 6, 8] and rank1[0] == [1, 3, 5, 7, 9]
     assert rank0[1] == [4, 6, 8] and rank1[1] == [5, 7, 9]
     assert rank0[2] == [4, 6, 8] and rank0[3] == 5
+
+
+def test_sampler_pads_every_rank_when_fewer_samples_are_left_than_ranks() -> None:
+    def body() -> list[object]:
+        hvd.init(timeout=20)
+        sampler = hvd.elastic.ElasticSampler(range(4), shuffle=False)
+        if hvd.rank() == 0:
+            sampler.record_indices([0, 1, 2])  # one sample left for three ranks
+        sampler.sync()
+        hvd.shutdown()
+        return [list(sampler), len(sampler)]
+
+    # every rank must run as many batches as the others (or their allreduces hang)
+    assert run_ranks(3, body, timeout=60) == [[[3], 1]] * 3

@@ -252,6 +252,7 @@ def body_bad_arguments() -> None:
     _raises(ValueError, "multiple of", lambda: hvd.alltoall(torch.ones(3)))
     _raises(ValueError, "op must be hvd.Average, Sum, Min or Max",
             lambda: hvd.reducescatter(torch.ones(4), op=hvd.Product))
+    _raises(ValueError, "at least one dimension", lambda: hvd.reducescatter(torch.tensor(1.0)))
     _raises(TypeError, "needs a floating tensor",
             lambda: hvd.allreduce(torch.ones(2, dtype=torch.int64), prescale_factor=2.0))
     _raises(ValueError, "handle 12345 is unknown", lambda: hvd.synchronize(12345))

@@ -355,6 +355,28 @@ def test_a_missing_peer_is_an_error_naming_rank_group_and_call() -> None:
                               "did not reach this call within 2 s"), message
 
 
+def body_join_refuses_barrier() -> str:
+    hvd.init(timeout=10)
+    if hvd.rank() == 0:
+        hvd.join()
+        hvd.shutdown()
+        return "joined"
+    try:
+        hvd.barrier()
+        message = "barrier passed"
+    except hvd.TensorMismatchError as err:
+        message = str(err)
+    hvd.join()
+    hvd.shutdown()
+    return message
+
+
+def test_join_refuses_a_barrier_on_every_rank() -> None:
+    """A barrier while a rank has joined raises, as documented (it used to hang)."""
+    got = run_ranks(2, body_join_refuses_barrier, timeout=40)
+    assert got[0] == "joined" and "has called hvd.join()" in got[1], got
+
+
 def body_one_rank_refuses() -> list[str]:
     import time
 

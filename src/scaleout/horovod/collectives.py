@@ -194,5 +194,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every member of the process set arrives (bounded by the job's timeout)."""
-    coll.barrier(process_set.communicator("barrier"))
+    """Block until every member of the process set arrives (bounded by the job's timeout).
+
+    Raises:
+        TensorMismatchError: (on every member) a member called another collective here, or
+            has called ``hvd.join()``.
+    """
+    kind = "barrier"
+    comm = process_set.communicator(kind)
+    # the signature exchange is the barrier (no member leaves an allgather before every
+    # member entered it), and a joined rank reads it and refuses, as for other collectives
+    exchange_signature(comm, kind, runtime().auto_name(kind, None), torch.empty(0))

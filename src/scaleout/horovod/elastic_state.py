@@ -124,7 +124,11 @@ class State:
         checkpoint.save(path, model, optimizer, extra=extra)
 
     def resume(self) -> bool:
-        """Load the last persisted commit, if there is one (every rank). Returns whether."""
+        """Load the last persisted commit, if there is one (every rank). Returns whether.
+
+        Raises:
+            ValueError: (on every rank) the ranks see different commits, or none on some.
+        """
         path = self._path()
         if path is None:
             return False

@@ -355,6 +355,25 @@ def test_a_missing_peer_is_an_error_naming_rank_group_and_call() -> None:
                               "did not reach this call within 2 s"), message
 
 
+def body_peer_exits() -> object:
+    from scaleout.core.errors import PeerFailedError
+
+    hvd.init(timeout=10)
+    if hvd.rank() == 1:
+        return "left"  # its process exits without meeting rank 0 again
+    try:
+        hvd.allreduce(torch.ones(2), name="orphan")
+    except PeerFailedError as err:
+        return err.failed_rank, str(err)
+    return "no error"
+
+
+def test_a_peer_that_exits_is_an_error_naming_it_and_the_call() -> None:
+    (failed, message), _ = run_ranks(2, body_peer_exits, timeout=60)
+    assert failed == 1 and message.startswith("rank 0: allreduce 'orphan' on group global[0, 1]")
+    assert "rank 1 failed" in message, message
+
+
 def body_join_refuses_barrier() -> str:
     hvd.init(timeout=10)
     if hvd.rank() == 0:

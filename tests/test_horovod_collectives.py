@@ -252,6 +252,7 @@ def body_bad_arguments() -> None:
     _raises(ValueError, "multiple of", lambda: hvd.alltoall(torch.ones(3)))
     _raises(ValueError, "op must be hvd.Average, Sum, Min or Max",
             lambda: hvd.reducescatter(torch.ones(4), op=hvd.Product))
+    _raises(ValueError, "at least one dimension", lambda: hvd.reducescatter(torch.tensor(1.0)))
     _raises(TypeError, "needs a floating tensor",
             lambda: hvd.allreduce(torch.ones(2, dtype=torch.int64), prescale_factor=2.0))
     _raises(ValueError, "handle 12345 is unknown", lambda: hvd.synchronize(12345))
@@ -352,6 +353,47 @@ def test_a_missing_peer_is_an_error_naming_rank_group_and_call() -> None:
     message = run_ranks(2, body_peer_never_comes, timeout=60)[0]
     assert message.startswith("rank 0: allreduce 'late' on group global[0, 1]: the other ranks "
                               "did not reach this call within 2 s"), message
+
+
+def body_peer_exits() -> object:
+    from scaleout.core.errors import PeerFailedError
+
+    hvd.init(timeout=10)
+    if hvd.rank() == 1:
+        return "left"  # its process exits without meeting rank 0 again
+    try:
+        hvd.allreduce(torch.ones(2), name="orphan")
+    except PeerFailedError as err:
+        return err.failed_rank, str(err)
+    return "no error"
+
+
+def test_a_peer_that_exits_is_an_error_naming_it_and_the_call() -> None:
+    (failed, message), _ = run_ranks(2, body_peer_exits, timeout=60)
+    assert failed == 1 and message.startswith("rank 0: allreduce 'orphan' on group global[0, 1]")
+    assert "rank 1 failed" in message, message
+
+
+def body_join_refuses_barrier() -> str:
+    hvd.init(timeout=10)
+    if hvd.rank() == 0:
+        hvd.join()
+        hvd.shutdown()
+        return "joined"
+    try:
+        hvd.barrier()
+        message = "barrier passed"
+    except hvd.TensorMismatchError as err:
+        message = str(err)
+    hvd.join()
+    hvd.shutdown()
+    return message
+
+
+def test_join_refuses_a_barrier_on_every_rank() -> None:
+    """A barrier while a rank has joined raises, as documented (it used to hang)."""
+    got = run_ranks(2, body_join_refuses_barrier, timeout=40)
+    assert got[0] == "joined" and "has called hvd.join()" in got[1], got
 
 
 def body_one_rank_refuses() -> list[str]:

@@ -110,3 +110,42 @@ def test_sampler_partitions_what_is_left() -> None:
     assert rank0[0] == [0, 2, 4, 6, 8] and rank1[0] == [1, 3, 5, 7, 9]
     assert rank0[1] == [4, 6, 8] and rank1[1] == [5, 7, 9]
     assert rank0[2] == [4, 6, 8] and rank0[3] == 5
+
+
+def test_sampler_pads_every_rank_when_fewer_samples_are_left_than_ranks() -> None:
+    def body() -> list[object]:
+        hvd.init(timeout=20)
+        sampler = hvd.elastic.ElasticSampler(range(4), shuffle=False)
+        if hvd.rank() == 0:
+            sampler.record_indices([0, 1, 2])  # one sample left for three ranks
+        sampler.sync()
+        hvd.shutdown()
+        return [list(sampler), len(sampler)]
+
+    # every rank must run as many batches as the others (or their allreduces hang)
+    assert run_ranks(3, body, timeout=60) == [[[3], 1]] * 3
+
+
+def body_resume_unseen(shared: str, empty: str) -> str:
+    os.environ["SCALEOUT_STATE_DIR"] = shared
+    hvd.init(timeout=10)
+    model = nn.Linear(2, 1)
+    hvd.elastic.ObjectState(epoch=3).commit()
+    # after a restart, rank 1's view of the state directory does not show the commit yet
+    os.environ["SCALEOUT_STATE_DIR"] = shared if hvd.rank() == 0 else empty
+    state = hvd.elastic.TorchState(model, None, epoch=0)
+    try:
+        state.resume()
+        state.sync()
+        return "resumed"
+    except ValueError as err:
+        return str(err)
+    finally:
+        hvd.shutdown()
+
+
+def test_resume_refuses_on_every_rank_when_ranks_see_different_commits(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    results = run_ranks(2, body_resume_unseen, str(tmp_path), str(empty), timeout=60)
+    assert all("the ranks see different versions" in text for text in results), results

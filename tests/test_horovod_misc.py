@@ -142,6 +142,22 @@ def test_process_sets() -> None:
         assert "not registered" in g["unregistered"] and g["all"] == 3.0
 
 
+def body_process_set_mismatch() -> str:
+    hvd.init(timeout=10)
+    try:  # rank 2 registers another set than ranks 0 and 1 (each would create its own group)
+        hvd.add_process_set([0, 1] if hvd.rank() < 2 else [0, 2])
+        return "registered"
+    except ValueError as err:
+        return str(err)
+    finally:
+        hvd.shutdown()
+
+
+def test_process_sets_registered_differently_raise_on_every_rank() -> None:
+    got = run_ranks(3, body_process_set_mismatch, timeout=60)
+    assert all("rank 2: add_process_set [0, 2]" in text for text in got), got
+
+
 def body_launch(variables: dict[str, str]) -> tuple[int, int, int]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name)

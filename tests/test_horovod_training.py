@@ -175,6 +175,34 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(n: int) -> None:
         assert torch.allclose(got_var, bn.running_var, atol=1e-5)
 
 
+def body_sync_batch_norm_half(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    hvd.init(timeout=20)
+    r = hvd.rank()
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 15, 15) * 0.5 + 20.0  # activations off centre, as before a BN
+    bn = hvd.SyncBatchNorm(3).to(dtype)
+    mine = x[r * 2:(r + 1) * 2].to(dtype).requires_grad_()
+    y = bn(mine)
+    y.float().sum().backward()
+    hvd.shutdown()
+    return y.detach().float(), bn.running_mean.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sync_batch_norm_in_half_precision(dtype: torch.dtype) -> None:
+    """Statistics of float16/bfloat16 inputs are kept in float32, as torch's batch norm keeps
+    them (in the input's dtype, the variance was lost: errors of 4 and 500 here)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 15, 15) * 0.5 + 20.0
+    want = nn.functional.batch_norm(x, None, None, training=True)
+    # tolerance: the input's rounding (2 ulps at 20) over the standard deviation 0.5
+    tolerance = 2 * torch.finfo(dtype).eps * 20.0 / 0.5
+    for r, (y, running_mean) in enumerate(run_ranks(2, body_sync_batch_norm_half, dtype,
+                                                    timeout=60)):
+        assert (y - want[r * 2:(r + 1) * 2]).abs().max() <= tolerance
+        assert torch.allclose(running_mean, torch.full((3,), 2.0), atol=0.02)
+
+
 def body_mismatched_models() -> list[str]:
     hvd.init(timeout=30)
     r = hvd.rank()

@@ -156,6 +156,33 @@ def test_tuning_on_a_gpu(world: int) -> None:
         assert "one rank" in results[0]["summary"]
 
 
+def body_reset_on_rank_0() -> tuple[int | None, str]:
+    env = scaleout.init(timeout=15)
+    model = DataParallel(_net(), env.create_distribution(), tune=True)
+    opt = DistributedOptimizer(torch.optim.SGD(model.module.parameters(), lr=0.01), model)
+    tuned_at = None
+    for step in range(6):
+        model(torch.randn(8, 128)).sum().backward()
+        if tuned_at is None and model.tuning is not None:
+            tuned_at = step + 1
+        opt.step()
+        opt.zero_grad()
+        if step == 1 and env.rank == 0:
+            model.statistics.reset()  # rank 0 alone starts its figures afresh
+    model.synchronize()
+    key = repr(model.tuning.key()) if model.tuning is not None else ""
+    model.close()
+    env.finalize()
+    return tuned_at, key
+
+
+def test_a_statistics_reset_on_one_rank_does_not_move_its_tuning() -> None:
+    """The tuner's clock is its own: a rank whose figures were reset during the measured
+    iterations tunes at the same forward as the others (it used to tune later: hang)."""
+    (at0, key0), (at1, key1) = run_ranks(2, body_reset_on_rank_0, timeout=60)
+    assert at0 == at1 == 4 and key0 == key1
+
+
 def test_lossy_tuning_without_a_known_optimizer_stays_exact() -> None:
     tune = TuneConfig(allow_lossy=True, link=SLOW)
     results = run_ranks(2, body, tune, "sgd", False, timeout=120)

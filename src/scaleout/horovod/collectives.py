@@ -150,7 +150,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
     Raises:
         TypeError: not a tensor, unsupported dtype, or scale factors on an integer tensor.
-        ValueError: an op other than Average, Sum, Min or Max.
+        ValueError: an op other than Average, Sum, Min or Max, or a 0-d tensor.
         TensorMismatchError: the members disagree on name, op, dtype or shape.
     """
     kind = "reducescatter"
@@ -163,6 +163,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         if chosen not in (Average, Sum, Min, Max):
             raise ValueError(f"{kind}: op must be hvd.Average, Sum, Min or Max, got {chosen.name}")
         checked = check_tensor(require_tensor(tensor, kind), kind)
+        if not checked.dim():
+            raise ValueError(f"{kind}: needs a tensor of at least one dimension (its rows are "
+                             "scattered), got a 0-d tensor")
         if (prescale_factor != 1 or postscale_factor != 1) and not checked.is_floating_point():
             raise TypeError(f"{kind}: scale factors need a floating tensor, got {checked.dtype}")
         return checked, chosen
@@ -172,7 +175,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused)
     send = tensor.detach() * prescale_factor if prescale_factor != 1 else tensor.detach()
     core_op = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}[op]
-    rows = reducescatter_rows(send.shape[0] if send.dim() else 1, comm.size)
+    rows = reducescatter_rows(send.shape[0], comm.size)
     if len(set(rows)) == 1:
         request = coll.reduce_scatter(comm, send, core_op)
         block = None
@@ -191,5 +194,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every member of the process set arrives (bounded by the job's timeout)."""
-    coll.barrier(process_set.communicator("barrier"))
+    """Block until every member of the process set arrives (bounded by the job's timeout).
+
+    Raises:
+        TensorMismatchError: (on every member) a member called another collective here, or
+            has called ``hvd.join()``.
+    """
+    kind = "barrier"
+    comm = process_set.communicator(kind)
+    # the signature exchange is the barrier (no member leaves an allgather before every
+    # member entered it), and a joined rank reads it and refuses, as for other collectives
+    exchange_signature(comm, kind, runtime().auto_name(kind, None), torch.empty(0))

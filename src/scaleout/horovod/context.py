@@ -20,6 +20,7 @@ import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
+from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import DEFAULT_TIMEOUT, Environment, attach
 from scaleout.core.env import init as core_init
@@ -232,8 +233,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         The registered set (usable as ``process_set=`` on the members).
 
     Raises:
-        ValueError: the set is already registered, names a rank outside the job, or an equal
-            set is registered already.
+        ValueError: the set is already registered, names a rank outside the job, an equal
+            set is registered already, or (on every rank) the ranks passed different sets.
     """
     rt = runtime()
     if not isinstance(process_set, ProcessSet):
@@ -241,6 +242,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set} is registered already")
     ranks = process_set.ranks if process_set.ranks is not None else list(range(rt.env.world_size))
+    # each rank would create a group of the ranks it was given: refuse sets that differ
+    verify_plan(rt.comm, "add_process_set", ranks)
     if not ranks or ranks[-1] >= rt.env.world_size:
         raise ValueError(f"a process set needs ranks in 0..{rt.env.world_size - 1}, got {ranks}")
     if any(ps.ranks == ranks for ps in rt.process_sets.values()):

@@ -95,7 +95,8 @@ class ElasticSampler(Sampler[int]):
         remaining = [i for i in order if i not in self.processed_indices]
         self.num_samples = math.ceil(len(remaining) / self.num_replicas) if remaining else 0
         total = self.num_samples * self.num_replicas
-        padded = remaining + remaining[:total - len(remaining)]
+        # repeated as often as needed: fewer samples may be left than there are ranks
+        padded = (remaining * self.num_replicas)[:total]
         self.indices = padded[self.rank:total:self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:

@@ -124,12 +124,21 @@ class State:
         checkpoint.save(path, model, optimizer, extra=extra)
 
     def resume(self) -> bool:
-        """Load the last persisted commit, if there is one (every rank). Returns whether."""
+        """Load the last persisted commit, if there is one (every rank). Returns whether.
+
+        Raises:
+            ValueError: (on every rank) the ranks see different commits, or none on some.
+        """
         path = self._path()
-        if path is None or not path.is_symlink():
+        if path is None:
             return False
         model, optimizer, _ = self._parts()
-        _, extra = checkpoint.load(path, model, optimizer)
+        try:  # every rank loads: load checks that all of them see the same commit (or none)
+            _, extra = checkpoint.load(path, model, optimizer)
+        except FileNotFoundError:
+            if path.is_symlink():  # a commit whose file is missing: not "no commit"
+                raise
+            return False
         self._load_extra(extra)
         self.save()
         return True

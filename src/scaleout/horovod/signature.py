@@ -20,7 +20,7 @@ import torch
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
-from scaleout.core.errors import CommunicationError, CommunicationTimeout
+from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.horovod.errors import TensorMismatchError
 
 __all__ = ["exchange_signature", "exchange_joined", "attempt", "Signature", "DTYPES", "JOINABLE",
@@ -120,9 +120,10 @@ def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[li
                       "may have died, be stuck, or have called another collective)")
         else:
             reason = f"failed: {err.__cause__ or err}"
+        failed = {"failed_rank": err.failed_rank} if isinstance(err, PeerFailedError) else {}
         raise type(err)(f"rank {comm.global_rank}: {kind} {name!r} on group {comm.label}: "
                         f"{reason}", rank=comm.global_rank, group=comm.label,
-                        operation=kind) from err
+                        operation=kind, **failed) from err
 
 
 def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor | None, *,

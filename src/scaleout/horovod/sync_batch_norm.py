@@ -46,9 +46,12 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training or self.process_set.size() == 1:
             return super().forward(input)
         dims = [d for d in range(input.dim()) if d != 1]
-        count = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype,
+        # statistics in at least float32 (as torch's batch norm keeps them): float16 and
+        # bfloat16 sums of a batch lose the variance to cancellation
+        wide = input.to(torch.promote_types(input.dtype, torch.float32))
+        count = torch.tensor([input.numel() // input.shape[1]], dtype=wide.dtype,
                              device=input.device)
-        local = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        local = torch.cat([wide.sum(dims), (wide * wide).sum(dims), count])
         total = allreduce(local, op=Sum, name=None, process_set=self.process_set)
         channels = input.shape[1]
         n = total[-1]
@@ -63,9 +66,9 @@ class SyncBatchNorm(_BatchNorm):
                 self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.detach(), alpha=factor)
         shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = (wide - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(input.dtype)
 
 

@@ -222,7 +222,13 @@ class Tuner:
         self.config = config
         self.choice: TuneChoice | None = None
         self._start: dict[str, tuple[float, float]] | None = None
+        # The clock that says when to tune is the tuner's own count of iterations (equal on
+        # every rank); a rank's statistics can be reset on that rank alone.
+        self._iterations = 0  # iterations completed at the last forward
         self._start_iteration = 0
+        self._start_seen = 0  # this rank's statistics.iterations at the snapshot
+        self._last_seen = 0
+        self._reset = False  # this rank's statistics were reset after the snapshot
         self._started = 0.0  # wall clock at the first measured iteration's forward
         self._check: ChoiceCheck | None = None
 
@@ -238,17 +244,20 @@ class Tuner:
         Raises:
             RuntimeError: ``now`` before one iteration was measured.
         """
+        if not now:
+            self._iterations += 1  # (the first forward, which builds the plan, has no call)
         if self._check is not None and not now:  # a choice being timed (forwards only)
             decided = self._check.at_forward(model, self.choice)
             if decided is not None:
                 self.choice, self._check = decided, None
             return
+        completed = self._iterations + (1 if now else 0)  # (now: this forward's is done too)
         if now and not self.done and (model.session is None or self._start is None
-                                      or model.statistics.iterations <= self._start_iteration):
+                                      or completed <= self._start_iteration):
             raise RuntimeError(f"tuning needs one measured iteration: {self.config.skip + 1} "
                                "iterations first")
         if self.due(model.statistics, model._forward_order) or (now and not self.done):
-            iterations = max(model.statistics.iterations - self._start_iteration, 1)
+            iterations = max(completed - self._start_iteration, 1)
             default_s = (time.perf_counter() - self._started) / iterations
             model.synchronize()
             self.tune(model)
@@ -265,22 +274,27 @@ class Tuner:
         ``skip`` iterations; ``True`` once ``measure`` more have run (time to tune)."""
         if self.done:
             return False
-        if statistics.iterations < self._start_iteration:  # the statistics were reset
-            self._start = None
-        if statistics.iterations >= self.config.skip and self._start is None:
-            self._start, self._start_iteration = _compute(statistics, layers), statistics.iterations
+        if self._start is not None and statistics.iterations < self._last_seen:
+            self._reset = True  # on this rank: tune() takes its figures since the reset
+        self._last_seen = statistics.iterations
+        if self._iterations >= self.config.skip and self._start is None:
+            self._start, self._start_iteration = _compute(statistics, layers), self._iterations
+            self._start_seen = statistics.iterations
             self._started = time.perf_counter()
         return (self._start is not None
-                and statistics.iterations - self._start_iteration >= self.config.measure)
+                and self._iterations - self._start_iteration >= self.config.measure)
 
     def tune(self, model: Any) -> TuneChoice:
         """Measure the link (and codecs), agree with the other ranks, choose (every rank)."""
         config, comm, layers = self.config, model.comm, model._forward_order
         assert self._start is not None
         end = _compute(model.statistics, layers)
-        iterations = max(model.statistics.iterations - self._start_iteration, 1)
-        compute = [x for l in layers for x in (end[l.name][0] - self._start[l.name][0],
-                                               end[l.name][1] - self._start[l.name][1])]
+        seen = model.statistics.iterations
+        start, iterations = ((dict.fromkeys(end, (0.0, 0.0)), seen) if self._reset
+                             else (self._start, seen - self._start_seen))
+        iterations = max(iterations, 1)  # per iteration on each rank, then the slowest rank's
+        compute = [x / iterations for l in layers for x in (end[l.name][0] - start[l.name][0],
+                                                            end[l.name][1] - start[l.name][1])]
         specs, reason = self._allowed_codecs(model)
         min_numel = CompressionConfig().min_numel
         codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
@@ -293,7 +307,7 @@ class Tuner:
         if link_model.ranks != comm.size:
             raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
                              f"has {comm.size}")
-        workload = _workload(layers, values[2:2 + 2 * len(layers)], iterations)
+        workload = _workload(layers, values[2:2 + 2 * len(layers)], 1)
         seconds = values[2 + 2 * len(layers):]
         models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                   in zip(codecs, seconds)])

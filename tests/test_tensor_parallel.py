@@ -19,6 +19,7 @@ from scaleout.pytorch import (
     DataParallel,
     DistributedOptimizer,
     RowParallelLinear,
+    VocabParallelEmbedding,
     full_state_dict,
     load_full_state_dict,
     tensor_parallel,
@@ -154,3 +155,20 @@ def body_errors() -> None:
 
 def test_errors_name_the_layer_and_sizes() -> None:
     run_ranks(2, body_errors)
+
+
+def body_vocab_ids() -> None:
+    env = scaleout.init(timeout=20)
+    for model_parts in (2, 1):  # split, and a model group of one
+        grid = env.create_distribution(env.world_size // model_parts, model_parts)
+        emb = VocabParallelEmbedding(4, 3, distribution=grid, name="emb")
+        for bad in (4, -1):  # past every rank's rows: plain nn.Embedding raises, not zeros
+            with pytest.raises(ValueError, match=rf"VocabParallelEmbedding emb: ids must be in "
+                                                 rf"\[0, 4\), got {bad}"):
+                emb(torch.tensor([[0, bad], [3, 1]]))
+        assert emb(torch.tensor([[0, 3]])).shape == (1, 2, 3)
+    env.finalize()
+
+
+def test_vocab_embedding_refuses_ids_outside_the_table() -> None:
+    run_ranks(2, body_vocab_ids, timeout=30)

@@ -344,3 +344,34 @@ def test_table_batch_looks_up_every_table_in_one_gather_like_one_lookup_each() -
     again = batch.look_up(batch.rows(ids, table), table, weights)
     assert again.dtype == torch.float64 and torch.equal(again, want.double())
     assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))
+
+
+def body_narrow_column_block() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (5, 4)]
+    # table 0 split by columns over 3 ranks: rank 2's block is 0 columns wide, its only one
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(COLUMN_WISE, 0), ranks=3, element_size=8)
+    assert plan.cols_of(0, 2) == (2, 0) and plan.tables_of(2) == [0]
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    batches = [torch.tensor([[r, r % 4], [4, 3], [r, 0]]) for r in range(3)]
+    scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))  # a dense layer
+    (ec(batches[env.rank]) * scale).pow(2).sum().backward()  # every rank's exchange runs
+    for r, ids in enumerate(batches):  # the reference: DataParallel's average of the ranks
+        (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 3).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        column, width = plan.cols_of(t, env.rank)
+        want = plain[t].weight.grad[first: first + count, column: column + width]
+        grad = ec.get_submodule(str(t)).weight.grad
+        got = torch.zeros_like(want) if grad is None else grad.to_dense()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_rank_whose_only_block_has_no_columns_joins_the_backward_exchange() -> None:
+    # its lookups did not require grad, so its backward skipped the reverse exchange that
+    # the other ranks waited in (they timed out)
+    run_ranks(3, body_narrow_column_block, timeout=40)

@@ -46,8 +46,8 @@ def look_up(batch: TableBatch, weights: Mapping[int, torch.Tensor], plan: Shardi
     if batch.members:
         looked = batch.look_up(batch.rows(ids, table_of), table_of,
                                [weights[mine[j]] for j in batch.members])
-    else:  # only column-wise blocks
-        looked = weights[mine[0]].new_zeros(ids.shape[0], dim)
+    else:  # only column-wise blocks (requires grad, as above: they may be 0 columns wide)
+        looked = weights[mine[0]].new_zeros(ids.shape[0], dim, requires_grad=True)
     for j, t in enumerate(mine):  # column-wise blocks: each its own lookup
         if plan.owners[t] == COLUMN_WISE:
             at = (table_of == j).nonzero().squeeze(1)

@@ -375,3 +375,32 @@ def test_a_rank_whose_only_block_has_no_columns_joins_the_backward_exchange() ->
     # its lookups did not require grad, so its backward skipped the reverse exchange that
     # the other ranks waited in (they timed out)
     run_ranks(3, body_narrow_column_block, timeout=40)
+
+
+def body_frozen_tables(defer: bool) -> list[float]:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (5, 4)]
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(0, 0), ranks=2, element_size=8)  # rank 1 holds no table
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    ec.requires_grad_(False)  # pretrained tables, frozen: only the dense layers train
+    if defer:
+        ec.defer_backward(None)
+    ids = torch.tensor([[env.rank, 2], [4, env.rank]])
+    scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    (ec(ids) * scale).pow(2).sum().backward()
+    ec.land_gradients()
+    assert all(p.grad is None for p in ec.parameters())
+    want = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    (torch.stack([e(ids[:, t]) for t, e in enumerate(plain)], 1) * want).pow(2).sum().backward()
+    torch.testing.assert_close(scale.grad, want.grad, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_frozen_tables_train_the_dense_layers_on_every_rank(defer: bool) -> None:
+    # a rank holding no table ran the backward exchange, the holder (frozen lookups) did not:
+    # blocking, the first timed out in it; deferred, the holder's landing raised
+    run_ranks(2, body_frozen_tables, defer, timeout=40)

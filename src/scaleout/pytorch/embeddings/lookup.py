@@ -38,16 +38,16 @@ def look_up(batch: TableBatch, weights: Mapping[int, torch.Tensor], plan: Shardi
     """
     mine = plan.tables_of(rank)
     dim = plan.tables[0].dim
-    if not mine:  # (requires grad: the backward exchange must run here too)
-        return torch.zeros(0, dim, dtype=dtype, device=ids.device, requires_grad=True)
+    if not mine:
+        return torch.zeros(0, dim, dtype=dtype, device=ids.device)
     table_of = torch.repeat_interleave(
         torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
         asked.reshape(-1).to(ids.device))
     if batch.members:
         looked = batch.look_up(batch.rows(ids, table_of), table_of,
                                [weights[mine[j]] for j in batch.members])
-    else:  # only column-wise blocks (requires grad, as above: they may be 0 columns wide)
-        looked = weights[mine[0]].new_zeros(ids.shape[0], dim, requires_grad=True)
+    else:  # only column-wise blocks
+        looked = weights[mine[0]].new_zeros(ids.shape[0], dim)
     for j, t in enumerate(mine):  # column-wise blocks: each its own lookup
         if plan.owners[t] == COLUMN_WISE:
             at = (table_of == j).nonzero().squeeze(1)

@@ -404,3 +404,19 @@ def test_frozen_tables_train_the_dense_layers_on_every_rank(defer: bool) -> None
     # a rank holding no table ran the backward exchange, the holder (frozen lookups) did not:
     # blocking, the first timed out in it; deferred, the holder's landing raised
     run_ranks(2, body_frozen_tables, defer, timeout=40)
+
+
+def body_plans_differ() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    specs = (TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2))
+    mine = ShardingPlan(tables=specs, owners=(env.rank, 1 - env.rank), ranks=2)  # both hold 0
+    with pytest.raises(ValueError, match=r"the ranks called different collectives .*"
+                                         r"owners \(0, 1\).*owners \(1, 0\)"):
+        EmbeddingCollection(specs, dist, plan=mine)
+    env.finalize()
+
+
+def test_ranks_with_different_plans_are_refused() -> None:
+    # rank 0 sent table 1's ids to rank 1, which answered them with rows of its table 0
+    run_ranks(2, body_plans_differ, timeout=40)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from scaleout.core import collectives
+from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
@@ -78,7 +79,8 @@ class EmbeddingCollection(nn.Module):
             by the table index, the same values whichever rank holds them).
 
     Raises:
-        ValueError: tables of different widths, or a plan for other tables or ranks.
+        ValueError: tables of different widths, a plan for other tables or ranks, or ranks
+            of the data group with different tables, dtypes or plans (every rank raises).
 
     Example (2 ranks; rank 0 holds tables 0 and 3, rank 1 tables 1 and 2):
         >>> ec = EmbeddingCollection([TableSpec(rows=r, dim=8) for r in (9, 5, 4, 2)], dist)
@@ -107,6 +109,10 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(f"EmbeddingCollection: the plan is for tables {planned} on "
                              f"{self.plan.ranks} ranks, got tables {shapes} on a data group of "
                              f"{self.comm.size}")
+        # every rank routes ids by its own plan: plans that differ would answer ids with
+        # another table's rows
+        verify_plan(self.comm, "EmbeddingCollection plan",
+                    f"tables {shapes} of {dtype}, owners {self.plan.owners}")
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()

@@ -420,3 +420,33 @@ def body_plans_differ() -> None:
 def test_ranks_with_different_plans_are_refused() -> None:
     # rank 0 sent table 1's ids to rank 1, which answered them with rows of its table 0
     run_ranks(2, body_plans_differ, timeout=40)
+
+
+def body_accumulate_into_a_block_without_ids() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (4, 3)]
+    # rank 1 holds rows 2..3 of table 0, then table 1, in one batched weight
+    plan = ShardingPlan(tables=(TableSpec(rows=4, dim=2), TableSpec(rows=3, dim=2)),
+                        owners=(ROW_WISE, 1), ranks=2, element_size=8)
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    # the first batch asks for none of rank 1's rows of table 0; no step in between
+    batches = [[torch.tensor([[0, 2], [1, 0]]), torch.tensor([[1, 1]])],
+               [torch.tensor([[3, 2]]), torch.tensor([[2, 1], [0, 0]])]]
+    for step in batches:
+        ec(step[env.rank]).pow(2).sum().backward()
+        for ids in step:
+            (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 2).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        torch.testing.assert_close(ec.get_submodule(str(t)).weight.grad.to_dense(),
+                                   plain[t].weight.grad[first: first + count],
+                                   rtol=1e-12, atol=1e-12, msg=lambda m, t=t: f"table {t}: {m}")
+    env.finalize()
+
+
+def test_gradients_accumulate_into_a_block_that_got_no_ids_before() -> None:
+    # its empty sparse gradient was a view into the buffer of the next table's: the second
+    # backward grew it in place, over that table's gradient (rank 1: table 1 wrong)
+    run_ranks(2, body_accumulate_into_a_block_without_ids, timeout=40)

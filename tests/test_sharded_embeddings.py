@@ -450,3 +450,35 @@ def test_gradients_accumulate_into_a_block_that_got_no_ids_before() -> None:
     # its empty sparse gradient was a view into the buffer of the next table's: the second
     # backward grew it in place, over that table's gradient (rank 1: table 1 wrong)
     run_ranks(2, body_accumulate_into_a_block_without_ids, timeout=40)
+
+
+def body_empty_batch_with_split_tables() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (4, 3, 5)]
+    plan = ShardingPlan(tables=tuple(TableSpec(rows=r, dim=2) for r in (4, 3, 5)),
+                        owners=(ROW_WISE, COLUMN_WISE, 0), ranks=3, element_size=8)
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    batches = [torch.tensor([[3, 2, 4], [0, 0, 1]]), torch.zeros(0, 3, dtype=torch.long),
+               torch.tensor([[1, 1, 0]])]  # rank 1 has no samples this step
+    out = ec(batches[env.rank])
+    want = torch.stack([e(batches[env.rank][:, t]) for t, e in enumerate(plain)], 1)
+    assert out.shape == (len(batches[env.rank]), 3, 2) and torch.equal(out, want)
+    out.pow(2).sum().backward()
+    for ids in batches:
+        (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 3).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        column, width = plan.cols_of(t, env.rank)
+        grad = ec.get_submodule(str(t)).weight.grad
+        want = plain[t].weight.grad[first: first + count, column: column + width]
+        torch.testing.assert_close(torch.zeros_like(want) if grad is None else grad.to_dense(),
+                                   want, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_rank_with_an_empty_batch_takes_part_with_split_tables() -> None:
+    # its gather viewed 0 rows as (0, -1, dim) and raised; the others waited for it in the
+    # rows' exchange until its exit was noticed
+    run_ranks(3, body_empty_batch_with_split_tables, timeout=40)

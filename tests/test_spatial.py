@@ -132,3 +132,23 @@ def test_converter_names_a_convolution_it_cannot_split() -> None:
     with pytest.raises(ValueError, match=r"SpatialConv 1: needs .*kernel \(4, 4\)"):
         spatial_parallel(net, Grid1())
     assert type(net[0]) is nn.Conv2d  # nothing converted
+
+
+def body_empty_batch() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    x, _ = batch("2d-bn", 0, 2)
+    net, plain = Net("2d-bn", dist).double(), Net("2d-bn").double()
+    for inputs in (x, x[:0], x):  # a step on no samples (the last, short batch, say)
+        out = net(split_rows(inputs, dist))
+        torch.testing.assert_close(out, plain(inputs), rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var"):  # the empty step left them as BatchNorm does
+        torch.testing.assert_close(getattr(net.norm, name), getattr(plain.norm, name),
+                                   rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    env.finalize()
+
+
+def test_an_empty_batch_passes_like_the_unsplit_layers() -> None:
+    # the global pool indexed the first sample (IndexError); batch norm's statistics of no
+    # values (0 / 0) turned its running mean and variance into NaN for good
+    run_ranks(2, body_empty_batch, timeout=40)

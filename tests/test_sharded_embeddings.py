@@ -482,3 +482,28 @@ def test_a_rank_with_an_empty_batch_takes_part_with_split_tables() -> None:
     # its gather viewed 0 rows as (0, -1, dim) and raised; the others waited for it in the
     # rows' exchange until its exit was noticed
     run_ranks(3, body_empty_batch_with_split_tables, timeout=40)
+
+
+def body_converted_after_construction() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2) for r in (5, 4)]
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(0, 0), ranks=2)  # rank 1 holds no table
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan).double()
+    ids = torch.tensor([[env.rank, 2], [4, 3]])
+    out = ec(ids)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.stack([e(ids[:, t]) for t, e in enumerate(plain)],
+                                                1).double())
+    state = ec.full_state()
+    assert all(torch.equal(state[f"{t}.weight"], e.weight.detach().double())
+               for t, e in enumerate(plain))
+    env.finalize()
+
+
+def test_a_rank_holding_no_table_follows_a_conversion_of_the_tables() -> None:
+    # it looked up and received in the dtype of construction, the holders in float64: the
+    # exchanges mismatched (a ValueError under the consistency check; without it, gloo aborted)
+    run_ranks(2, body_converted_after_construction, timeout=40)

@@ -116,7 +116,7 @@ class EmbeddingCollection(nn.Module):
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
-        self.dtype = dtype
+        self.dtype, self.device = dtype, torch.device("cpu")  # the tables' (see _apply)
         self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
         self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
@@ -156,6 +156,13 @@ class EmbeddingCollection(nn.Module):
             weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
                                                   column: column + weight.shape[1]])
         return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # ``.double()``, ``.to(device)``: a rank that holds no table follows too (its lookups
+        # and receive buffers must be of the holders' dtype and device)
+        like = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        self.dtype, self.device = like.dtype, like.device
+        return super()._apply(fn, recurse)
 
     def held(self) -> list[int]:
         """The indices of the tables this rank holds."""
@@ -371,7 +378,7 @@ class EmbeddingCollection(nn.Module):
             if owner == self.comm.rank:
                 buffer = self.get_submodule(str(t)).weight.detach().clone()
             else:
-                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype)
+                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype, device=self.device)
             out[f"{t}.weight"] = collectives.bcast(self.comm, buffer, owner).wait()
         return out
 

@@ -172,3 +172,32 @@ def body_vocab_ids() -> None:
 
 def test_vocab_embedding_refuses_ids_outside_the_table() -> None:
     run_ranks(2, body_vocab_ids, timeout=30)
+
+
+class TiedLM(torch.nn.Module):
+    """GPT-2's layout: the LM head reads the token embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def body_tied() -> None:
+    env = scaleout.init(timeout=20)
+    grid = env.create_distribution(1, 2)
+    net = TiedLM()
+    with pytest.raises(ValueError, match=r"layer 'emb': its weight is also head\.weight"):
+        tensor_parallel(net, grid, embeddings=True)
+    assert type(net.emb) is torch.nn.Embedding and net.head.weight is net.emb.weight
+    env.finalize()
+
+
+def test_a_layer_whose_weight_is_tied_is_not_split() -> None:
+    # the split layer got a weight of its own: the head kept the old, whole one, and the
+    # two trained apart (silently, unlike the tied model)
+    run_ranks(2, body_tied, timeout=30)

@@ -507,3 +507,24 @@ def test_a_rank_holding_no_table_follows_a_conversion_of_the_tables() -> None:
     # it looked up and received in the dtype of construction, the holders in float64: the
     # exchanges mismatched (a ValueError under the consistency check; without it, gloo aborted)
     run_ranks(2, body_converted_after_construction, timeout=40)
+
+
+def body_load_checks_table_shapes() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(ROW_WISE, 1), ranks=2)
+    net = torch.nn.Module()
+    net.embeddings = EmbeddingCollection(plan.tables, dist, plan=plan)
+    state = full_state_dict(net)
+    wider = {**state, "embeddings.0.weight": torch.randn(7, 2)}  # a larger vocabulary's
+    with pytest.raises(ValueError, match=r"table 0 needs a full weight of shape \(5, 2\), "
+                                         r"got \(7, 2\)"):
+        load_full_state_dict(net, wider)
+    load_full_state_dict(net, state)
+    env.finalize()
+
+
+def test_loading_a_table_of_another_shape_is_refused() -> None:
+    # each rank sliced its rows out of the larger table, which loaded without complaint
+    run_ranks(2, body_load_checks_table_shapes, timeout=40)

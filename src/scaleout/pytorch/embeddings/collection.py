@@ -385,9 +385,18 @@ class EmbeddingCollection(nn.Module):
     def load_full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of full tables keyed ``"<t>.weight"`` (what :meth:`full_state`
         returns), ready for ``load_state_dict``: the tables it holds, its rows of row-wise
-        ones."""
+        ones.
+
+        Raises:
+            ValueError: a table it holds is not of its full ``(rows, dim)`` shape (its block
+                would be sliced out of another table).
+        """
         mine = {}
         for t in self.held():
+            full = tuple(state[f"{t}.weight"].shape)
+            if full != (self.tables[t].rows, self.dim):
+                raise ValueError(f"EmbeddingCollection.load_full_state: table {t} needs a full "
+                                 f"weight of shape {(self.tables[t].rows, self.dim)}, got {full}")
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
             mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count,

@@ -3,6 +3,8 @@ unsplit CNNs, and train to the same weights on a data x model grid (float64, tig
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,3 +154,23 @@ def test_an_empty_batch_passes_like_the_unsplit_layers() -> None:
     # the global pool indexed the first sample (IndexError); batch norm's statistics of no
     # values (0 / 0) turned its running mean and variance into NaN for good
     run_ranks(2, body_empty_batch, timeout=40)
+
+
+def body_with_tensor_parallel_head() -> None:
+    from scaleout.pytorch import tensor_parallel
+
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    net = spatial_parallel(tensor_parallel(copy.deepcopy(plain), dist), dist)
+    x, _ = batch("2d", 0, 2)
+    with torch.no_grad():  # the head's shards are each rank's own: not broadcast from rank 0
+        torch.testing.assert_close(net(split_rows(x, dist)), plain(x), rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_tensor_parallel_head_keeps_its_shards() -> None:
+    # spatial_parallel broadcast every parameter from model rank 0, shards included
+    run_ranks(2, body_with_tensor_parallel_head, timeout=40)

@@ -7,6 +7,7 @@ from torch import nn
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 
@@ -24,9 +25,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     """Replace, in place, every ``nn.Conv2d``/``Conv3d`` by a :class:`SpatialConv`, every
     ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm` and every global
     ``nn.AdaptiveAvgPool2d/3d(1)`` by a :class:`SpatialGlobalAvgPool`, keeping the weights
-    (broadcast from model-group rank 0 first). Feed each rank its block of every sample
-    (:func:`split_rows`). Layers that work on each block unchanged (activations, pooling
-    whose window tiles the block) are left as they are.
+    (broadcast from model-group rank 0 first; a tensor-parallel layer's shards stay as they
+    are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
+    each block unchanged (activations, pooling whose window tiles the block) are left as
+    they are.
 
     Args:
         module: the plain model (changed in place and returned).
@@ -40,8 +42,9 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
             padding), named; nothing is converted then.
     """
     comm = distribution.communicator(GroupType.MODEL)
-    if comm.size > 1:
-        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+    if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
+        broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
+                                 *module.buffers()])
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for parent_name, parent in module.named_modules():
         for child_name, child in parent.named_children():

@@ -201,3 +201,17 @@ def test_a_layer_whose_weight_is_tied_is_not_split() -> None:
     # the split layer got a weight of its own: the head kept the old, whole one, and the
     # two trained apart (silently, unlike the tied model)
     run_ranks(2, body_tied, timeout=30)
+
+
+def body_frequency_scaled_embedding() -> None:
+    env = scaleout.init(timeout=20)
+    grid = env.create_distribution(1, 2)
+    net = torch.nn.Sequential(torch.nn.Embedding(8, 4, scale_grad_by_freq=True))
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding 0: .*scale_grad_by_freq"):
+        tensor_parallel(net, grid, embeddings=True)
+    env.finalize()
+
+
+def test_an_embedding_that_scales_gradients_by_frequency_is_not_split() -> None:
+    # the split layer ignored the option: its gradients were not scaled, silently
+    run_ranks(2, body_frequency_scaled_embedding, timeout=30)

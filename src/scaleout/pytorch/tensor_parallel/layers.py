@@ -222,9 +222,9 @@ class VocabParallelEmbedding(ModelParallelLayer):
                        name: str = "") -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (its initial weights kept)."""
         if embedding.padding_idx is not None or embedding.max_norm is not None \
-                or embedding.sparse:
-            raise ValueError(f"VocabParallelEmbedding {name}: padding_idx, max_norm and sparse "
-                             "embeddings are not supported")
+                or embedding.sparse or embedding.scale_grad_by_freq:
+            raise ValueError(f"VocabParallelEmbedding {name}: padding_idx, max_norm, sparse and "
+                             "scale_grad_by_freq embeddings are not supported")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim,
                     distribution=distribution, dtype=embedding.weight.dtype, name=name)
         with torch.no_grad():

@@ -528,3 +528,18 @@ def body_load_checks_table_shapes() -> None:
 def test_loading_a_table_of_another_shape_is_refused() -> None:
     # each rank sliced its rows out of the larger table, which loaded without complaint
     run_ranks(2, body_load_checks_table_shapes, timeout=40)
+
+
+def body_embedding_options() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    for option in ({"padding_idx": 0}, {"max_norm": 1.0}, {"scale_grad_by_freq": True}):
+        tables = [torch.nn.Embedding(5, 2), torch.nn.Embedding(4, 2, **option)]
+        with pytest.raises(ValueError, match=rf"table 1: {next(iter(option))} .*not supported"):
+            EmbeddingCollection.from_embeddings(tables, dist)
+    env.finalize()
+
+
+def test_embeddings_with_options_the_tables_ignore_are_refused() -> None:
+    # they were sharded without them: the padding row trained, say, silently
+    run_ranks(2, body_embedding_options, timeout=30)

@@ -147,7 +147,18 @@ class EmbeddingCollection(nn.Module):
     @classmethod
     def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
                         plan: ShardingPlan | None = None) -> EmbeddingCollection:
-        """Shard existing tables (every rank passes the same ones; each keeps its own)."""
+        """Shard existing tables (every rank passes the same ones; each keeps its own).
+
+        Raises:
+            ValueError: a table with ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``
+                (the sharded tables would ignore them).
+        """
+        for i, e in enumerate(embeddings):
+            for option, unset in (("padding_idx", None), ("max_norm", None),
+                                  ("scale_grad_by_freq", False)):
+                if getattr(e, option) != unset:
+                    raise ValueError(f"EmbeddingCollection.from_embeddings: table {i}: {option} "
+                                     f"= {getattr(e, option)!r} is not supported")
         specs = [TableSpec(rows=e.num_embeddings, dim=e.embedding_dim, name=str(i))
                  for i, e in enumerate(embeddings)]
         dtype = embeddings[0].weight.dtype if embeddings else torch.float32

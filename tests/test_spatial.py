@@ -174,3 +174,23 @@ def body_with_tensor_parallel_head() -> None:
 def test_a_tensor_parallel_head_keeps_its_shards() -> None:
     # spatial_parallel broadcast every parameter from model rank 0, shards included
     run_ranks(2, body_with_tensor_parallel_head, timeout=40)
+
+
+def body_adaptive_pools() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    for pool in (nn.AdaptiveMaxPool2d(1), nn.AdaptiveAvgPool2d(2)):  # a global max, 2 x 2 cells
+        net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), pool, nn.Flatten())
+        with pytest.raises(ValueError, match=rf"spatial_parallel: layer 1 \({type(pool).__name__}"
+                                             r"\) pools across the split rows"):
+            spatial_parallel(net, dist)
+        assert type(net[0]) is nn.Conv2d  # nothing converted
+    keeps = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveMaxPool2d((None, 1)))
+    spatial_parallel(keeps, dist)  # pools each row alone: it works on each block unchanged
+    assert type(keeps[1]) is nn.AdaptiveMaxPool2d
+    env.finalize()
+
+
+def test_adaptive_pooling_it_cannot_split_is_named() -> None:
+    # left as it was, each rank pooled its own rows: a wrong result, silently
+    run_ranks(2, body_adaptive_pools, timeout=30)

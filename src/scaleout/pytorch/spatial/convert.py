@@ -14,6 +14,15 @@ from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 __all__ = ["spatial_parallel"]
 
 
+def _pools_rows(module: nn.Module) -> bool:
+    """An adaptive pool whose windows along dim 2 depend on the whole (unsplit) size."""
+    if not isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+                               nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+        return False
+    size = module.output_size
+    return (size[0] if isinstance(size, tuple) else size) is not None
+
+
 def _global_pool(module: nn.Module) -> bool:
     if not isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return False
@@ -39,7 +48,8 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
 
     Raises:
         ValueError: a convolution that cannot be split (stride, dilation, even kernel,
-            padding), named; nothing is converted then.
+            padding), or an adaptive pool across dim 2 other than a global average, named;
+            nothing is converted then.
     """
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
@@ -55,6 +65,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
                 new = SpatialBatchNorm(child, distribution=distribution, name=name)
             elif _global_pool(child):
                 new = SpatialGlobalAvgPool(distribution=distribution)
+            elif _pools_rows(child):
+                raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) pools "
+                                 "across the split rows; only a global average pool "
+                                 "(output size 1) can be split")
             else:
                 continue
             replacements.append((parent, child_name, new))

@@ -344,3 +344,202 @@ def test_table_batch_looks_up_every_table_in_one_gather_like_one_lookup_each() -
     again = batch.look_up(batch.rows(ids, table), table, weights)
     assert again.dtype == torch.float64 and torch.equal(again, want.double())
     assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))
+
+
+def body_narrow_column_block() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (5, 4)]
+    # table 0 split by columns over 3 ranks: rank 2's block is 0 columns wide, its only one
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(COLUMN_WISE, 0), ranks=3, element_size=8)
+    assert plan.cols_of(0, 2) == (2, 0) and plan.tables_of(2) == [0]
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    batches = [torch.tensor([[r, r % 4], [4, 3], [r, 0]]) for r in range(3)]
+    scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))  # a dense layer
+    (ec(batches[env.rank]) * scale).pow(2).sum().backward()  # every rank's exchange runs
+    for r, ids in enumerate(batches):  # the reference: DataParallel's average of the ranks
+        (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 3).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        column, width = plan.cols_of(t, env.rank)
+        want = plain[t].weight.grad[first: first + count, column: column + width]
+        grad = ec.get_submodule(str(t)).weight.grad
+        got = torch.zeros_like(want) if grad is None else grad.to_dense()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_rank_whose_only_block_has_no_columns_joins_the_backward_exchange() -> None:
+    # its lookups did not require grad, so its backward skipped the reverse exchange that
+    # the other ranks waited in (they timed out)
+    run_ranks(3, body_narrow_column_block, timeout=40)
+
+
+def body_frozen_tables(defer: bool) -> list[float]:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (5, 4)]
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(0, 0), ranks=2, element_size=8)  # rank 1 holds no table
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    ec.requires_grad_(False)  # pretrained tables, frozen: only the dense layers train
+    if defer:
+        ec.defer_backward(None)
+    ids = torch.tensor([[env.rank, 2], [4, env.rank]])
+    scale = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    (ec(ids) * scale).pow(2).sum().backward()
+    ec.land_gradients()
+    assert all(p.grad is None for p in ec.parameters())
+    want = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    (torch.stack([e(ids[:, t]) for t, e in enumerate(plain)], 1) * want).pow(2).sum().backward()
+    torch.testing.assert_close(scale.grad, want.grad, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_frozen_tables_train_the_dense_layers_on_every_rank(defer: bool) -> None:
+    # a rank holding no table ran the backward exchange, the holder (frozen lookups) did not:
+    # blocking, the first timed out in it; deferred, the holder's landing raised
+    run_ranks(2, body_frozen_tables, defer, timeout=40)
+
+
+def body_plans_differ() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    specs = (TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2))
+    mine = ShardingPlan(tables=specs, owners=(env.rank, 1 - env.rank), ranks=2)  # both hold 0
+    with pytest.raises(ValueError, match=r"the ranks called different collectives .*"
+                                         r"owners \(0, 1\).*owners \(1, 0\)"):
+        EmbeddingCollection(specs, dist, plan=mine)
+    env.finalize()
+
+
+def test_ranks_with_different_plans_are_refused() -> None:
+    # rank 0 sent table 1's ids to rank 1, which answered them with rows of its table 0
+    run_ranks(2, body_plans_differ, timeout=40)
+
+
+def body_accumulate_into_a_block_without_ids() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (4, 3)]
+    # rank 1 holds rows 2..3 of table 0, then table 1, in one batched weight
+    plan = ShardingPlan(tables=(TableSpec(rows=4, dim=2), TableSpec(rows=3, dim=2)),
+                        owners=(ROW_WISE, 1), ranks=2, element_size=8)
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    # the first batch asks for none of rank 1's rows of table 0; no step in between
+    batches = [[torch.tensor([[0, 2], [1, 0]]), torch.tensor([[1, 1]])],
+               [torch.tensor([[3, 2]]), torch.tensor([[2, 1], [0, 0]])]]
+    for step in batches:
+        ec(step[env.rank]).pow(2).sum().backward()
+        for ids in step:
+            (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 2).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        torch.testing.assert_close(ec.get_submodule(str(t)).weight.grad.to_dense(),
+                                   plain[t].weight.grad[first: first + count],
+                                   rtol=1e-12, atol=1e-12, msg=lambda m, t=t: f"table {t}: {m}")
+    env.finalize()
+
+
+def test_gradients_accumulate_into_a_block_that_got_no_ids_before() -> None:
+    # its empty sparse gradient was a view into the buffer of the next table's: the second
+    # backward grew it in place, over that table's gradient (rank 1: table 1 wrong)
+    run_ranks(2, body_accumulate_into_a_block_without_ids, timeout=40)
+
+
+def body_empty_batch_with_split_tables() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2).double() for r in (4, 3, 5)]
+    plan = ShardingPlan(tables=tuple(TableSpec(rows=r, dim=2) for r in (4, 3, 5)),
+                        owners=(ROW_WISE, COLUMN_WISE, 0), ranks=3, element_size=8)
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan)
+    batches = [torch.tensor([[3, 2, 4], [0, 0, 1]]), torch.zeros(0, 3, dtype=torch.long),
+               torch.tensor([[1, 1, 0]])]  # rank 1 has no samples this step
+    out = ec(batches[env.rank])
+    want = torch.stack([e(batches[env.rank][:, t]) for t, e in enumerate(plain)], 1)
+    assert out.shape == (len(batches[env.rank]), 3, 2) and torch.equal(out, want)
+    out.pow(2).sum().backward()
+    for ids in batches:
+        (sum(e(ids[:, t]).pow(2).sum() for t, e in enumerate(plain)) / 3).backward()
+    for t in ec.held():
+        first, count = plan.rows_of(t, env.rank)
+        column, width = plan.cols_of(t, env.rank)
+        grad = ec.get_submodule(str(t)).weight.grad
+        want = plain[t].weight.grad[first: first + count, column: column + width]
+        torch.testing.assert_close(torch.zeros_like(want) if grad is None else grad.to_dense(),
+                                   want, rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_rank_with_an_empty_batch_takes_part_with_split_tables() -> None:
+    # its gather viewed 0 rows as (0, -1, dim) and raised; the others waited for it in the
+    # rows' exchange until its exit was noticed
+    run_ranks(3, body_empty_batch_with_split_tables, timeout=40)
+
+
+def body_converted_after_construction() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2) for r in (5, 4)]
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(0, 0), ranks=2)  # rank 1 holds no table
+    ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan).double()
+    ids = torch.tensor([[env.rank, 2], [4, 3]])
+    out = ec(ids)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.stack([e(ids[:, t]) for t, e in enumerate(plain)],
+                                                1).double())
+    state = ec.full_state()
+    assert all(torch.equal(state[f"{t}.weight"], e.weight.detach().double())
+               for t, e in enumerate(plain))
+    env.finalize()
+
+
+def test_a_rank_holding_no_table_follows_a_conversion_of_the_tables() -> None:
+    # it looked up and received in the dtype of construction, the holders in float64: the
+    # exchanges mismatched (a ValueError under the consistency check; without it, gloo aborted)
+    run_ranks(2, body_converted_after_construction, timeout=40)
+
+
+def body_load_checks_table_shapes() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(ROW_WISE, 1), ranks=2)
+    net = torch.nn.Module()
+    net.embeddings = EmbeddingCollection(plan.tables, dist, plan=plan)
+    state = full_state_dict(net)
+    wider = {**state, "embeddings.0.weight": torch.randn(7, 2)}  # a larger vocabulary's
+    with pytest.raises(ValueError, match=r"table 0 needs a full weight of shape \(5, 2\), "
+                                         r"got \(7, 2\)"):
+        load_full_state_dict(net, wider)
+    load_full_state_dict(net, state)
+    env.finalize()
+
+
+def test_loading_a_table_of_another_shape_is_refused() -> None:
+    # each rank sliced its rows out of the larger table, which loaded without complaint
+    run_ranks(2, body_load_checks_table_shapes, timeout=40)
+
+
+def body_embedding_options() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    for option in ({"padding_idx": 0}, {"max_norm": 1.0}, {"scale_grad_by_freq": True}):
+        tables = [torch.nn.Embedding(5, 2), torch.nn.Embedding(4, 2, **option)]
+        with pytest.raises(ValueError, match=rf"table 1: {next(iter(option))} .*not supported"):
+            EmbeddingCollection.from_embeddings(tables, dist)
+    env.finalize()
+
+
+def test_embeddings_with_options_the_tables_ignore_are_refused() -> None:
+    # they were sharded without them: the padding row trained, say, silently
+    run_ranks(2, body_embedding_options, timeout=30)

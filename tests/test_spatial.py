@@ -3,6 +3,8 @@ unsplit CNNs, and train to the same weights on a data x model grid (float64, tig
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,3 +134,63 @@ def test_converter_names_a_convolution_it_cannot_split() -> None:
     with pytest.raises(ValueError, match=r"SpatialConv 1: needs .*kernel \(4, 4\)"):
         spatial_parallel(net, Grid1())
     assert type(net[0]) is nn.Conv2d  # nothing converted
+
+
+def body_empty_batch() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    x, _ = batch("2d-bn", 0, 2)
+    net, plain = Net("2d-bn", dist).double(), Net("2d-bn").double()
+    for inputs in (x, x[:0], x):  # a step on no samples (the last, short batch, say)
+        out = net(split_rows(inputs, dist))
+        torch.testing.assert_close(out, plain(inputs), rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var"):  # the empty step left them as BatchNorm does
+        torch.testing.assert_close(getattr(net.norm, name), getattr(plain.norm, name),
+                                   rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    env.finalize()
+
+
+def test_an_empty_batch_passes_like_the_unsplit_layers() -> None:
+    # the global pool indexed the first sample (IndexError); batch norm's statistics of no
+    # values (0 / 0) turned its running mean and variance into NaN for good
+    run_ranks(2, body_empty_batch, timeout=40)
+
+
+def body_with_tensor_parallel_head() -> None:
+    from scaleout.pytorch import tensor_parallel
+
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    net = spatial_parallel(tensor_parallel(copy.deepcopy(plain), dist), dist)
+    x, _ = batch("2d", 0, 2)
+    with torch.no_grad():  # the head's shards are each rank's own: not broadcast from rank 0
+        torch.testing.assert_close(net(split_rows(x, dist)), plain(x), rtol=1e-12, atol=1e-12)
+    env.finalize()
+
+
+def test_a_tensor_parallel_head_keeps_its_shards() -> None:
+    # spatial_parallel broadcast every parameter from model rank 0, shards included
+    run_ranks(2, body_with_tensor_parallel_head, timeout=40)
+
+
+def body_adaptive_pools() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    for pool in (nn.AdaptiveMaxPool2d(1), nn.AdaptiveAvgPool2d(2)):  # a global max, 2 x 2 cells
+        net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), pool, nn.Flatten())
+        with pytest.raises(ValueError, match=rf"spatial_parallel: layer 1 \({type(pool).__name__}"
+                                             r"\) pools across the split rows"):
+            spatial_parallel(net, dist)
+        assert type(net[0]) is nn.Conv2d  # nothing converted
+    keeps = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AdaptiveMaxPool2d((None, 1)))
+    spatial_parallel(keeps, dist)  # pools each row alone: it works on each block unchanged
+    assert type(keeps[1]) is nn.AdaptiveMaxPool2d
+    env.finalize()
+
+
+def test_adaptive_pooling_it_cannot_split_is_named() -> None:
+    # left as it was, each rank pooled its own rows: a wrong result, silently
+    run_ranks(2, body_adaptive_pools, timeout=30)

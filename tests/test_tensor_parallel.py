@@ -19,6 +19,7 @@ from scaleout.pytorch import (
     DataParallel,
     DistributedOptimizer,
     RowParallelLinear,
+    VocabParallelEmbedding,
     full_state_dict,
     load_full_state_dict,
     tensor_parallel,
@@ -154,3 +155,63 @@ def body_errors() -> None:
 
 def test_errors_name_the_layer_and_sizes() -> None:
     run_ranks(2, body_errors)
+
+
+def body_vocab_ids() -> None:
+    env = scaleout.init(timeout=20)
+    for model_parts in (2, 1):  # split, and a model group of one
+        grid = env.create_distribution(env.world_size // model_parts, model_parts)
+        emb = VocabParallelEmbedding(4, 3, distribution=grid, name="emb")
+        for bad in (4, -1):  # past every rank's rows: plain nn.Embedding raises, not zeros
+            with pytest.raises(ValueError, match=rf"VocabParallelEmbedding emb: ids must be in "
+                                                 rf"\[0, 4\), got {bad}"):
+                emb(torch.tensor([[0, bad], [3, 1]]))
+        assert emb(torch.tensor([[0, 3]])).shape == (1, 2, 3)
+    env.finalize()
+
+
+def test_vocab_embedding_refuses_ids_outside_the_table() -> None:
+    run_ranks(2, body_vocab_ids, timeout=30)
+
+
+class TiedLM(torch.nn.Module):
+    """GPT-2's layout: the LM head reads the token embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def body_tied() -> None:
+    env = scaleout.init(timeout=20)
+    grid = env.create_distribution(1, 2)
+    net = TiedLM()
+    with pytest.raises(ValueError, match=r"layer 'emb': its weight is also head\.weight"):
+        tensor_parallel(net, grid, embeddings=True)
+    assert type(net.emb) is torch.nn.Embedding and net.head.weight is net.emb.weight
+    env.finalize()
+
+
+def test_a_layer_whose_weight_is_tied_is_not_split() -> None:
+    # the split layer got a weight of its own: the head kept the old, whole one, and the
+    # two trained apart (silently, unlike the tied model)
+    run_ranks(2, body_tied, timeout=30)
+
+
+def body_frequency_scaled_embedding() -> None:
+    env = scaleout.init(timeout=20)
+    grid = env.create_distribution(1, 2)
+    net = torch.nn.Sequential(torch.nn.Embedding(8, 4, scale_grad_by_freq=True))
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding 0: .*scale_grad_by_freq"):
+        tensor_parallel(net, grid, embeddings=True)
+    env.finalize()
+
+
+def test_an_embedding_that_scales_gradients_by_frequency_is_not_split() -> None:
+    # the split layer ignored the option: its gradients were not scaled, silently
+    run_ranks(2, body_frequency_scaled_embedding, timeout=30)

@@ -110,11 +110,14 @@ class _Lookup(torch.autograd.Function):
         batch = ctx.batch
         # sorted, the rows fall into the tables' ranges one after the other (-1s first)
         rows, order = torch.sort(rows)
-        grad = grad.index_select(0, order)
         bounds = torch.searchsorted(rows, batch.indices(rows.device)[3])
         bounds = bounds.tolist()
+        # each table's values gathered apart, not slices of one buffer: autograd keeps a
+        # table's first gradient as its ``.grad``, which the next backward's sparse add_
+        # grows in place (into the next table's values, were they in the same buffer)
         grads = [torch.sparse_coo_tensor(
             (rows[bounds[j]: bounds[j + 1]] - batch.starts[j]).unsqueeze(0),
-            grad[bounds[j]: bounds[j + 1]], (batch.counts[j], batch.dim), check_invariants=False)
+            grad.index_select(0, order[bounds[j]: bounds[j + 1]]), (batch.counts[j], batch.dim),
+            check_invariants=False)
             for j in batch.members]
         return None, None, None, None, *grads

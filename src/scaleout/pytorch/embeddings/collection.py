@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from scaleout.core import collectives
+from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
@@ -78,7 +79,8 @@ class EmbeddingCollection(nn.Module):
             by the table index, the same values whichever rank holds them).
 
     Raises:
-        ValueError: tables of different widths, or a plan for other tables or ranks.
+        ValueError: tables of different widths, a plan for other tables or ranks, or ranks
+            of the data group with different tables, dtypes or plans (every rank raises).
 
     Example (2 ranks; rank 0 holds tables 0 and 3, rank 1 tables 1 and 2):
         >>> ec = EmbeddingCollection([TableSpec(rows=r, dim=8) for r in (9, 5, 4, 2)], dist)
@@ -107,10 +109,14 @@ class EmbeddingCollection(nn.Module):
             raise ValueError(f"EmbeddingCollection: the plan is for tables {planned} on "
                              f"{self.plan.ranks} ranks, got tables {shapes} on a data group of "
                              f"{self.comm.size}")
+        # every rank routes ids by its own plan: plans that differ would answer ids with
+        # another table's rows
+        verify_plan(self.comm, "EmbeddingCollection plan",
+                    f"tables {shapes} of {dtype}, owners {self.plan.owners}")
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
-        self.dtype = dtype
+        self.dtype, self.device = dtype, torch.device("cpu")  # the tables' (see _apply)
         self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
         self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
@@ -141,7 +147,18 @@ class EmbeddingCollection(nn.Module):
     @classmethod
     def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
                         plan: ShardingPlan | None = None) -> EmbeddingCollection:
-        """Shard existing tables (every rank passes the same ones; each keeps its own)."""
+        """Shard existing tables (every rank passes the same ones; each keeps its own).
+
+        Raises:
+            ValueError: a table with ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``
+                (the sharded tables would ignore them).
+        """
+        for i, e in enumerate(embeddings):
+            for option, unset in (("padding_idx", None), ("max_norm", None),
+                                  ("scale_grad_by_freq", False)):
+                if getattr(e, option) != unset:
+                    raise ValueError(f"EmbeddingCollection.from_embeddings: table {i}: {option} "
+                                     f"= {getattr(e, option)!r} is not supported")
         specs = [TableSpec(rows=e.num_embeddings, dim=e.embedding_dim, name=str(i))
                  for i, e in enumerate(embeddings)]
         dtype = embeddings[0].weight.dtype if embeddings else torch.float32
@@ -150,6 +167,13 @@ class EmbeddingCollection(nn.Module):
             weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
                                                   column: column + weight.shape[1]])
         return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # ``.double()``, ``.to(device)``: a rank that holds no table follows too (its lookups
+        # and receive buffers must be of the holders' dtype and device)
+        like = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        self.dtype, self.device = like.dtype, like.device
+        return super()._apply(fn, recurse)
 
     def held(self) -> list[int]:
         """The indices of the tables this rank holds."""
@@ -365,16 +389,25 @@ class EmbeddingCollection(nn.Module):
             if owner == self.comm.rank:
                 buffer = self.get_submodule(str(t)).weight.detach().clone()
             else:
-                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype)
+                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype, device=self.device)
             out[f"{t}.weight"] = collectives.bcast(self.comm, buffer, owner).wait()
         return out
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of full tables keyed ``"<t>.weight"`` (what :meth:`full_state`
         returns), ready for ``load_state_dict``: the tables it holds, its rows of row-wise
-        ones."""
+        ones.
+
+        Raises:
+            ValueError: a table it holds is not of its full ``(rows, dim)`` shape (its block
+                would be sliced out of another table).
+        """
         mine = {}
         for t in self.held():
+            full = tuple(state[f"{t}.weight"].shape)
+            if full != (self.tables[t].rows, self.dim):
+                raise ValueError(f"EmbeddingCollection.load_full_state: table {t} needs a full "
+                                 f"weight of shape {(self.tables[t].rows, self.dim)}, got {full}")
             first, count = self.plan.rows_of(t, self.comm.rank)
             column, width = self.plan.cols_of(t, self.comm.rank)
             mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count,

@@ -131,7 +131,8 @@ class IdsExchange:
         batch, tables = self.ids.shape
         if self.whole:  # positions are in table order: one gather
             return rows.index_select(0, self.positions.reshape(-1)).view(batch, tables, dim)
-        per_slot = rows.index_select(0, self.positions.reshape(-1)).view(batch, -1, dim)
+        per_slot = rows.index_select(0, self.positions.reshape(-1)).view(
+            batch, self.slot_tables.numel(), dim)  # (not -1: a batch may be empty)
         return rows.new_zeros(batch, tables, dim).index_add(1, self.slot_tables, per_slot)
 
 

@@ -38,8 +38,8 @@ def look_up(batch: TableBatch, weights: Mapping[int, torch.Tensor], plan: Shardi
     """
     mine = plan.tables_of(rank)
     dim = plan.tables[0].dim
-    if not mine:  # (requires grad: the backward exchange must run here too)
-        return torch.zeros(0, dim, dtype=dtype, device=ids.device, requires_grad=True)
+    if not mine:
+        return torch.zeros(0, dim, dtype=dtype, device=ids.device)
     table_of = torch.repeat_interleave(
         torch.arange(len(mine), device=ids.device).repeat(asked.shape[0]),
         asked.reshape(-1).to(ids.device))

@@ -54,7 +54,8 @@ class Landing:
         while self._pending:
             rows, started, grad = self._pending.popleft()
             back = self.recorder.wait(started, grad)
-            torch.autograd.backward(rows, collectives.average_into(back, back, self.divisor))
+            if rows.requires_grad:  # (not: frozen tables, or none held here)
+                torch.autograd.backward(rows, collectives.average_into(back, back, self.divisor))
         return landed
 
 
@@ -90,12 +91,15 @@ def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv:
     Returns:
         The rows this rank asked for, in the autograd graph.
     """
-    if landing is None:
+    if landing is None and rows.requires_grad:
         return _Exchange.apply(rows, comm, send, recv, divisor, recorder, started, None)
-    # the graph stops here (a tuple: autograd does not see ``rows`` as an input); the
-    # lookups' part of it runs when the gradients land
+    # Whether backward runs the reverse exchange must not depend on this rank's lookups,
+    # which need no gradient on a rank holding no table (or no column of its block), or
+    # frozen tables: a leaf stands in for them. Deferred, the graph stops here too (a tuple:
+    # autograd does not see ``rows`` as an input); the lookups' part of it runs when the
+    # gradients land.
     return _Exchange.apply(rows.detach().requires_grad_(), comm, send, recv, divisor,
-                           recorder, started, (rows, landing))
+                           recorder, started, None if landing is None else (rows, landing))
 
 
 class _Exchange(torch.autograd.Function):

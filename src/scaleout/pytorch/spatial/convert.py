@@ -7,10 +7,20 @@ from torch import nn
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 
 __all__ = ["spatial_parallel"]
+
+
+def _pools_rows(module: nn.Module) -> bool:
+    """An adaptive pool whose windows along dim 2 depend on the whole (unsplit) size."""
+    if not isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+                               nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+        return False
+    size = module.output_size
+    return (size[0] if isinstance(size, tuple) else size) is not None
 
 
 def _global_pool(module: nn.Module) -> bool:
@@ -24,9 +34,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     """Replace, in place, every ``nn.Conv2d``/``Conv3d`` by a :class:`SpatialConv`, every
     ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm` and every global
     ``nn.AdaptiveAvgPool2d/3d(1)`` by a :class:`SpatialGlobalAvgPool`, keeping the weights
-    (broadcast from model-group rank 0 first). Feed each rank its block of every sample
-    (:func:`split_rows`). Layers that work on each block unchanged (activations, pooling
-    whose window tiles the block) are left as they are.
+    (broadcast from model-group rank 0 first; a tensor-parallel layer's shards stay as they
+    are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
+    each block unchanged (activations, pooling whose window tiles the block) are left as
+    they are.
 
     Args:
         module: the plain model (changed in place and returned).
@@ -37,11 +48,13 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
 
     Raises:
         ValueError: a convolution that cannot be split (stride, dilation, even kernel,
-            padding), named; nothing is converted then.
+            padding), or an adaptive pool across dim 2 other than a global average, named;
+            nothing is converted then.
     """
     comm = distribution.communicator(GroupType.MODEL)
-    if comm.size > 1:
-        broadcast_tensors(comm, [*module.parameters(), *module.buffers()])
+    if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
+        broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
+                                 *module.buffers()])
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for parent_name, parent in module.named_modules():
         for child_name, child in parent.named_children():
@@ -52,6 +65,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
                 new = SpatialBatchNorm(child, distribution=distribution, name=name)
             elif _global_pool(child):
                 new = SpatialGlobalAvgPool(distribution=distribution)
+            elif _pools_rows(child):
+                raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) pools "
+                                 "across the split rows; only a global average pool "
+                                 "(output size 1) can be split")
             else:
                 continue
             replacements.append((parent, child_name, new))

@@ -8,6 +8,8 @@ rank's own rows, so they are allreduced forward *and* backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,7 @@ class SpatialGlobalAvgPool(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = tuple(range(2, x.dim()))
-        total = x[0, 0].numel() * self.comm.size
+        total = math.prod(x.shape[2:]) * self.comm.size  # (x[0, 0]: none in an empty batch)
         return reduce_from_model(x.sum(dim=dims), self.comm, self.exchange_recorder) / total
 
 
@@ -83,9 +85,11 @@ class SpatialBatchNorm(nn.Module):
         centred = x - mean.view(shape)
         var = self._sum(centred * centred, dims) / count
         with torch.no_grad():
-            self.running_mean.mul_(1 - self.momentum).add_(mean.detach(), alpha=self.momentum)
-            unbiased = var.detach() * count / max(count - 1, 1)
-            self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+            if count:  # (an empty batch's statistics are 0 / 0: BatchNorm keeps the old ones)
+                self.running_mean.mul_(1 - self.momentum).add_(mean.detach(),
+                                                               alpha=self.momentum)
+                unbiased = var.detach() * count / max(count - 1, 1)
+                self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
             self.num_batches_tracked.add_(1)
         out = centred / torch.sqrt(var.view(shape) + self.eps)
         if self.affine:

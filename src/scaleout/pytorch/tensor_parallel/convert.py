@@ -108,8 +108,9 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
 
     Raises:
         ValueError: a planned layer is missing or not an nn.Linear/nn.Embedding, a style is
-            unknown, or a split size does not divide by the model group size (the message
-            names the layer and the sizes).
+            unknown, a split size does not divide by the model group size (the message
+            names the layer and the sizes), or a planned layer's weight is tied to another
+            module's.
 
     Example (2 ranks, grid 1 x 2):
         >>> net = tensor_parallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
@@ -128,6 +129,9 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
         broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
                                  *module.buffers()])
     modules = dict(module.named_modules())
+    names: dict[int, list[str]] = {}  # a parameter's every name (a tied one has several)
+    for qualified, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(qualified)
     attention: dict[str, nn.Module] = {}
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for name, style in plan.items():
@@ -141,6 +145,11 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
         if type(layer) is not wanted:
             raise ValueError(f"plan for layer {name!r}: expected an {wanted.__name__}, got "
                              f"{'nothing' if layer is None else type(layer).__name__}")
+        for kind, param in layer.named_parameters(recurse=False):
+            tied = [n for n in names[id(param)] if n != f"{name}.{kind}"]
+            if tied:
+                raise ValueError(f"plan for layer {name!r}: its {kind} is also {tied[0]} (tied); "
+                                 "a split layer gets weights of its own, which would untie them")
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name]
         if style == "column":

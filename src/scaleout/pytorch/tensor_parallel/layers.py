@@ -222,9 +222,9 @@ class VocabParallelEmbedding(ModelParallelLayer):
                        name: str = "") -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (its initial weights kept)."""
         if embedding.padding_idx is not None or embedding.max_norm is not None \
-                or embedding.sparse:
-            raise ValueError(f"VocabParallelEmbedding {name}: padding_idx, max_norm and sparse "
-                             "embeddings are not supported")
+                or embedding.sparse or embedding.scale_grad_by_freq:
+            raise ValueError(f"VocabParallelEmbedding {name}: padding_idx, max_norm, sparse and "
+                             "scale_grad_by_freq embeddings are not supported")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim,
                     distribution=distribution, dtype=embedding.weight.dtype, name=name)
         with torch.no_grad():
@@ -232,6 +232,16 @@ class VocabParallelEmbedding(ModelParallelLayer):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(*)`` ids -> ``(*, embedding_dim)``, the same ids on every rank of the model group.
+
+        Raises:
+            ValueError: an id outside ``[0, num_embeddings)`` (it would read zeros: no rank
+                holds it); every rank of the group sees the same ids, so every rank raises.
+        """
+        wrong = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(wrong.any()):
+            raise ValueError(f"VocabParallelEmbedding {self.layer_name}: ids must be in [0, "
+                             f"{self.num_embeddings}), got {ids[wrong][0].item()}")
         outside = (ids < self.start) | (ids >= self.start + self.local_rows)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
         out = F.embedding(local, self.weight)

@@ -39,11 +39,11 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
+from scaleout.pytorch.embeddings.full_state import gather_full_state, part_of_full_state
 from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
 from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
-    ROW_WISE,
     ShardingPlan,
     TableSpec,
     plan_tables,
@@ -370,49 +370,20 @@ class EmbeddingCollection(nn.Module):
         return look_up(self._batch, weights, self.plan, self.comm.rank, ids, asked, self.dtype)
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every table's weight on every rank (a broadcast from each owner, an allgatherv of
-        a row-wise table's blocks), keyed ``"<t>.weight"`` like an ``nn.ModuleList`` of
-        ``nn.Embedding``."""
-        out = {}
-        for t, (spec, owner) in enumerate(zip(self.tables, self.plan.owners)):
-            if owner in (ROW_WISE, COLUMN_WISE):
-                mine = self.get_submodule(str(t)).weight.detach()
-                if owner == COLUMN_WISE:  # gather the columns as rows of the transpose
-                    counts = [self.plan.cols_of(t, r)[1] for r in range(self.comm.size)]
-                    gathered = collectives.allgatherv(self.comm, mine.t().contiguous(),
-                                                      counts).wait()
-                    out[f"{t}.weight"] = gathered.t().contiguous()
-                else:
-                    counts = [self.plan.rows_of(t, r)[1] for r in range(self.comm.size)]
-                    out[f"{t}.weight"] = collectives.allgatherv(self.comm, mine, counts).wait()
-                continue
-            if owner == self.comm.rank:
-                buffer = self.get_submodule(str(t)).weight.detach().clone()
-            else:
-                buffer = torch.empty(spec.rows, spec.dim, dtype=self.dtype, device=self.device)
-            out[f"{t}.weight"] = collectives.bcast(self.comm, buffer, owner).wait()
-        return out
+        """Every table's weight on every rank, keyed ``"<t>.weight"`` like an
+        ``nn.ModuleList`` of ``nn.Embedding`` (``embeddings.full_state``)."""
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        return gather_full_state(self.comm, self.plan, self.tables,
+                                 lambda t: self.get_submodule(str(t)).weight, like)
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of full tables keyed ``"<t>.weight"`` (what :meth:`full_state`
-        returns), ready for ``load_state_dict``: the tables it holds, its rows of row-wise
-        ones.
+        returns), ready for ``load_state_dict`` (``embeddings.full_state``).
 
         Raises:
-            ValueError: a table it holds is not of its full ``(rows, dim)`` shape (its block
-                would be sliced out of another table).
+            ValueError: a table it holds is not of its full ``(rows, dim)`` shape.
         """
-        mine = {}
-        for t in self.held():
-            full = tuple(state[f"{t}.weight"].shape)
-            if full != (self.tables[t].rows, self.dim):
-                raise ValueError(f"EmbeddingCollection.load_full_state: table {t} needs a full "
-                                 f"weight of shape {(self.tables[t].rows, self.dim)}, got {full}")
-            first, count = self.plan.rows_of(t, self.comm.rank)
-            column, width = self.plan.cols_of(t, self.comm.rank)
-            mine[f"{t}.weight"] = state[f"{t}.weight"][first: first + count,
-                                                       column: column + width]
-        return mine
+        return part_of_full_state(self.plan, self.tables, self.held(), self.comm.rank, state)
 
     def extra_repr(self) -> str:
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"

@@ -492,3 +492,32 @@ def test_group_lengths_that_differ_raise_on_every_rank() -> None:
     for messages in run_ranks(2, body_group_lengths_differ, timeout=60):
         assert all("tensors" in m and "rank" in m for m in messages), messages
 
+
+
+def body_join_refuses_objects(root: int) -> list[str]:
+    hvd.init(timeout=5)
+    if hvd.rank() == 0:
+        hvd.join()
+        hvd.shutdown()
+        return ["joined"]
+    seen = []
+    for call in (lambda: hvd.broadcast_object({"a": 1}, root_rank=root),
+                 lambda: hvd.allgather_object({"a": 1})):
+        try:
+            call()
+            seen.append("passed")
+        except hvd.TensorMismatchError as err:
+            seen.append(str(err))
+    hvd.join()  # the job can still end cleanly
+    hvd.shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_join_refuses_object_collectives_on_every_rank(root: int) -> None:
+    """broadcast_object and allgather_object while a rank has joined raise on the active rank
+    and leave the job able to finish (allgather_object used to abort the active rank in gloo;
+    after a timed-out broadcast_object its join() hung)."""
+    joined, active = run_ranks(2, body_join_refuses_objects, root, timeout=40)
+    assert joined == ["joined"] and len(active) == 2, active
+    assert all("has called hvd.join()" in m for m in active), active

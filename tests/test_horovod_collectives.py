@@ -281,6 +281,10 @@ def body_join() -> dict[str, object]:
         active = range(s, n)
         mine = torch.tensor([r + 1.0])
         assert hvd.allreduce(mine, op=hvd.Sum, name=f"sum{s}").item() == sum(q + 1 for q in active)
+        total = sum(q + 1 for q in active)
+        assert [t.item() for t in hvd.grouped_allreduce([mine, 2 * mine], op=hvd.Sum)] \
+            == [total, 2 * total]
+        assert hvd.grouped_allreduce([]) == []  # the joined ranks pass the header of no tensors
         assert hvd.allreduce(mine, op=hvd.Min).item() == s + 1
         assert hvd.allreduce(mine, op=hvd.Max).item() == n
         assert hvd.allreduce(mine, op=hvd.Product).item() == torch.tensor(
@@ -451,3 +455,69 @@ def body_join_stands_in_for_a_large_allgather() -> list[float]:
 def test_join_stands_in_for_an_allgather_above_the_exchange_threshold() -> None:
     got = run_ranks(2, body_join_stands_in_for_a_large_allgather, timeout=60)
     assert got == [[], [float(LARGE_ROWS), 7.0 * LARGE_ROWS * 16]]
+
+
+def body_group_lengths_differ() -> list[str]:
+    import time
+
+    hvd.init(timeout=10)  # a wait for the other rank would take 10 s: none must happen
+    r = hvd.rank()
+    began = time.monotonic()
+    calls = [  # rank 0 passes one tensor more than rank 1 (none in the last two cases)
+        lambda: hvd.grouped_allreduce([torch.ones(2)] * (2 - r)),
+        lambda: hvd.grouped_allreduce_([torch.ones(2)] * (2 - r), name="g"),
+        lambda: hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2)] * (1 - r))),
+        lambda: hvd.broadcast_parameters({f"w{i}": torch.ones(2) for i in range(2 - r)}, 0),
+        lambda: hvd.broadcast_parameters([("w", torch.ones(2))] * (1 - r), 0),
+    ]
+    seen = []
+    for call in calls:
+        try:
+            call()
+            seen.append("no error")
+        except hvd.TensorMismatchError as err:
+            seen.append(str(err))
+    assert time.monotonic() - began < 5, seen
+    # the job goes on: the same call on both ranks gives the right answer
+    total = hvd.grouped_allreduce([torch.ones(2)] * 2, name="after", op=hvd.Sum)
+    assert [t.tolist() for t in total] == [[2.0, 2.0]] * 2
+    hvd.shutdown()
+    return seen
+
+
+def test_group_lengths_that_differ_raise_on_every_rank() -> None:
+    """grouped_allreduce and broadcast_parameters with different numbers of tensors on
+    different ranks raise on every rank at once (they used to time out on one rank only, or
+    to skip the exchange for an empty list and pair with the next collective)."""
+    for messages in run_ranks(2, body_group_lengths_differ, timeout=60):
+        assert all("tensors" in m and "rank" in m for m in messages), messages
+
+
+
+def body_join_refuses_objects(root: int) -> list[str]:
+    hvd.init(timeout=5)
+    if hvd.rank() == 0:
+        hvd.join()
+        hvd.shutdown()
+        return ["joined"]
+    seen = []
+    for call in (lambda: hvd.broadcast_object({"a": 1}, root_rank=root),
+                 lambda: hvd.allgather_object({"a": 1})):
+        try:
+            call()
+            seen.append("passed")
+        except hvd.TensorMismatchError as err:
+            seen.append(str(err))
+    hvd.join()  # the job can still end cleanly
+    hvd.shutdown()
+    return seen
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_join_refuses_object_collectives_on_every_rank(root: int) -> None:
+    """broadcast_object and allgather_object while a rank has joined raise on the active rank
+    and leave the job able to finish (allgather_object used to abort the active rank in gloo;
+    after a timed-out broadcast_object its join() hung)."""
+    joined, active = run_ranks(2, body_join_refuses_objects, root, timeout=40)
+    assert joined == ["joined"] and len(active) == 2, active
+    assert all("has called hvd.join()" in m for m in active), active

@@ -24,12 +24,12 @@ from scaleout.horovod.context import Runtime, runtime
 from scaleout.horovod.handles import Pending, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
-from scaleout.horovod.signature import ARGUMENT_ERRORS, exchange_signature
+from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_count, exchange_signature
 
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
-    "copy_of",
+    "copy_of", "start_group",
 ]
 
 _CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
@@ -185,12 +185,31 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         postscale_factor, process_set))
 
 
-def _grouped(tensors: Sequence[torch.Tensor], start: Callable[[Runtime, torch.Tensor, str | None], Pending],
-             name: str | None) -> int:
-    rt = runtime()
+def _count(tensors: object) -> int:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"grouped_allreduce: tensors must be a list of tensors, got "
                         f"{type(tensors).__name__}")
+    return len(tensors)
+
+
+def start_group(tensors: object, name: str | None, process_set: ProcessSet) -> None:
+    """Check that ``tensors`` is a list and that every member passes as many tensors.
+
+    Raises:
+        TypeError: ``tensors`` is not a list of tensors.
+        TensorMismatchError: (on every member) the members pass different numbers of tensors,
+            or another member's ``tensors`` is not a list.
+    """
+    kind = "grouped_allreduce"
+    count, refused = attempt(lambda: _count(tensors))
+    exchange_count(process_set.communicator(kind), kind, name or kind,
+                   count if count is not None else 0, joinable=True, refused=refused)
+
+
+def _grouped(tensors: Sequence[torch.Tensor], start: Callable[[Runtime, torch.Tensor, str | None], Pending],
+             name: str | None, process_set: ProcessSet) -> int:
+    rt = runtime()
+    start_group(tensors, name, process_set)
     parts = [start(rt, t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
 
     def finish(results: list[Any]) -> list[torch.Tensor]:
@@ -209,7 +228,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     op = resolve_op(op, average, "grouped_allreduce")
     return _grouped(tensors, lambda rt, t, n: start_allreduce(
         rt, t, name=n, op=op, prescale=prescale_factor, postscale=postscale_factor,
-        process_set=process_set, kind="grouped_allreduce"), name)
+        process_set=process_set, kind="grouped_allreduce"), name, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from scaleout.horovod.allreduce import copy_of, start_allreduce
+from scaleout.horovod.allreduce import copy_of, start_allreduce, start_group
 from scaleout.horovod.collectives import (
     allgather_async,
     alltoall_async,
@@ -177,10 +177,13 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """:func:`allreduce` of each tensor of ``tensors`` (names ``name.0``, ``name.1`` ...)."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"grouped_allreduce: tensors must be a list of tensors, got "
-                        f"{type(tensors).__name__}")
+    """:func:`allreduce` of each tensor of ``tensors`` (names ``name.0``, ``name.1`` ...).
+
+    Raises:
+        TensorMismatchError: (on every member) the members pass different numbers of tensors,
+            or see :func:`allreduce`.
+    """
+    start_group(tensors, name, process_set)
     return [allreduce(t, average, None if name is None else f"{name}.{i}", compression, op,
                       prescale_factor, postscale_factor, process_set)
             for i, t in enumerate(tensors)]

@@ -4,6 +4,10 @@ Objects travel as ``torch.save`` bytes and are read back with ``torch.load(weigh
 which rebuilds only plain data: tensors, numbers, strings, bytes, None, bools, and lists,
 tuples, dicts, OrderedDicts and sets of these (the types a state dict is made of), and never
 runs code from a peer. Anything else is refused on the sending rank with a TypeError.
+
+Both first exchange a signature (see :mod:`scaleout.horovod.signature`), as the other
+collectives do: a rank that has called ``hvd.join()`` reads it and refuses, so that every
+rank raises instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from typing import Any
 import torch
 
 from scaleout.core import collectives as coll
+from scaleout.horovod.context import runtime
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.signature import attempt, exchange_signature
 
 __all__ = ["broadcast_object", "allgather_object", "encode_object", "decode_object"]
 
@@ -52,7 +58,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Args:
         obj: the object (read on the root only); see the module docstring for the types.
         root_rank: the global rank that sends.
-        name: accepted for Horovod compatibility.
+        name: the call's name; ranks must pass the same (default: generated, in call order).
         process_set: the ranks taking part.
 
     Returns:
@@ -61,12 +67,22 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Raises:
         TypeError: (on every rank) the root's object holds a type that cannot travel safely.
         ValueError: ``root_rank`` is not a member of the set.
+        TensorMismatchError: (on every rank) the ranks disagree on the name or the root, or
+            called another collective, or a rank has called ``hvd.join()``.
     """
-    comm = process_set.communicator("broadcast_object")
-    if root_rank not in comm.ranks:
-        raise ValueError(f"broadcast_object: root_rank must be a rank of the process set "
-                         f"{list(comm.ranks)}, got {root_rank}")
-    root = comm.ranks.index(root_rank)
+    kind = "broadcast_object"
+    comm = process_set.communicator(kind)
+    name = runtime().auto_name(kind, name)
+
+    def check() -> int:
+        if root_rank not in comm.ranks:
+            raise ValueError(f"{kind}: root_rank must be a rank of the process set "
+                             f"{list(comm.ranks)}, got {root_rank}")
+        return comm.ranks.index(root_rank)
+
+    root, refused = attempt(check)
+    exchange_signature(comm, kind, name, torch.empty(0), root=-1 if root is None else root,
+                       refused=refused)
     is_root = comm.global_rank == root_rank
     payload, failure = None, None
     if is_root:
@@ -94,7 +110,7 @@ def allgather_object(obj: Any, name: str | None = None,
 
     Args:
         obj: this rank's object; see the module docstring for the types.
-        name: accepted for Horovod compatibility.
+        name: the call's name; ranks must pass the same (default: generated, in call order).
         process_set: the ranks taking part.
 
     Returns:
@@ -102,8 +118,12 @@ def allgather_object(obj: Any, name: str | None = None,
 
     Raises:
         TypeError: (on every rank) some rank's object holds a type that cannot travel safely.
+        TensorMismatchError: (on every rank) the ranks disagree on the name, or called another
+            collective, or a rank has called ``hvd.join()``.
     """
-    comm = process_set.communicator("allgather_object")
+    kind = "allgather_object"
+    comm = process_set.communicator(kind)
+    exchange_signature(comm, kind, runtime().auto_name(kind, name), torch.empty(0))
     payload, failure = None, None
     try:
         payload = encode_object(obj, "allgather_object")

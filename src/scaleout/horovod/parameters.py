@@ -11,8 +11,27 @@ from scaleout.horovod.collectives import broadcast_async_
 from scaleout.horovod.handles import synchronize
 from scaleout.horovod.objects import broadcast_object
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.signature import attempt, exchange_count
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def _items(params: object) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = list(params)
+        if not all(isinstance(i, tuple) and len(i) == 2 for i in items):
+            raise ValueError("broadcast_parameters: expected a state dict or (name, tensor) "
+                             f"pairs, got a list holding {type(items[0]).__name__ if items else '?'}")
+    else:
+        raise ValueError(f"broadcast_parameters: expected a state dict or (name, tensor) pairs, "
+                         f"got {type(params).__name__}")
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
+                             "expected a tensor")
+    return items
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -26,26 +45,18 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
     Raises:
         ValueError: ``params`` is neither a mapping nor name-tensor pairs.
-        TensorMismatchError: the ranks' models differ in names, shapes or dtypes.
+        TensorMismatchError: (on every rank) the ranks' models differ in the number of
+            entries, names, shapes or dtypes, or another rank's ``params`` were refused.
 
     Example:
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    if isinstance(params, Mapping):
-        items = sorted(params.items())
-    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
-        items = list(params)
-        if not all(isinstance(i, tuple) and len(i) == 2 for i in items):
-            raise ValueError("broadcast_parameters: expected a state dict or (name, tensor) "
-                             f"pairs, got a list holding {type(items[0]).__name__ if items else '?'}")
-    else:
-        raise ValueError(f"broadcast_parameters: expected a state dict or (name, tensor) pairs, "
-                         f"got {type(params).__name__}")
+    kind = "broadcast_parameters"
+    items, refused = attempt(lambda: _items(params))
+    # every rank passes as many entries (or every rank raises), before any entry moves
+    exchange_count(process_set.communicator(kind), kind, kind, len(items or ()), refused=refused)
     handles = []
     for name, value in items:
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
-                             "expected a tensor")
         target = value.data if isinstance(value, torch.nn.Parameter) else value
         handles.append(broadcast_async_(target, root_rank, f"parameter.{name}", process_set))
     for handle in handles:

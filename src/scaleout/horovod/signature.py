@@ -5,6 +5,10 @@ instead of hanging. The face does the same with one small allgather (one row of 
 rank: name, collective, op, dtype, root, shape, wire dtype) on the core's collectives; every
 member sees every row, so all of them raise the same error, before any data moves.
 
+A call of several tensors (``grouped_allreduce``, ``broadcast_parameters``) first exchanges a
+*header* row holding how many tensors each rank passes, so that different numbers are an error
+on every rank, not a rank left waiting or a tensor paired with the next call's.
+
 A rank that called ``hvd.join()`` sends a *joined* row instead and stands in for the others'
 allreduces and allgathers (see :mod:`scaleout.horovod.join`); the active ranks skip its row.
 """
@@ -23,8 +27,8 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.horovod.errors import TensorMismatchError
 
-__all__ = ["exchange_signature", "exchange_joined", "attempt", "Signature", "DTYPES", "JOINABLE",
-           "ARGUMENT_ERRORS"]
+__all__ = ["exchange_signature", "exchange_count", "exchange_joined", "attempt", "Signature",
+           "DTYPES", "JOINABLE", "ARGUMENT_ERRORS"]
 
 #: what a call's argument checks raise; such a refusal travels in the signature exchange
 ARGUMENT_ERRORS = (TypeError, ValueError, NotImplementedError)
@@ -36,11 +40,11 @@ JOINABLE = ("allreduce", "grouped_allreduce", "allgather")
 _MAX_DIMS = 8
 # columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
 # joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
-# were refused, it raises and sends nothing)
+# were refused, it raises and sends nothing), count (a header's number of tensors, else -1)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
 _TAIL = _DIMS + _MAX_DIMS
-_WIRE, _JOINABLE, _REFUSED = _TAIL + 1, _TAIL + 2, _TAIL + 3
-_WIDTH = _REFUSED + 1
+_WIRE, _JOINABLE, _REFUSED, _COUNT = _TAIL + 1, _TAIL + 2, _TAIL + 3, _TAIL + 4
+_WIDTH = _COUNT + 1
 
 
 def _hash(text: str) -> int:
@@ -55,12 +59,12 @@ def _code(dtype: torch.dtype) -> int:
 
 
 def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: torch.dtype,
-         joinable: bool) -> list[int]:
+         joinable: bool, count: int) -> list[int]:
     dims = list(tensor.shape)
     shown = dims[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(dims), _MAX_DIMS))
     joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
     return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
-            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0]
+            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0, count]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -80,7 +84,7 @@ class Signature:
 
     Attributes:
         kind: the collective (one of :data:`JOINABLE`), or ``None`` for one a joined rank
-            cannot stand in for.
+            cannot stand in for, and for a header (nothing moves).
         op: the reduction (Horovod's op number).
         wire: the dtype of the tensor on the wire.
         shape: the shape on the wire (dim 0 of the announcing rank).
@@ -94,7 +98,7 @@ class Signature:
 
 def _decode(row: Sequence[int]) -> Signature:
     kinds = {_hash(k): k for k in JOINABLE}
-    kind = kinds.get(row[_KIND]) if row[_JOINABLE] else None
+    kind = kinds.get(row[_KIND]) if row[_JOINABLE] and row[_COUNT] < 0 else None
     wire = DTYPES[row[_WIRE]] if 0 <= row[_WIRE] < len(DTYPES) else torch.uint8
     shape = tuple(row[_DIMS:_DIMS + row[_NDIM]]) if row[_NDIM] <= _MAX_DIMS else ()
     return Signature(kind=kind, op=row[_OP], wire=wire, shape=shape)
@@ -129,7 +133,7 @@ def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[li
 def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor | None, *,
                        op: int = -1, root: int = -1, rows_may_differ: bool = False,
                        wire: torch.dtype | None = None, joinable: bool = False,
-                       refused: Exception | None = None) -> list[int]:
+                       refused: Exception | None = None, count: int = -1) -> list[int]:
     """Exchange this call's signature with the group and raise unless all agree.
 
     Args:
@@ -144,6 +148,8 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         joinable: a joined rank can stand in for this call (see :mod:`scaleout.horovod.join`).
         refused: this rank's arguments failed their checks: the error is raised here after the
             exchange, and every other member raises too (nobody waits for this rank).
+        count: for the header of a call of several tensors, how many this rank passes (see
+            :func:`exchange_count`); ``-1`` for a tensor's own row.
 
     Returns:
         Every member's dim-0 length, in group-rank order (0 for joined members).
@@ -154,13 +160,15 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             rank, the group and the call).
         TensorMismatchError: on every member, when any member differs, or when a member has
             joined and this collective is not one a joined rank can stand in for; the message
-            names the first such member.
+            names the first such member, or members pass different numbers of tensors
+            (``count``).
     """
     if refused is not None or tensor is None:
         mine = [_hash(name), _hash(kind)] + [0] * (_WIDTH - 2)
         mine[_REFUSED] = 1
     else:
-        mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable)
+        mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable,
+                    count)
     table = _gather(comm, mine, kind, name) if comm.size > 1 else [mine]
     if refused is not None:
         raise refused
@@ -185,6 +193,9 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         if row[_NAME] != mine[_NAME]:
             raise TensorMismatchError(f"{where} named its tensor differently (this rank: "
                                       f"{name!r}): ranks must submit the same names in the same order")
+        if row[_COUNT] != mine[_COUNT]:
+            raise TensorMismatchError(f"{where} passed {row[_COUNT]} tensors to this call, this "
+                                      f"rank {count}: every rank must pass the same number")
         if row[_OP] != mine[_OP]:
             raise TensorMismatchError(f"{where}: mismatched reduction ops (op {row[_OP]} there, "
                                       f"{op} here)")
@@ -201,6 +212,23 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             raise TensorMismatchError(f"{where}: mismatched {what}: {_shape(row)} there, "
                                       f"{_shape(mine)} here")
     return [0 if row[_KIND] == _JOINED else (row[_DIMS] if row[_NDIM] else 1) for row in table]
+
+
+def exchange_count(comm: Communicator, kind: str, name: str, count: int, *,
+                   joinable: bool = False, refused: Exception | None = None) -> None:
+    """The header of a call of ``count`` tensors: raise on every member unless all pass as many.
+
+    Args:
+        comm, kind, name, refused: as for :func:`exchange_signature`.
+        count: how many tensors this rank passes (0 too: the header is exchanged regardless).
+        joinable: a joined rank can stand in for the call's tensors; it lets the header pass.
+
+    Raises:
+        TensorMismatchError: (on every member) the members pass different numbers of tensors,
+            or see :func:`exchange_signature`.
+    """
+    exchange_signature(comm, kind, name, torch.empty(0), joinable=joinable, refused=refused,
+                       count=count)
 
 
 def exchange_joined(comm: Communicator) -> tuple[Signature | None, list[int]] | None:

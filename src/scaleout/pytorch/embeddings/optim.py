@@ -19,6 +19,10 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     proportional to the rows touched, not to the table. Dense gradients are accepted too
     (every row is then touched; rows with a zero gradient do not change).
 
+    On a column-wise table (``COLUMN_WISE``: each rank holds some of every row's columns) the
+    mean is over this rank's columns only, so each block keeps its own accumulator and the
+    updates differ from those of the unsplit table (whole and row-wise tables match it).
+
     Args:
         params: the tables' weights (2-D).
         lr: learning rate, > 0. eps: added to the root, > 0.

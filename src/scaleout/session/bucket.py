@@ -60,7 +60,6 @@ class GradBucket:
                  statistics: Statistics) -> None:
         self._index = index
         self.members = list(members)
-        self.offsets = {id(ps): off for ps, off in zip(members, offsets)}
         self.name = "+".join(ps.name for ps in members)
         self.comm = comm
         self.hook = hook
@@ -118,8 +117,7 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """Each member's gradient, a view of the buffer in its shape."""
-        return [self._buffer[off: off + ps.local_count].view(ps.shape)
-                for ps, off in ((ps, self.offsets[id(ps)]) for ps in self.members)]
+        return [self._slots[id(ps)][1] for ps in self.members]
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters whose gradients it holds (when a front end registered them)."""

@@ -237,9 +237,14 @@ class VocabParallelEmbedding(ModelParallelLayer):
         Raises:
             ValueError: an id outside ``[0, num_embeddings)`` (it would read zeros: no rank
                 holds it); every rank of the group sees the same ids, so every rank raises.
+                On a GPU it is a device-side assert instead (as ``nn.Embedding``'s), so the
+                check never makes the host wait for the device.
         """
         wrong = (ids < 0) | (ids >= self.num_embeddings)
-        if bool(wrong.any()):
+        if ids.device.type != "cpu":
+            torch._assert_async(~wrong.any(), f"VocabParallelEmbedding {self.layer_name}: ids "
+                                f"must be in [0, {self.num_embeddings})")
+        elif bool(wrong.any()):
             raise ValueError(f"VocabParallelEmbedding {self.layer_name}: ids must be in [0, "
                              f"{self.num_embeddings}), got {ids[wrong][0].item()}")
         outside = (ids < self.start) | (ids >= self.start + self.local_rows)

@@ -7,12 +7,14 @@ and how many bytes a credit lets into flight.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from scaleout.core.errors import CommunicationTimeout
 from scaleout.core.request import Deadline, Request
@@ -229,3 +231,33 @@ def test_open_choices_are_resolved_for_the_buffers() -> None:
     assert (other.policy, other.channels, other.lanes) == ("priority", 1, 2)
     kept = SchedulerConfig(policy="priority", channels=3).resolved(cuda_over_gloo=True)
     assert (kept.policy, kept.channels) == ("priority", 3)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every thread count is one")
+def test_engine_thread_computes_with_the_ranks_intra_op_thread_count() -> None:
+    """A codec's matrix products on the engine's thread use ``torch.set_num_threads``'s count
+    (a new thread's BLAS would otherwise use one thread per core): the process's CPU time
+    over them stays close to their wall time."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(800, 800)
+    seen: dict[str, float] = {}
+
+    def start(_comm: object) -> Request:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(8):
+            a @ a
+        seen["cpu/wall"] = (time.process_time() - c0) / (time.perf_counter() - t0)
+        request = FakeRequest("matmul")
+        request.complete()
+        return request
+
+    engine = ProgressEngine([FakeComm()], [1], FifoPolicy(), timeout=5.0)
+    try:
+        job = Job(name="matmul", lane=0, order=0, finish=lambda: None, chunks=[(KB, start)])
+        engine.submit(job)
+        job.wait(60.0)
+    finally:
+        engine.close()
+        torch.set_num_threads(previous)
+    assert seen["cpu/wall"] < 1.3, seen

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Deadline, Request
@@ -140,6 +142,7 @@ class ProgressEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._failure: BaseException | None = None
         self._stream = stream
+        self._threads = torch.get_num_threads()  # the creating thread's (see _run)
         self._thread = threading.Thread(target=self._run, name="scaleout-progress", daemon=True)
         self._thread.start()
 
@@ -163,9 +166,13 @@ class ProgressEngine:
     # -- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        # The rank's intra-op thread count. A new thread's OpenMP and MKL take theirs from
+        # OMP_NUM_THREADS (else one per core), not from ``torch.set_num_threads``: without
+        # this, BLAS on this thread (PowerSGD's matrix products) ran on 2 threads per rank
+        # on a 2-core machine where the rank asked for 1, or on 1 under torchrun's
+        # OMP_NUM_THREADS=1 where the rank asked for more.
+        torch.set_num_threads(self._threads)
         if self._stream is not None:
-            import torch
-
             torch.cuda.set_stream(self._stream)  # this thread's current stream
         try:
             while True:

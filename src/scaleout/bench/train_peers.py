@@ -14,7 +14,8 @@ Configurations:
 * ``ddp`` — torch ``DistributedDataParallel`` with its default buckets (25 MB, first 1 MB).
 * ``ddp-fp16`` — DDP with the ``fp16_compress_hook`` communication hook.
 * ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
-  from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults).
+  from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults;
+  over gloo one bucket at a time, :mod:`scaleout.bench.ddp_hooks`).
 * ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
 * ``ddp-tuned`` / ``ddp-tuned:MB`` — DDP as a careful user tunes it:
   ``gradient_as_bucket_view=True``, ``static_graph=True`` and ``bucket_cap_mb`` MB
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.bench.ddp_hooks import one_bucket_at_a_time
 from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.bench.train_hybrid import build_hybrid
 from scaleout.bench.train_setup import (LR, MOMENTUM, Setup, SetupOptions, nothing,
@@ -140,7 +142,12 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
         state = powerSGD_hook.PowerSGDState(process_group=None,
                                             matrix_approximation_rank=POWERSGD_RANK,
                                             start_powerSGD_iter=POWERSGD_START)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        # on gloo one bucket at a time: torch's hook, issuing rounds from gloo's callbacks,
+        # mismatches collectives between ranks otherwise (scaleout.bench.ddp_hooks)
+        safe = backend != "gloo"
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook if safe
+                                 else one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
+        details["one_bucket_at_a_time"] = not safe
         details.update(matrix_approximation_rank=POWERSGD_RANK,
                        start_powerSGD_iter=POWERSGD_START, use_error_feedback=True,
                        warm_start=True)

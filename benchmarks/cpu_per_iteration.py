@@ -10,8 +10,9 @@ with torchrun (one process per rank), on loopback::
 
     torchrun --nproc_per_node 2 benchmarks/cpu_per_iteration.py scaleout [WORKLOAD] [ITERS]
 
-``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``) and ``SCALEOUT_MODE`` (``overlap``,
-``sync``) choose scaleout's set-up. Rank 0 prints one line. Interleave configurations and
+``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``), ``SCALEOUT_MODE`` (``overlap``,
+``sync``) and ``SCALEOUT_COMPRESSION`` (a codec spec, e.g. ``powersgd:2``) choose scaleout's
+set-up. Rank 0 prints one line. Interleave configurations and
 repeat (the machine's speed drifts by 20-30% over minutes here).
 """
 
@@ -61,7 +62,8 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     workload = get_workload(workload_name)
     options = SetupOptions(workload=workload,
                            policy=os.environ.get("SCALEOUT_POLICY", "default"),
-                           mode=os.environ.get("SCALEOUT_MODE", "overlap"))
+                           mode=os.environ.get("SCALEOUT_MODE", "overlap"),
+                           compression=os.environ.get("SCALEOUT_COMPRESSION") or None)
     setup = build_setup(config, options)
     batch = workload.default_batch_size
     batches = [workload.make_batch(batch * world, step, 0, rank=rank, world_size=world)

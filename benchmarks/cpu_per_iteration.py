@@ -98,12 +98,13 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
                for name, seconds in thread_cpu().items()}
     cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / iters
     system = (after.ru_stime - before.ru_stime) / iters
-    switches = (after.ru_nvcsw - before.ru_nvcsw + after.ru_nivcsw - before.ru_nivcsw) / iters
+    voluntary = (after.ru_nvcsw - before.ru_nvcsw) / iters  # waits
+    switches = voluntary + (after.ru_nivcsw - before.ru_nivcsw) / iters  # + preempted
     if rank == 0:
         forward, backward, step = (1e3 * p / iters for p in phases)
         print(f"{config} {workload_name} {world} ranks: {1e3 * wall:.2f} ms/it wall, "
               f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
-              f"switches/it; main thread CPU forward {forward:.2f} backward {backward:.2f} "
+              f"switches/it ({voluntary:.1f} voluntary); main thread CPU forward {forward:.2f} backward {backward:.2f} "
               f"step {step:.2f} ms/it", flush=True)
         busy = sorted(((s, n) for n, s in threads.items() if s > 0), reverse=True)
         print("  CPU per thread (ms/it, clock ticks): "

@@ -36,7 +36,8 @@ DISTINCT_BATCHES = 8
 def thread_cpu() -> dict[str, float]:
     """CPU seconds so far of each of this process's threads, by name: Python threads by their
     ``threading`` name (the OS shows ``python3`` for all of them), gloo's by their kernel name
-    (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per name. Empty where ``/proc`` is not."""
+    (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per name; and, under ``name (waits)``,
+    each name's voluntary context switches so far. Empty where ``/proc`` is not."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = defaultdict(float)
@@ -50,9 +51,14 @@ def thread_cpu() -> dict[str, float]:
                 fields = handle.read().rsplit(")", 1)[1].split()  # from field 3 (state) on
             with open(f"/proc/self/task/{task}/comm") as handle:
                 kernel_name = handle.read().strip()
+            with open(f"/proc/self/task/{task}/status") as handle:
+                waits = next(int(line.split()[1]) for line in handle
+                             if line.startswith("voluntary_ctxt_switches"))
         except OSError:  # the thread ended meanwhile
             continue
-        out[names.get(int(task), kernel_name)] += (int(fields[11]) + int(fields[12])) / ticks
+        name = names.get(int(task), kernel_name)
+        out[name] += (int(fields[11]) + int(fields[12])) / ticks
+        out[f"{name} (waits)"] += waits
     return out
 
 
@@ -106,9 +112,14 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
               f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
               f"switches/it ({voluntary:.1f} voluntary); main thread CPU forward {forward:.2f} backward {backward:.2f} "
               f"step {step:.2f} ms/it", flush=True)
-        busy = sorted(((s, n) for n, s in threads.items() if s > 0), reverse=True)
+        busy = sorted(((s, n) for n, s in threads.items() if s > 0 and "(waits)" not in n),
+                      reverse=True)
         print("  CPU per thread (ms/it, clock ticks): "
               + ", ".join(f"{n} {1e3 * s:.2f}" for s, n in busy), flush=True)
+        waits = sorted(((s, n[:-8]) for n, s in threads.items() if s > 0 and "(waits)" in n),
+                       reverse=True)
+        print("  voluntary context switches per thread per iteration: "
+              + ", ".join(f"{n} {s:.1f}" for s, n in waits), flush=True)
     setup.close()
 
 

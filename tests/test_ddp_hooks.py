@@ -84,5 +84,5 @@ def body_powersgd() -> list[float]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_powersgd_hook_one_bucket_at_a_time_over_gloo(world: int) -> None:
-    sums = run_ranks(world, body_powersgd, timeout=120)
+    sums = run_ranks(world, body_powersgd, timeout=60)
     assert len({s[0] for s in sums}) == 1

@@ -1,13 +1,13 @@
 """DDP communication hooks of several rounds, made safe on gloo for the ``ddp-*`` peers.
 
 torch's ``powerSGD_hook`` sends a bucket in three rounds (the uncompressed tensors, then
-``P``, then ``Q``), each issued from the callback of the round before. With NCCL the
-callbacks run in issue order; with gloo they run on gloo's threads when each round
-completes, so bucket ``k``'s next round and bucket ``k + 1``'s first one reach the process
-group in whichever order the threads happen to run, which differs between ranks: gloo
-then aborts the job ("Received data size doesn't match expected size", the collective
-mismatch torch's own hook tests skip gloo for). On the 2-core machine, ResNet-18 at
-100 Mbit/s died this way in round 0 of every run (benchmarks/RESULTS.md, stop 16).
+``P``, then ``Q``), each issued from the callback of the round before. With gloo those
+callbacks run on gloo's threads when each round completes, so bucket ``k``'s next round and
+bucket ``k + 1``'s first one reach the process group in whichever order the threads happen
+to run, which differs between ranks: gloo then aborts the job ("Received data size doesn't
+match expected size") or the ranks hang. On the 2-core machine, ResNet-18 at 100 Mbit/s
+died this way in round 0 of every run (benchmarks/RESULTS.md, stop 16); on NCCL the peer
+runs torch's hook unwrapped (not re-checked here: no GPU).
 
 :func:`one_bucket_at_a_time` starts each bucket's hook only once the previous bucket's
 future completed, from that future's callback, so every rank issues the same collectives

@@ -33,14 +33,14 @@ WARMUP = 10
 DISTINCT_BATCHES = 8
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds so far of each of this process's threads, by name: Python threads by their
-    ``threading`` name (the OS shows ``python3`` for all of them), gloo's by their kernel name
-    (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per name; and, under ``name (waits)``,
-    each name's voluntary context switches so far. Empty where ``/proc`` is not."""
+def thread_cpu() -> dict[str, list[float]]:
+    """``[CPU seconds, voluntary context switches]`` so far of each of this process's threads,
+    by name: Python threads by their ``threading`` name (the OS shows ``python3`` for all of
+    them), gloo's by their kernel name (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per
+    name. Empty where ``/proc`` is not."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = defaultdict(float)
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -56,9 +56,9 @@ def thread_cpu() -> dict[str, float]:
                              if line.startswith("voluntary_ctxt_switches"))
         except OSError:  # the thread ended meanwhile
             continue
-        name = names.get(int(task), kernel_name)
-        out[name] += (int(fields[11]) + int(fields[12])) / ticks
-        out[f"{name} (waits)"] += waits
+        totals = out[names.get(int(task), kernel_name)]
+        totals[0] += (int(fields[11]) + int(fields[12])) / ticks
+        totals[1] += waits
     return out
 
 
@@ -100,8 +100,9 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     setup.settle()
     wall = (time.perf_counter() - started) / iters
     after = resource.getrusage(resource.RUSAGE_SELF)
-    threads = {name: (seconds - threads_before.get(name, 0.0)) / iters
-               for name, seconds in thread_cpu().items()}
+    threads = {name: [(now - then) / iters for now, then
+                      in zip(totals, threads_before.get(name, [0.0, 0.0]))]
+               for name, totals in thread_cpu().items()}
     cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / iters
     system = (after.ru_stime - before.ru_stime) / iters
     voluntary = (after.ru_nvcsw - before.ru_nvcsw) / iters  # waits
@@ -110,16 +111,14 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
         forward, backward, step = (1e3 * p / iters for p in phases)
         print(f"{config} {workload_name} {world} ranks: {1e3 * wall:.2f} ms/it wall, "
               f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
-              f"switches/it ({voluntary:.1f} voluntary); main thread CPU forward {forward:.2f} backward {backward:.2f} "
-              f"step {step:.2f} ms/it", flush=True)
-        busy = sorted(((s, n) for n, s in threads.items() if s > 0 and "(waits)" not in n),
-                      reverse=True)
-        print("  CPU per thread (ms/it, clock ticks): "
-              + ", ".join(f"{n} {1e3 * s:.2f}" for s, n in busy), flush=True)
-        waits = sorted(((s, n[:-8]) for n, s in threads.items() if s > 0 and "(waits)" in n),
-                       reverse=True)
-        print("  voluntary context switches per thread per iteration: "
-              + ", ".join(f"{n} {s:.1f}" for s, n in waits), flush=True)
+              f"switches/it ({voluntary:.1f} voluntary); main thread CPU forward "
+              f"{forward:.2f} backward {backward:.2f} step {step:.2f} ms/it", flush=True)
+        for column, title, unit in ((0, "CPU per thread (ms/it, clock ticks)", 1e3),
+                                    (1, "voluntary context switches per thread per iteration", 1)):
+            ranked = sorted(((v[column], n) for n, v in threads.items() if v[column] > 0),
+                            reverse=True)
+            print(f"  {title}: " + ", ".join(f"{n} {unit * x:.2f}" for x, n in ranked),
+                  flush=True)
     setup.close()
 
 

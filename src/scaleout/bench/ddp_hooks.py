@@ -17,7 +17,6 @@ multi-round codecs: an ``exclusive`` job holds its lane.)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +36,12 @@ def one_bucket_at_a_time(hook: Hook) -> Hook:
         >>> callable(safe)
         True
     """
-    lock = threading.Lock()
-    tail: list[torch.futures.Future[Any] | None] = [None]  # the last bucket's result
+    tail: torch.futures.Future[Any] | None = None  # the last bucket's result
 
     # (no annotations: DDP's register_comm_hook rejects a bucket annotated other than
     # dist.GradBucket, and this module's annotations are strings)
     def ordered(state, bucket):  # type: ignore[no-untyped-def]
+        nonlocal tail  # (DDP's reducer calls its hook from one thread at a time)
         result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
         def start(_previous: Any = None) -> None:
@@ -61,8 +60,7 @@ def one_bucket_at_a_time(hook: Hook) -> Hook:
                 result.set_result(value)
             inner.add_done_callback(finish)
 
-        with lock:
-            previous, tail[0] = tail[0], result
+        previous, tail = tail, result
         if previous is None:
             start()
         else:

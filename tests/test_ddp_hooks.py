@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
+import scaleout
 from harness import run_ranks
 from scaleout.bench.ddp_hooks import one_bucket_at_a_time
 
@@ -58,7 +57,7 @@ def body_powersgd() -> list[float]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    tdist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=30))
+    env = scaleout.init(backend="gloo", timeout=30)  # the suite's rendezvous and watchdog
     torch.manual_seed(0)
     net = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(48, 48), nn.ReLU())],
                         nn.Linear(48, 10))
@@ -78,7 +77,7 @@ def body_powersgd() -> list[float]:
     tdist.all_gather(gathered, flat)
     for other in gathered:  # compressed, yet every replica applied the same update
         torch.testing.assert_close(other, flat, rtol=0, atol=0)
-    tdist.destroy_process_group()
+    env.finalize()
     return [float(flat.abs().sum())]
 
 

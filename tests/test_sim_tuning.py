@@ -144,3 +144,42 @@ def test_the_search_never_leaves_one_chunk_in_flight() -> None:
         for lnk in (link, SLOW):
             s = choose(workload, lnk).scheduler
             assert s.policy == "fifo" or s.credit_bytes >= 2 * s.partition_bytes, s
+
+
+def _twins(second_ratio: float) -> dict:
+    """Two codecs on every large layer of ResNet-18: ``a`` and ``b``, ``b`` sending
+    ``second_ratio`` of the gradient bytes where ``a`` sends 1%."""
+    w = _resnet()
+    pair = {"a": CodecModel(name="a", ratio=0.01), "b": CodecModel(name="b", ratio=second_ratio)}
+    return {layer.name: pair for layer in w.layers if layer.grad_bytes > 4096}
+
+
+def test_a_close_second_codec_is_named_the_runner_up_and_a_distant_one_is_not() -> None:
+    w = _resnet()
+    close = choose(w, SLOW, codecs=_twins(0.011))
+    assert set(close.codecs.values()) == {"a"}, close.summary()
+    runner = close.runner_up
+    assert runner is not None and set(runner.codecs.values()) == {"b"}, close.summary()
+    assert close.predicted_s <= runner.predicted_s <= 1.10 * close.predicted_s
+    assert runner.predicted_s <= 0.9 * close.exact_s  # it gains what a lossy choice must
+    assert "runner-up:" in close.summary() and close.as_dict()["runner_up"]["codecs"]
+    assert close.key() != choose(w, SLOW, codecs=_twins(0.011), runner_up_within=0).key()
+    assert choose(w, SLOW, codecs=_twins(0.011), runner_up_within=0).runner_up is None
+    far = choose(w, SLOW, codecs=_twins(0.5))  # half the bytes of exact: far behind 1%
+    assert far.codecs and far.runner_up is None, far.summary()
+    exact = choose(w, LOOPBACK, codecs=_twins(0.011))  # nothing lossy chosen: no runner-up
+    assert not exact.codecs and exact.runner_up is None
+
+
+def test_the_same_codec_with_one_small_layer_changed_is_no_runner_up() -> None:
+    # "each layer's best codec" differs from the choice on one small layer only: it is the
+    # same plan give or take a layer, not an alternative worth timing (transformer, stop 17)
+    w = _resnet()
+    large = [layer for layer in w.layers if layer.grad_bytes > 4096]
+    smallest = min(large, key=lambda layer: layer.grad_bytes)
+    a, b = CodecModel(name="a", ratio=0.01), CodecModel(name="b", ratio=0.009)
+    codecs = {layer.name: {"a": a} for layer in large}
+    codecs[smallest.name] = {"a": a, "b": b}
+    choice = choose(w, SLOW, codecs=codecs, runner_up_within=0.5)
+    assert set(choice.codecs.values()) >= {"a"}, choice.summary()
+    assert choice.runner_up is None, choice.summary()

@@ -53,6 +53,7 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
     out = {"key": repr(model.tuning.key()), "in_use": model.session.scheduler,
            "chosen": model.tuning.scheduler, "summary": model.tuning.summary(),
            "codecs": dict(model.tuning.codecs), "tuned_at": tuned_at,
+           "compressed_in_use": model._compression is not None,
            "params": [p.detach().cpu() for p in net.parameters()],
            "bytes": total.bytes, "raw_bytes": total.raw_bytes}
     model.close()
@@ -107,38 +108,110 @@ def test_a_choice_is_timed_and_every_rank_keeps_what_the_check_decided() -> None
     decided at 7; kept or undone, the report says which and the session runs it."""
     results = run_ranks(2, body, TuneConfig(link=LATENCY_BOUND), "sgd", True, 9, timeout=120)
     assert results[0]["key"] == results[1]["key"]
-    assert "measured: the choice ran" in results[0]["summary"], results[0]["summary"]
+    assert "measured per iteration: the choice" in results[0]["summary"], results[0]["summary"]
     assert results[0]["in_use"] == results[0]["chosen"]  # what the report says is what runs
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
 
 
-def test_a_choice_slower_than_the_defaults_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_close_runner_up_is_timed_too_and_every_rank_runs_what_was_kept() -> None:
+    """Tuned at forward 4; the choice settles at 5 and is timed over 5-6; the runner-up is
+    built at 7, settles, is timed over 8-9 and the faster (or the defaults) kept at 10."""
+    tune = TuneConfig(allow_lossy=True, link=SLOW, codecs=("powersgd:rank=2", "topk:ratio=0.01"),
+                      runner_up_within=0.99)  # any other codec that gains 10% is a runner-up
+    results = run_ranks(2, body, tune, "sgd", True, 11, timeout=120)
+    first = results[0]
+    assert first["key"] == results[1]["key"]
+    assert "runner-up:" in first["summary"], first["summary"]
+    kept = next(line for line in first["summary"].splitlines() if "measured per iteration" in line)
+    assert "the choice " in kept and "the runner-up " in kept, kept  # both were timed
+    assert kept.endswith(("the choice is kept", "the runner-up is kept",
+                          "the defaults are restored")), kept
+    assert first["in_use"] == first["chosen"] and first["compressed_in_use"] == bool(first["codecs"])
+    for a, b in zip(first["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def _check_model(rebuilt: list) -> object:
     from types import SimpleNamespace
 
+    return SimpleNamespace(_device=torch.device("cpu"), comm=SimpleNamespace(size=1),
+                           synchronize=lambda: None, _rebuild=lambda *a: rebuilt.append(a))
+
+
+def _choice(runner_up: bool = False) -> object:
+    from scaleout.scheduler import SchedulerConfig
+    from scaleout.sim.tuning import Candidate, TuneChoice
+
+    runner = Candidate("topk:ratio=0.01 on the 1 largest", SchedulerConfig(bucket_bytes=2 << 20),
+                       {"l0": "topk:ratio=0.01"}, 0.011) if runner_up else None
+    return TuneChoice(scheduler=SchedulerConfig(bucket_bytes=1 << 20), codecs={"l0": "blockquant"},
+                      predicted_s=0.01, default_s=0.02, exact_s=0.02, compute_s=0.005,
+                      link=LATENCY_BOUND, reasons=(), candidates=(), runner_up=runner)
+
+
+def _timed(monkeypatch: pytest.MonkeyPatch, check: object, model: object, choice: object,
+           per_iteration: list[float]) -> object:
+    """Drive ``check`` through one trial per figure of ``per_iteration`` (one settling and two
+    timed iterations each); the decision."""
+    from scaleout.pytorch import tune_check
+
+    ticks, now = [], 1.0
+    for seconds in per_iteration:
+        ticks += [now, now + seconds, now + 2 * seconds]
+        now += 3 * seconds
+    clock = iter(ticks)
+    monkeypatch.setattr(tune_check.time, "perf_counter", lambda: next(clock))
+    for _ in range(3 * len(per_iteration) - 1):
+        assert check.at_forward(model, choice) is None
+    return check.at_forward(model, choice)
+
+
+def test_a_choice_slower_than_the_defaults_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     from scaleout.pytorch import tune_check
     from scaleout.scheduler import SchedulerConfig
-    from scaleout.sim.tuning import TuneChoice
 
-    rebuilt = []
-    model = SimpleNamespace(_device=torch.device("cpu"), comm=SimpleNamespace(size=1),
-                            synchronize=lambda: None, _rebuild=lambda *a: rebuilt.append(a))
-    choice = TuneChoice(scheduler=SchedulerConfig(bucket_bytes=1 << 20), codecs={"l0": "blockquant"},
-                        predicted_s=0.01, default_s=0.02, exact_s=0.02, compute_s=0.005,
-                        link=LATENCY_BOUND, reasons=(), candidates=())
-    defaults = (SchedulerConfig(), None)
+    choice, defaults = _choice(), (SchedulerConfig(), None)
+    plan = (choice.scheduler, "compressed")
     for per_iteration, kept in ((0.05, False), (0.01, True)):
-        clock = iter([1.0, 1.0 + per_iteration, 1.0 + 2 * per_iteration])
-        monkeypatch.setattr(tune_check.time, "perf_counter", lambda: next(clock))
-        check = tune_check.ChoiceCheck(default_s=0.02, fallback=defaults, verify=2)
-        assert check.at_forward(model, choice) is None  # the choice's first iteration ended
-        assert check.at_forward(model, choice) is None
-        decided = check.at_forward(model, choice)
+        rebuilt: list = []
+        check = tune_check.ChoiceCheck(default_s=0.02, fallback=defaults, verify=2, plans=(plan,))
+        decided = _timed(monkeypatch, check, _check_model(rebuilt), choice, [per_iteration])
         if kept:
-            assert decided.key() == choice.key() and decided.reasons[-1].endswith(": kept")
+            assert rebuilt == [] and decided.key() == choice.key()
+            assert decided.reasons[-1].endswith(": the choice is kept")
         else:
             assert rebuilt == [defaults] and decided.scheduler == SchedulerConfig()
             assert decided.codecs == {} and "defaults are restored" in decided.reasons[-1]
+
+
+@pytest.mark.parametrize("choice_s, runner_s, kept", [
+    (0.015, 0.010, "runner-up"), (0.010, 0.015, "choice"), (0.030, 0.040, "defaults")])
+def test_the_faster_of_the_choice_and_its_runner_up_is_kept(
+        monkeypatch: pytest.MonkeyPatch, choice_s: float, runner_s: float, kept: str) -> None:
+    from scaleout.pytorch import tune_check
+    from scaleout.scheduler import SchedulerConfig
+    from scaleout.sim.units import format_time
+
+    choice, defaults = _choice(runner_up=True), (SchedulerConfig(), None)
+    plans = ((choice.scheduler, "choice codecs"), (choice.runner_up.scheduler, "runner codecs"))
+    rebuilt: list = []
+    check = tune_check.ChoiceCheck(default_s=0.02, fallback=defaults, verify=2, plans=plans)
+    decided = _timed(monkeypatch, check, _check_model(rebuilt), choice, [choice_s, runner_s])
+    assert rebuilt[0] == plans[1]  # the runner-up was built after the choice was timed
+    said = decided.reasons[-1]
+    assert f"the choice {format_time(choice_s)}, the runner-up {format_time(runner_s)}" in said
+    if kept == "runner-up":
+        assert rebuilt == [plans[1]]  # it stays in use
+        assert decided.scheduler == choice.runner_up.scheduler
+        assert dict(decided.codecs) == {"l0": "topk:ratio=0.01"} and decided.runner_up is None
+        assert decided.reasons[-1].endswith("the runner-up is kept")
+    elif kept == "choice":
+        assert rebuilt == [plans[1], plans[0]]  # back to the choice
+        assert decided.key() == choice.key() and decided.reasons[-1].endswith("the choice is kept")
+    else:
+        assert rebuilt == [plans[1], defaults] and decided.codecs == {}
+        assert decided.reasons[-1].endswith("the defaults are restored")
 
 
 @pytest.mark.gpu
@@ -217,7 +290,9 @@ def test_bad_arguments_raise() -> None:
     run_ranks(1, bad_arguments, timeout=60)
     for kwargs, error in ((dict(codecs=("none",)), ValueError), (dict(measure=0), ValueError),
                           (dict(codecs="cast:bf16"), TypeError), (dict(link="1gbit"), TypeError),
-                          (dict(min_gain_lossy=1.0), ValueError), (dict(allow_lossy=1), TypeError)):
+                          (dict(min_gain_lossy=1.0), ValueError), (dict(allow_lossy=1), TypeError),
+                          (dict(runner_up_within=-0.1), ValueError),
+                          (dict(runner_up_within="10%"), ValueError)):
         with pytest.raises(error):
             TuneConfig(**kwargs)
     assert as_tune_config(False) is None and as_tune_config(True).allow_lossy is False
@@ -228,20 +303,20 @@ def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> No
     from scaleout.bench.train import TrainBenchConfig
 
     config = TrainBenchConfig(workload="digits-mlp", compression=("none", "auto", "auto-exact"),
-                              warmup=6, testbed=False)
+                              warmup=9, testbed=False)
     assert config.configurations[1:4] == ("scaleout", "scaleout+auto", "scaleout+auto-exact")
     with pytest.raises(ValueError, match="warm-up"):
-        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=5, testbed=False)
+        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=8, testbed=False)
 
 
 def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
     from scaleout.cli.main import main
 
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "6",
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "9",
                  "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "codecs: none (exact)" in out and "measured after tuning" in out
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "5"]) == 2
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "8"]) == 2
 
 
 def test_a_codec_is_timed_by_its_best_run_not_one_spike(monkeypatch) -> None:
@@ -249,11 +324,11 @@ def test_a_codec_is_timed_by_its_best_run_not_one_spike(monkeypatch) -> None:
     # codec is priced by its usual time, not by the spike
     from types import SimpleNamespace
 
-    from scaleout.pytorch import tuning
+    from scaleout.pytorch import tune_measure
 
     clock = iter([0.0, 1.0, 1.0, 1.001, 1.001, 1.002])  # start/stop of the three timed runs
-    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(tune_measure, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     param = nn.Parameter(torch.randn(256, 64))
-    payload, seconds = tuning.measure_codec("cast:bf16", [param], min_numel=1024)
+    payload, seconds = tune_measure.measure_codec("cast:bf16", [param], min_numel=1024)
     assert payload == param.numel() * 2
     assert seconds == pytest.approx(1e-3)

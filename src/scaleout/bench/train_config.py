@@ -12,9 +12,9 @@ __all__ = ["AUTO_WARMUP", "TrainBenchConfig", "split_variant", "variant_name"]
 
 
 #: The fewest warm-up iterations with ``compression="auto"``: one builds the plan, one is
-#: measured, one runs the tuned plan, two time it (``TuneConfig.verify``), and one runs the plan
-#: that check kept.
-AUTO_WARMUP = 6
+#: measured, then the tuned plan and its runner-up (when it has one) each run one iteration to
+#: settle and two timed ones (``TuneConfig.verify``), and one runs the plan that check kept.
+AUTO_WARMUP = 9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +117,9 @@ class TrainBenchConfig:
 
         if set(AUTO) & set(self.compression) and self.warmup < AUTO_WARMUP:
             raise ValueError(f"compression 'auto' tunes during the warm-up: warmup must be >= "
-                             f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, one "
-                             f"runs the tuned plan, two time it, one runs what was kept), got "
+                             f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, the "
+                             f"choice and its runner-up each run one to settle and two timed, "
+                             f"one runs what was kept), got "
                              f"{self.warmup}")
         for spec in self.compression:
             if spec not in AUTO:

@@ -94,7 +94,7 @@ def _scaleout(options: SetupOptions) -> Setup:
                          scheduler=options.scheduler(),
                          compression=None if auto else options.compression,
                          tune=TuneConfig(allow_lossy=AUTO[options.compression], skip=1,
-                                         measure=max(options.warmup - 5, 1), verify=2)
+                                         measure=max(options.warmup - 8, 1), verify=2)
                          if auto else None)
     optimizer = DistributedOptimizer(sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = statistics_of(model)

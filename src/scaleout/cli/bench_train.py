@@ -165,10 +165,13 @@ def _error(message: str) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    """``--warmup``, or its default: 2, or 6 when a variant tunes itself (``auto``)."""
+    """``--warmup``, or its default: 2, or :data:`AUTO_WARMUP` when a variant tunes itself
+    (``auto``)."""
     if args.warmup is not None:
         return args.warmup
-    return 6 if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+    from scaleout.bench.train_config import AUTO_WARMUP
+
+    return AUTO_WARMUP if {"auto", "auto-exact"} & set(args.compression or ()) else 2
 
 
 def handler(args: argparse.Namespace) -> int:

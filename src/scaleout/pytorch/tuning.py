@@ -10,8 +10,10 @@ of tensors of that layer's shapes). Every rank's measurements are combined with 
 all-reduce (the slowest rank's figure counts), so every rank feeds the same numbers to the
 same deterministic search (:func:`scaleout.sim.tuning.choose`, the simulator pricing the
 runtime's own plans) and makes the same choice, which is verified across ranks before the
-plan is rebuilt with it. The choice is then timed for ``TuneConfig.verify`` iterations and
-undone if it ran slower than the defaults (:mod:`scaleout.pytorch.tune_check`).
+plan is rebuilt with it. The choice is then timed for ``TuneConfig.verify`` iterations (and so
+is its runner-up, a codec the model predicts within ``TuneConfig.runner_up_within`` of it);
+the faster is kept, or the defaults come back when they ran faster than both
+(:mod:`scaleout.pytorch.tune_check`).
 
 Example (every rank):
     >>> model = DataParallel(net, dist, tune=TuneConfig(allow_lossy=True))
@@ -23,9 +25,8 @@ Example (every rank):
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,10 +34,9 @@ import torch
 
 from scaleout.compression import CompressionConfig, make_codec
 from scaleout.compression.advice import optimizer_traits
-from scaleout.compression.state import CodecState
-from scaleout.core.collectives import allreduce
 from scaleout.core.consistency import verify_plan
 from scaleout.pytorch.tune_check import ChoiceCheck, slowest
+from scaleout.pytorch.tune_measure import PROBE_BYTES, measure_codec, measure_link
 from scaleout.scheduler import SchedulerConfig
 from scaleout.sim.config import CodecModel
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
@@ -48,10 +48,6 @@ log = logging.getLogger("scaleout.tune")
 
 #: Codecs a lossy tuning may choose from (each also filtered by ``Codec.unsuited``).
 LOSSY_CODECS = ("cast:bf16", "blockquant", "powersgd:rank=2", "topk:ratio=0.01")
-#: The two all-reduce sizes that measure the link (bytes), and timed repetitions of each (of
-#: each codec's encode + decode too).
-PROBE_BYTES = (16 << 10, 4 << 20)
-PROBE_REPEATS = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +70,9 @@ class TuneConfig:
         verify: iterations of the chosen plan timed (after one to settle) before it is kept:
             when they ran slower than the defaults did, the defaults come back
             (:mod:`scaleout.pytorch.tune_check`); 0 keeps the choice unmeasured.
+        runner_up_within: a lossy choice whose best alternative codec is predicted within
+            this fraction of it has that runner-up timed too (``verify`` iterations after one
+            to settle) and the faster kept; 0 (or ``verify=0``): the choice alone.
 
     Raises:
         ValueError / TypeError: a bad value (an unknown codec spec included).
@@ -88,6 +87,7 @@ class TuneConfig:
     optimizer: torch.optim.Optimizer | None = None
     link: LinkModel | None = None
     verify: int = 2
+    runner_up_within: float = 0.10
 
     def __post_init__(self) -> None:
         if not isinstance(self.allow_lossy, bool):
@@ -102,7 +102,7 @@ class TuneConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        for name in ("min_gain_lossy", "min_gain_exact"):
+        for name in ("min_gain_lossy", "min_gain_exact", "runner_up_within"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
@@ -154,58 +154,6 @@ def tuner_for(tune: Any, *, compression: Any, distributed_update: bool) -> Tuner
         raise ValueError("tune= chooses the codecs itself and plans fusible buckets: pass it "
                          "without compression= and without distributed_update=True")
     return Tuner(config)
-
-
-def _wait(request: Any, device: torch.device) -> None:
-    request.wait()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_link(comm: Any, device: torch.device) -> list[float]:
-    """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds)."""
-    times = []
-    for nbytes in PROBE_BYTES:
-        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        _wait(allreduce(comm, buffer), device)  # connections and buffers warm
-        best = math.inf
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            _wait(allreduce(comm, buffer), device)
-            best = min(best, time.perf_counter() - start)
-        times.append(best)
-    return times
-
-
-def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],
-                  min_numel: int) -> tuple[int, float]:
-    """``(payload bytes, seconds)`` of encoding and decoding tensors shaped like ``params``
-    with codec ``spec`` (tensors below ``min_numel`` travel exact: their raw bytes).
-
-    Each tensor's time is the best of :data:`PROBE_REPEATS` runs, as for the link: on a
-    shared machine one run can take many times its usual time (a 1.3 MB ``cast:bf16`` once
-    took 4 ms against 0.15 ms for a table twice its size), and one such spike in a layer's
-    single timing would price its codec out."""
-    codec = make_codec(spec)
-    payload, seconds = 0, 0.0
-    for param in params:
-        raw = param.numel() * param.element_size()
-        if param.numel() < min_numel or not param.is_floating_point():
-            payload += raw
-            continue
-        sample = param.detach().clone()
-        codec.decode(*codec.encode(sample, CodecState()))  # lazy set-up out of the timing
-        best = math.inf
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            sent, ctx = codec.encode(sample, CodecState())
-            out = codec.decode(sent, ctx)
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
-            best = min(best, time.perf_counter() - start)
-        seconds += best
-        payload += sum(t.numel() * t.element_size() for t in sent)
-    return payload, seconds
 
 
 class Tuner:
@@ -266,8 +214,12 @@ class Tuner:
                 fallback = (model._scheduler, model._compression)
                 model._rebuild(self.scheduler(), compression)  # (unchanged: the plan stays)
                 if self.config.verify:
+                    runner = self.choice.runner_up
+                    plans = ((self.scheduler(), compression),
+                             *(((runner.scheduler, compression_for(model, runner.codecs)),)
+                               if runner else ()))
                     self._check = ChoiceCheck(default_s=default_s, fallback=fallback,
-                                              verify=self.config.verify)
+                                              verify=self.config.verify, plans=plans)
 
     def due(self, statistics: Any, layers: Sequence[Any]) -> bool:
         """Called at the start of every forward: snapshot the compute figures after
@@ -314,6 +266,7 @@ class Tuner:
         choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
                         codecs=models, min_gain_exact=config.min_gain_exact,
                         min_gain_lossy=config.min_gain_lossy,
+                        runner_up_within=config.runner_up_within if config.verify else 0.0,
                         codec_competes=model._device.type == "cpu")
         if reason:
             choice = _with_reason(choice, reason)
@@ -346,17 +299,23 @@ class Tuner:
     def compression(self, model: Any) -> CompressionConfig | None:
         """The chosen codecs as a per-parameter CompressionConfig (``None``: exact)."""
         assert self.choice is not None
-        if not self.choice.codecs:
-            return None
-        names = {id(p): n for n, p in model.module.named_parameters()}
-        layers = {layer.name: layer for layer in model._forward_order}
-        return CompressionConfig(codec="none", layers={
-            names[id(p)]: spec for layer_name, spec in sorted(self.choice.codecs.items())
-            for p in layers[layer_name].params})
+        return compression_for(model, self.choice.codecs)
 
     def scheduler(self) -> SchedulerConfig:
         assert self.choice is not None
         return self.choice.scheduler
+
+
+def compression_for(model: Any, codecs: Mapping[str, str]) -> CompressionConfig | None:
+    """Layer name -> codec spec as a per-parameter CompressionConfig of ``model``'s
+    parameters (``None``: exact)."""
+    if not codecs:
+        return None
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    layers = {layer.name: layer for layer in model._forward_order}
+    return CompressionConfig(codec="none", layers={
+        names[id(p)]: spec for layer_name, spec in sorted(codecs.items())
+        for p in layers[layer_name].params})
 
 
 def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, float]]:

@@ -1,0 +1,74 @@
+"""What the autotuner measures beside the compute: the link (all-reduces of two sizes) and
+each candidate codec's cost on a layer's shapes (:mod:`scaleout.pytorch.tuning`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from scaleout.compression import make_codec
+from scaleout.compression.state import CodecState
+from scaleout.core.collectives import allreduce
+
+__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "measure_codec", "measure_link"]
+
+#: The two all-reduce sizes that measure the link (bytes), and timed repetitions of each (of
+#: each codec's encode + decode too).
+PROBE_BYTES = (16 << 10, 4 << 20)
+PROBE_REPEATS = 3
+
+
+def _wait(request: Any, device: torch.device) -> None:
+    request.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_link(comm: Any, device: torch.device) -> list[float]:
+    """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds)."""
+    times = []
+    for nbytes in PROBE_BYTES:
+        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        _wait(allreduce(comm, buffer), device)  # connections and buffers warm
+        best = math.inf
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            _wait(allreduce(comm, buffer), device)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+    return times
+
+
+def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],
+                  min_numel: int) -> tuple[int, float]:
+    """``(payload bytes, seconds)`` of encoding and decoding tensors shaped like ``params``
+    with codec ``spec`` (tensors below ``min_numel`` travel exact: their raw bytes).
+
+    Each tensor's time is the best of :data:`PROBE_REPEATS` runs, as for the link: on a
+    shared machine one run can take many times its usual time (a 1.3 MB ``cast:bf16`` once
+    took 4 ms against 0.15 ms for a table twice its size), and one such spike in a layer's
+    single timing would price its codec out."""
+    codec = make_codec(spec)
+    payload, seconds = 0, 0.0
+    for param in params:
+        raw = param.numel() * param.element_size()
+        if param.numel() < min_numel or not param.is_floating_point():
+            payload += raw
+            continue
+        sample = param.detach().clone()
+        codec.decode(*codec.encode(sample, CodecState()))  # lazy set-up out of the timing
+        best = math.inf
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            sent, ctx = codec.encode(sample, CodecState())
+            out = codec.decode(sent, ctx)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
+            best = min(best, time.perf_counter() - start)
+        seconds += best
+        payload += sum(t.numel() * t.element_size() for t in sent)
+    return payload, seconds

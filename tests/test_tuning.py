@@ -332,3 +332,19 @@ def test_a_codec_is_timed_by_its_best_run_not_one_spike(monkeypatch) -> None:
     payload, seconds = tune_measure.measure_codec("cast:bf16", [param], min_numel=1024)
     assert payload == param.numel() * 2
     assert seconds == pytest.approx(1e-3)
+
+
+def test_the_link_probes_see_the_latency_of_a_shaped_link() -> None:
+    # A token-bucket shaper (tc tbf, a cloud's rate limit) lets a message within its burst
+    # through at once: 100 Mbit/s, 64 KB of burst, 0.7 ms per message. The line through the
+    # probes must keep the latency (a 16 KB probe put it at 0 in 6 of 7 testbed runs).
+    from scaleout.pytorch.tune_measure import PROBE_BYTES
+
+    latency, rate, burst = 7e-4, 12.5e6, 64 << 10
+
+    def shaped(nbytes: int) -> float:
+        return latency + max(nbytes - burst, 0) / rate
+
+    link = LinkModel.fit(2, *((m, shaped(m)) for m in PROBE_BYTES))
+    assert link.latency_s == pytest.approx(latency, rel=0.15)
+    assert link.bandwidth == pytest.approx(rate, rel=0.05)

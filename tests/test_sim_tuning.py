@@ -187,3 +187,26 @@ def test_the_same_codec_with_one_small_layer_changed_is_no_runner_up() -> None:
     choice = choose(w, SLOW, codecs=codecs, runner_up_within=0.5)
     assert set(choice.codecs.values()) >= {"a"}, choice.summary()
     assert choice.runner_up is None, choice.summary()
+
+
+def test_a_runner_up_that_comes_out_ahead_once_tuned_becomes_the_choice(monkeypatch) -> None:
+    # the choice is the best assignment priced on the exact plan's options; its runner-up is
+    # tuned for its own codecs and can come out ahead (DLRM at 1 Gbit/s, stop 17: -9.9%)
+    from dataclasses import replace
+
+    from scaleout.sim import tuning
+
+    w = _resnet()
+    first = choose(w, SLOW, codecs=_twins(0.011))
+    real = tuning._runner_up
+
+    def ahead(search, priced, chosen, *args):
+        runner = real(search, priced, chosen, *args)
+        return replace(runner, predicted_s=chosen.predicted_s * 0.95)
+
+    monkeypatch.setattr(tuning, "_runner_up", ahead)
+    swapped = choose(w, SLOW, codecs=_twins(0.011))
+    assert dict(swapped.codecs) == dict(first.runner_up.codecs), swapped.summary()
+    assert swapped.predicted_s == pytest.approx(first.predicted_s * 0.95)
+    assert dict(swapped.runner_up.codecs) == dict(first.codecs)  # within 10%: timed too
+    assert swapped.runner_up.predicted_s >= swapped.predicted_s

@@ -37,7 +37,6 @@ from scaleout.compression.advice import optimizer_traits
 from scaleout.core.consistency import verify_plan
 from scaleout.pytorch.tune_check import ChoiceCheck, slowest
 from scaleout.pytorch.tune_measure import PROBE_BYTES, measure_codec, measure_link
-from scaleout.scheduler import SchedulerConfig
 from scaleout.sim.config import CodecModel
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
 from scaleout.sim.workload import Layer, Workload
@@ -208,16 +207,14 @@ class Tuner:
             iterations = max(completed - self._start_iteration, 1)
             default_s = (time.perf_counter() - self._started) / iterations
             model.synchronize()
-            self.tune(model)
-            compression = self.compression(model)
-            if compression is not None or self.scheduler() != model._scheduler:
+            choice = self.tune(model)
+            plans = tuple((c.scheduler, compression_for(model, c.codecs))
+                          for c in (choice, choice.runner_up) if c is not None)
+            scheduler, compression = plans[0]
+            if compression is not None or scheduler != model._scheduler:
                 fallback = (model._scheduler, model._compression)
-                model._rebuild(self.scheduler(), compression)  # (unchanged: the plan stays)
+                model._rebuild(scheduler, compression)  # (unchanged: the plan stays)
                 if self.config.verify:
-                    runner = self.choice.runner_up
-                    plans = ((self.scheduler(), compression),
-                             *(((runner.scheduler, compression_for(model, runner.codecs)),)
-                               if runner else ()))
                     self._check = ChoiceCheck(default_s=default_s, fallback=fallback,
                                               verify=self.config.verify, plans=plans)
 
@@ -295,15 +292,6 @@ class Tuner:
         reason = (f"left out as unsuited to {type(optimizer).__name__}: {', '.join(refused)}"
                   if refused else "")
         return allowed, reason
-
-    def compression(self, model: Any) -> CompressionConfig | None:
-        """The chosen codecs as a per-parameter CompressionConfig (``None``: exact)."""
-        assert self.choice is not None
-        return compression_for(model, self.choice.codecs)
-
-    def scheduler(self) -> SchedulerConfig:
-        assert self.choice is not None
-        return self.choice.scheduler
 
 
 def compression_for(model: Any, codecs: Mapping[str, str]) -> CompressionConfig | None:

@@ -7,10 +7,12 @@ Run with:  scaleout run -n 2 examples/train_dlrm_hybrid.py --parallel hybrid --s
 ``hybrid``: the planner spreads the tables over the ranks (EmbeddingCollection: ids and
 lookups travel by alltoallv), DataParallel averages only the dense MLPs' gradients; the loader
 is wrapped in ``prefetching`` (each next batch's ids travel while a batch trains) and the
-next batch's rows leave once the tables' optimizer has stepped (``look_up_after``). Both use
-SGD with momentum for the dense layers and RowWiseAdagrad for the tables, so they compute
-the same model (tests/test_sharded_embeddings.py checks it to float precision); rank 0
-prints the held-out loss, parameter bytes per rank and time per step.
+next batch's rows leave once the tables' optimizer has stepped (``look_up_after``);
+``--fused`` updates the tables in the lookups' backward instead (``update_in_backward``:
+one update of all of a rank's tables, no optimizer step for them). Both use SGD with
+momentum for the dense layers and row-wise Adagrad for the tables, so they compute the same
+model (tests/test_sharded_embeddings.py checks it to float precision); rank 0 prints the
+held-out loss, parameter bytes per rank and time per step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import scaleout
-from scaleout.pytorch import DataParallel, EmbeddingCollection, RowWiseAdagrad, prefetching
+from scaleout.pytorch import (DataParallel, EmbeddingCollection, FusedRowWiseAdagrad,
+                              RowWiseAdagrad, prefetching)
 from scaleout.workloads import get_workload
 
 
@@ -34,6 +37,8 @@ def main() -> int:
     parser.add_argument("--workload", choices=["dlrm", "dlrm-large"], default="dlrm")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=512, help="global batch size")
+    parser.add_argument("--fused", action="store_true",
+                        help="hybrid: update the tables in backward (no optimizer step)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = scaleout.init()
@@ -47,6 +52,11 @@ def main() -> int:
     model = DataParallel(net, dist)  # no DistributedOptimizer: averaged .grad after backward
     dense_opt = torch.optim.SGD(dense, lr=0.05, momentum=0.9)
     table_opt = RowWiseAdagrad(tables, lr=0.05)
+    if args.fused:
+        if args.parallel != "hybrid":
+            parser.error("--fused needs --parallel hybrid")
+        net.embeddings.update_in_backward(FusedRowWiseAdagrad(lr=0.05))
+        table_opt = dense_opt  # (the tables have no .grad: nothing else to step)
     eval_x, eval_y = workload.make_batch(args.batch, 10**6, 1, rank=env.rank,
                                          world_size=env.world_size)
     batches = (workload.make_batch(args.batch, step, 0, rank=env.rank, world_size=env.world_size)
@@ -58,9 +68,10 @@ def main() -> int:
     for x, y in batches:
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         dense_opt.step()
-        table_opt.step()
+        if table_opt is not dense_opt:
+            table_opt.step()
+            table_opt.zero_grad()
         dense_opt.zero_grad()
-        table_opt.zero_grad()
     model.synchronize()
     per_step = (time.perf_counter() - began) / args.steps
     model.eval()

@@ -27,10 +27,11 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out.json"
     assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
-                 "--vs", "ddp,hybrid-deferred,hybrid-noprefetch", "--json", str(out)]) == 0
+                 "--vs", "ddp,hybrid-deferred,hybrid-noprefetch,hybrid-unfused", "--json",
+                 str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-deferred",
-                            "hybrid-noprefetch"}
+                            "hybrid-noprefetch", "hybrid-unfused"}
     # prefetching the next batch's ids and rows, and deferring the rows' gradients, train
     # the same model, to the last bit
     assert summary["hybrid"]["final_loss"] == summary["hybrid-noprefetch"]["final_loss"]
@@ -38,6 +39,11 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
     assert "land before the tables' step" in summary["hybrid-deferred"]["details"]["backward"]
     assert summary["hybrid"]["details"]["backward"].startswith("blocks")
     assert summary["hybrid"]["final_loss"] == pytest.approx(summary["ddp"]["final_loss"], 1e-5)
+    # the tables' SGD in backward is the step on their sparse gradients (up to float order)
+    assert summary["hybrid"]["details"]["table_optimizer"] == "SGD (rows) in backward"
+    assert summary["hybrid-unfused"]["details"]["table_optimizer"] == "SGD (sparse rows)"
+    assert summary["hybrid"]["final_loss"] == pytest.approx(
+        summary["hybrid-unfused"]["final_loss"], 1e-6)
     assert "lookups once the tables are updated" in summary["hybrid"]["details"]["prefetch"]
     assert summary["hybrid-noprefetch"]["details"]["prefetch"] is None
     hybrid, ddp = summary["hybrid"]["details"], summary["ddp"]["details"]

@@ -22,6 +22,8 @@ from scaleout.pytorch import (
     DataParallel,
     DistributedOptimizer,
     EmbeddingCollection,
+    FusedRowWiseAdagrad,
+    FusedSGD,
     RowWiseAdagrad,
     ShardingPlan,
     TableSpec,
@@ -63,6 +65,11 @@ def table_optimizer(layout: str, tables: list) -> torch.optim.Optimizer:
     return RowWiseAdagrad(tables, lr=0.05)
 
 
+def fused_rule(layout: str) -> FusedSGD | FusedRowWiseAdagrad:
+    """:func:`table_optimizer`'s update, applied in backward."""
+    return FusedSGD(lr=0.5) if layout == "columns" else FusedRowWiseAdagrad(lr=0.05)
+
+
 def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
     net = WORKLOAD.build_model(0).double()
     dense, tables = optimizers(net)
@@ -81,9 +88,10 @@ def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
 
 
 def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
-              prefetch: str = "none", defer: str = "no") -> list[int] | int:
+              prefetch: str = "none", defer: str = "no", update: str = "step") -> list[int] | int:
     """Train ``STEPS`` steps, compare with :func:`reference`; the tables held here (``defer
-    == "late"``: how many weights differ)."""
+    == "late"``: how many weights differ). ``update == "backward"``: the tables are updated
+    in backward (no table optimizer)."""
     env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
@@ -115,10 +123,13 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
                                      mode=mode)
     table_opt = table_optimizer(layout, tables) if tables else None  # "idle": none held
+    if update == "backward":
+        net.embeddings.update_in_backward(fused_rule(layout))
+        table_opt = None
     if prefetch == "loader":  # the next batch's rows leave once the tables are updated
         net.embeddings.look_up_after(table_opt or dense_opt)  # (a rank without tables: any)
     if defer == "step":  # the rows' gradients land in the tables' step pre-hook
-        net.embeddings.defer_backward(table_opt)
+        net.embeddings.defer_backward(table_opt or dense_opt)
     elif defer == "late":  # wrong on purpose: they land at the next forward, after the step
         net.embeddings.defer_backward(None)
     d = dist.rank(GroupType.DATA)
@@ -139,6 +150,7 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
             assert all(p.grad is None for p in tables)
             assert len(net.embeddings._landing) == 1
         assert all(p.grad is None or p.grad.is_sparse for p in tables)
+        assert update == "step" or all(p.grad is None for p in tables)
         dense_opt.step()
         dense_opt.zero_grad()
         if table_opt is not None:
@@ -203,6 +215,19 @@ def test_deferred_backward_matches_single_process(data_parts: int, model_parts: 
     # the rows' gradients travel while the dense backward runs, land before the tables' step
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
                      prefetch, "step", timeout=120)
+    assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
+
+
+@pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch,defer", [
+    (2, 1, "overlap", "planned", "loader", "no"), (3, 1, "sync", "budget", "two ahead", "no"),
+    (2, 2, "overlap", "columns", "loader", "no"), (3, 1, "overlap", "idle", "loader", "step"),
+    (2, 1, "overlap", "explicit", "none", "step")])
+def test_tables_updated_in_backward_match_single_process(data_parts: int, model_parts: int,
+                                                         mode: str, layout: str, prefetch: str,
+                                                         defer: str) -> None:
+    # one update of a rank's tables in the lookups' backward: the optimizer step's weights
+    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
+                     prefetch, defer, "backward", timeout=120)
     assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
 
 
@@ -344,6 +369,79 @@ def test_table_batch_looks_up_every_table_in_one_gather_like_one_lookup_each() -
     again = batch.look_up(batch.rows(ids, table), table, weights)
     assert again.dtype == torch.float64 and torch.equal(again, want.double())
     assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_a_fused_update_equals_the_optimizer_step_on_the_sparse_gradients(rule: str) -> None:
+    # a row-wise table's block (ids outside it asked too), a whole table; rows asked twice
+    blocks, rows = [(3, 5), (0, 4)], [9, 4]
+    batches = [TableBatch(blocks, rows, dim=3, dtype=torch.float64) for _ in range(2)]
+    start = torch.randn(9, 3, dtype=torch.float64)
+    members = []
+    for batch in batches:
+        weights = [torch.nn.Parameter(batch.view(j)) for j in batch.members]
+        for w, j in zip(weights, batch.members):
+            w.data = batch.view(j)
+        batch.weight.copy_(start)
+        members.append(weights)
+    fused = FusedSGD(lr=0.3) if rule == "sgd" else FusedRowWiseAdagrad(lr=0.3)
+    batches[0].update = fused
+    stepped = members[1]
+    opt = (torch.optim.SGD(stepped, lr=0.3) if rule == "sgd"
+           else RowWiseAdagrad(stepped, lr=0.3))
+    table = torch.tensor([0, 0, 1, 0, 1, 0])
+    for step in range(3):
+        ids = torch.tensor([4, 2, 1, 4, 1, 7 - step])  # 2 is not my row of table 0
+        grad = torch.randn(6, 3, dtype=torch.float64)
+        for batch, weights in zip(batches, members):
+            batch.look_up(batch.rows(ids, table), table, weights).backward(grad)
+        assert all(w.grad is None for w in members[0])  # updated in backward, no .grad
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(batches[0].weight, batches[1].weight, rtol=1e-12, atol=0)
+    assert not torch.equal(batches[0].weight, start)
+    if rule == "adagrad":  # the batched weight's accumulators, one per row
+        assert fused.state_dict()["state"]["batch"].shape == (9,)
+        again = FusedRowWiseAdagrad(lr=1.0)
+        again.load_state_dict(fused.state_dict())
+        assert again.lr == 0.3 and torch.equal(again.state["batch"], fused.state["batch"])
+
+
+def test_fused_rules_check_their_arguments() -> None:
+    with pytest.raises(ValueError, match="FusedSGD: lr must be > 0, got 0"):
+        FusedSGD(lr=0)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        FusedRowWiseAdagrad(lr=0.1, eps=-1.0)
+    with pytest.raises(TypeError, match="lr must be a number, got str"):
+        FusedSGD(lr="0.1")  # type: ignore[arg-type]
+
+
+def body_update_in_backward_api() -> None:
+    env = scaleout.init(timeout=60)
+    ec = EmbeddingCollection([TableSpec(rows=r, dim=2) for r in (5, 4, 3)],
+                             env.create_distribution(),
+                             plan=ShardingPlan(tables=tuple(TableSpec(rows=r, dim=2)
+                                                            for r in (5, 4, 3)),
+                                               owners=(0, COLUMN_WISE, ROW_WISE), ranks=2,
+                                               element_size=4))
+    with pytest.raises(TypeError, match="expected FusedSGD or FusedRowWiseAdagrad, got SGD"):
+        ec.update_in_backward(torch.optim.SGD(ec.parameters(), lr=0.1))  # type: ignore[arg-type]
+    handle = ec.update_in_backward(FusedSGD(lr=0.1))
+    with pytest.raises(RuntimeError, match="updated in backward already"):
+        ec.update_in_backward(FusedSGD(lr=0.1))
+    ids = torch.tensor([[1, 2, 0], [4, 3, 2]])
+    before = {n: p.detach().clone() for n, p in ec.named_parameters()}
+    ec(ids).sum().backward()
+    assert all(p.grad is None for p in ec.parameters())  # the column block's hook too
+    assert all(not torch.equal(p, before[n]) for n, p in ec.named_parameters())
+    handle.remove()  # sparse .grad again, for an optimizer
+    ec(ids).sum().backward()
+    assert all(p.grad is not None and p.grad.is_sparse for p in ec.parameters())
+    env.finalize()
+
+
+def test_update_in_backward_checks_its_rule_and_can_be_removed() -> None:
+    run_ranks(2, body_update_in_backward_api, timeout=60)
 
 
 def body_narrow_column_block() -> None:

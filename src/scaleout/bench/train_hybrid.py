@@ -1,6 +1,8 @@
-"""``bench train``'s ``hybrid`` set-up: DLRM's tables sharded across the ranks, its dense
-MLPs data parallel, the next batch's ids and rows prefetched (``hybrid-noprefetch``: not;
-``hybrid-deferred``: prefetched, and the rows' gradients sent back without blocking backward)."""
+"""``bench train``'s ``hybrid`` set-up: DLRM's tables sharded across the ranks and updated in
+backward, its dense MLPs data parallel, the next batch's ids and rows prefetched
+(``hybrid-noprefetch``: not; ``hybrid-deferred``: prefetched, and the rows' gradients sent
+back without blocking backward; ``hybrid-unfused``: the tables' sparse gradients stepped by
+torch's SGD after backward)."""
 
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ class Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False) -> Setup:
+def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False,
+                 fused: bool = True) -> Setup:
     import scaleout
     from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
-                                  TableSpec, plan_tables)
+                                  FusedSGD, TableSpec, plan_tables)
 
     net = options.workload.build_model(options.seed)
     tables = getattr(net, "embeddings", None)
@@ -66,16 +69,19 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     sparse = list(net.embeddings.parameters())
     model = DataParallel(net, dist, scheduler=options.scheduler())
     dense_opt = DistributedOptimizer(sgd(dense), model, mode=options.mode)
-    table_opt = torch.optim.SGD(sparse, lr=LR) if sparse else None
-    if defer:  # the rows' gradients land in table_opt's step (no table here: next lookup)
-        net.embeddings.defer_backward(table_opt)
+    table_opt = torch.optim.SGD(sparse, lr=LR) if sparse and not fused else None
+    if fused:  # plain SGD on the rows, in the lookups' backward: no sparse .grad, no step
+        net.embeddings.update_in_backward(FusedSGD(lr=LR))
+    if defer:  # the rows' gradients land before a step (no table here: next lookup)
+        net.embeddings.defer_backward(table_opt or dense_opt)
 
     def close() -> None:
         model.close()
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
-               "table_optimizer": "SGD (sparse rows)", "memory_budget": options.memory_budget,
+               "table_optimizer": "SGD (rows) in backward" if fused else "SGD (sparse rows)",
+               "memory_budget": options.memory_budget,
                "prefetch": "the next batch's ids; its lookups once the tables are updated"
                if prefetch else None,
                "backward": "the rows' gradients travel during the dense backward and land "

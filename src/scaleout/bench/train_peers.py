@@ -24,7 +24,8 @@ Configurations:
   (:mod:`scaleout.bench.train_ceilings`).
 * ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
   (:class:`~scaleout.pytorch.EmbeddingCollection`, planned under the memory budget: whole
-  tables, row-wise for one no rank can hold; sparse SGD row updates), the dense MLPs data
+  tables, row-wise for one no rank can hold; SGD row updates fused into the lookups'
+  backward, :meth:`~scaleout.pytorch.EmbeddingCollection.update_in_backward`), the dense MLPs data
   parallel through DataParallel; each iteration prefetches the next batch's ids
   (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
   starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
@@ -33,6 +34,8 @@ Configurations:
   before the tables' step; what deferring them gains, in one interleaved run).
 * ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
   when it runs (what prefetching gains, in one interleaved run).
+* ``hybrid-unfused`` — ``hybrid`` whose tables get sparse gradients, stepped by torch's SGD
+  after backward (what fusing the update gains).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.
@@ -60,7 +63,7 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
 
 #: Peers a user may name with ``--vs``.
 PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
-         "hybrid-noprefetch", *CEILINGS)
+         "hybrid-noprefetch", "hybrid-unfused", *CEILINGS)
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -199,6 +202,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "hybrid": build_hybrid,
     "hybrid-deferred": lambda o: build_hybrid(o, defer=True),
     "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False),
+    "hybrid-unfused": lambda o: build_hybrid(o, fused=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
 }

@@ -5,6 +5,8 @@ from scaleout.pytorch.embeddings import (
     COLUMN_WISE,
     ROW_WISE,
     EmbeddingCollection,
+    FusedRowWiseAdagrad,
+    FusedSGD,
     RowWiseAdagrad,
     ShardingPlan,
     TableSpec,
@@ -34,6 +36,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "tensor_parallel",
     "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
+    "FusedSGD", "FusedRowWiseAdagrad",
     "ShardingPlan", "TableSpec", "plan_tables", "prefetching", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
     "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
 ]

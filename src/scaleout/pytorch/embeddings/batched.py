@@ -44,6 +44,9 @@ class TableBatch:
         # only whole tables: every id asked for is held (ids are checked to be in range)
         self.whole = all(b is not None and tuple(b) == (0, r) for b, r in zip(blocks, rows))
         self._indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        # a fused rule (``embeddings.fused``): its ``apply`` updates the batched weight in
+        # backward, instead of the members getting sparse grads (``update_in_backward``)
+        self.update: Any = None
 
     def indices(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``shift``, ``lo``, ``hi`` and the tables' ``starts`` on ``device``, copied there
@@ -108,6 +111,14 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         (rows,) = ctx.saved_tensors
         batch = ctx.batch
+        if batch.update is not None:  # one update of every table's rows, no .grad
+            if batch.weight.shape[0] > 0:
+                if not batch.whole:  # an id not held here: a zero gradient to row 0 (no change)
+                    held = rows >= 0
+                    rows, grad = rows.clamp(min=0), grad * held.unsqueeze(1)
+                with torch.no_grad():
+                    batch.update.apply("batch", batch.weight, rows, grad)
+            return (None,) * (4 + len(batch.members))
         # sorted, the rows fall into the tables' ranges one after the other (-1s first)
         rows, order = torch.sort(rows)
         bounds = torch.searchsorted(rows, batch.indices(rows.device)[3])

@@ -19,10 +19,11 @@ Backward is the reverse of step 4: the gradients of a row's samples are summed b
 that asked for it before they travel, and reach the table weights as sparse row gradients,
 scaled like DataParallel's average over the data group; the tables are then updated by a
 row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad / SparseAdam, which accept
-sparse gradients). The dense layers around stay data parallel. With
-:meth:`~EmbeddingCollection.defer_backward` the reverse exchange does not block backward: it
-travels while the dense layers' backward and allreduce run, and lands (the sparse gradients
-are written) before the tables' optimizer steps.
+sparse gradients), or in backward itself (:meth:`~EmbeddingCollection.update_in_backward`:
+one update of all of a rank's tables, no sparse gradients). The dense layers around stay
+data parallel. With :meth:`~EmbeddingCollection.defer_backward` the reverse exchange does
+not block backward: it travels while the dense layers' backward and allreduce run, and
+lands (the sparse gradients are written) before the tables' optimizer steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
+from scaleout.pytorch.embeddings.backward import TableBackward
 from scaleout.pytorch.embeddings.full_state import gather_full_state, part_of_full_state
 from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
 from scaleout.pytorch.embeddings.lookup import look_up
@@ -48,14 +50,14 @@ from scaleout.pytorch.embeddings.planner import (
     TableSpec,
     plan_tables,
 )
-from scaleout.pytorch.embeddings.rows_exchange import Deferral, Landing, exchange_rows
+from scaleout.pytorch.embeddings.rows_exchange import Landing, exchange_rows
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 from scaleout.pytorch.placement import Kind, Placement, place
 
 __all__ = ["EmbeddingCollection"]
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(TableBackward):
     """Embedding tables sharded across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
 
     Column ``t`` of the ids indexes table ``t`` (one id per table per sample, as in DLRM).
@@ -238,49 +240,6 @@ class EmbeddingCollection(nn.Module):
             raise TypeError(f"EmbeddingCollection.look_up_after: expected a torch optimizer, "
                             f"got {type(optimizer).__name__}")
         return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
-
-    def defer_backward(self, optimizer: torch.optim.Optimizer | None) -> Deferral:
-        """Let the rows' gradients travel back to the tables' holders while the rest of
-        backward runs, and land them before every ``optimizer.step()`` (a step pre-hook).
-
-        Without it, backward blocks on that exchange when it reaches the tables (the dense
-        layers' backward below them and their allreduce wait behind it). With it, backward
-        only starts the exchange; :meth:`land_gradients` waits for it and writes the tables'
-        sparse gradients, the same ones: it runs before ``optimizer`` steps and before
-        anything reads the tables (:meth:`forward`, :meth:`start_lookup`, :meth:`drain`), so
-        a second backward without a step between accumulates as usual.
-
-        Args:
-            optimizer: the tables' optimizer; ``None`` on a rank that holds no table (its
-                part of the exchange then lands at its next forward or lookup).
-
-        Returns:
-            A handle: ``.remove()`` lands what is pending, removes the hook and makes
-            backward block again.
-
-        Raises:
-            TypeError: ``optimizer`` is neither a ``torch.optim.Optimizer`` nor ``None``.
-
-        Example (each rank):
-            >>> ec.defer_backward(table_opt)   # table_opt's step waits for the gradients
-            >>> loss_fn(model(inputs), targets).backward()   # returns before they land
-            >>> dense_opt.step(); table_opt.step()
-        """
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"EmbeddingCollection.defer_backward: expected a torch optimizer "
-                            f"or None, got {type(optimizer).__name__}")
-        hook = None if optimizer is None else optimizer.register_step_pre_hook(self._land_hook)
-        self._landing.active = True
-        return Deferral(self._landing, hook)
-
-    def _land_hook(self, *_: Any) -> None:  # (a step pre-hook must return None)
-        self.land_gradients()
-
-    def land_gradients(self) -> bool:
-        """Wait for the rows' gradients whose exchange a deferred backward started and
-        write the tables' sparse gradients (:meth:`defer_backward`); whether any was
-        pending (``False`` without deferral)."""
-        return self._landing.land()
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start sending the ids of a batch that a later :meth:`forward` will get.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowWiseAdagrad"]
+__all__ = ["RowWiseAdagrad", "row_wise_adagrad_"]
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -61,7 +61,14 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     values = grad[rows]
                 if rows.numel() == 0:
                     continue
-                total = state["sum"].index_add_(0, rows, values.pow(2).mean(1))[rows]
-                step = values / (total.sqrt() + group["eps"]).unsqueeze(1)
-                param.index_add_(0, rows, step, alpha=-group["lr"])
+                row_wise_adagrad_(param, state["sum"], rows, values, group["lr"], group["eps"])
         return loss
+
+
+def row_wise_adagrad_(param: torch.Tensor, total: torch.Tensor, rows: torch.Tensor,
+                      values: torch.Tensor, lr: float, eps: float) -> None:
+    """One row-wise Adagrad update in place: ``total[i] += mean(g**2)``, ``param[i] -= lr * g
+    / (sqrt(total[i]) + eps)`` for each of ``rows`` (distinct) and its gradient ``g`` in
+    ``values``. A row with a zero gradient does not change."""
+    accumulated = total.index_add_(0, rows, values.pow(2).mean(1))[rows]
+    param.index_add_(0, rows, values / (accumulated.sqrt() + eps).unsqueeze(1), alpha=-lr)

@@ -45,6 +45,8 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
     assert summary["hybrid"]["final_loss"] == pytest.approx(
         summary["hybrid-unfused"]["final_loss"], 1e-6)
     assert "lookups once the tables are updated" in summary["hybrid"]["details"]["prefetch"]
+    assert summary["hybrid"]["details"]["prefetch"].endswith("at the end of backward)")
+    assert summary["hybrid-unfused"]["details"]["prefetch"].endswith("after their step)")
     assert summary["hybrid-noprefetch"]["details"]["prefetch"] is None
     hybrid, ddp = summary["hybrid"]["details"], summary["ddp"]["details"]
     assert hybrid["param_bytes"] < 0.6 * ddp["param_bytes"]

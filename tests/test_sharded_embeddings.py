@@ -128,13 +128,15 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
         table_opt = None
     if prefetch == "loader":  # the next batch's rows leave once the tables are updated
         net.embeddings.look_up_after(table_opt or dense_opt)  # (a rank without tables: any)
+    elif prefetch == "after backward":  # updated in backward: they leave at its end
+        net.embeddings.look_up_after_backward()
     if defer == "step":  # the rows' gradients land in the tables' step pre-hook
         net.embeddings.defer_backward(table_opt or dense_opt)
     elif defer == "late":  # wrong on purpose: they land at the next forward, after the step
         net.embeddings.defer_backward(None)
     d = dist.rank(GroupType.DATA)
     batches = [shard(*global_batch(step, data_parts), d) for step in range(STEPS)]
-    if prefetch == "loader":  # each next batch's ids travel while this one trains
+    if prefetch in ("loader", "after backward"):  # each next batch's ids travel meanwhile
         batches = prefetching(batches, net.embeddings, ids=lambda batch: batch[0].sparse)
     elif prefetch == "two ahead":
         net.embeddings.prefetch(batches[0][0].sparse)
@@ -143,14 +145,18 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
         if prefetch == "two ahead" and step + 2 < STEPS:
             net.embeddings.prefetch(batches[step + 2][0].sparse)
         if prefetch != "none":
-            ahead = 1 if prefetch == "loader" else 2  # this batch's and those ahead
+            ahead = 2 if prefetch == "two ahead" else 1  # this batch's and those ahead
             assert net.embeddings.prefetched == min(ahead + 1, STEPS - step)
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         if defer != "no":  # backward returned before the tables' gradients came back
             assert all(p.grad is None for p in tables)
-            assert len(net.embeddings._landing) == 1
+            # (unless the next lookup, at the end of backward, landed them to read the tables)
+            last = prefetch == "after backward" and step + 1 == STEPS
+            assert len(net.embeddings._landing) == (prefetch != "after backward" or last)
         assert all(p.grad is None or p.grad.is_sparse for p in tables)
         assert update == "step" or all(p.grad is None for p in tables)
+        if prefetch == "after backward":  # the next batch's rows left before the step
+            assert len(net.embeddings._started) == (step + 1 < STEPS)
         dense_opt.step()
         dense_opt.zero_grad()
         if table_opt is not None:
@@ -221,7 +227,11 @@ def test_deferred_backward_matches_single_process(data_parts: int, model_parts: 
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch,defer", [
     (2, 1, "overlap", "planned", "loader", "no"), (3, 1, "sync", "budget", "two ahead", "no"),
     (2, 2, "overlap", "columns", "loader", "no"), (3, 1, "overlap", "idle", "loader", "step"),
-    (2, 1, "overlap", "explicit", "none", "step")])
+    (2, 1, "overlap", "explicit", "none", "step"),
+    # the next batch's rows leave at the end of backward, before the optimizer steps
+    (2, 1, "overlap", "planned", "after backward", "no"),
+    (3, 1, "sync", "columns", "after backward", "no"),
+    (3, 1, "overlap", "idle", "after backward", "step")])
 def test_tables_updated_in_backward_match_single_process(data_parts: int, model_parts: int,
                                                          mode: str, layout: str, prefetch: str,
                                                          defer: str) -> None:
@@ -426,6 +436,8 @@ def body_update_in_backward_api() -> None:
                                                element_size=4))
     with pytest.raises(TypeError, match="expected FusedSGD or FusedRowWiseAdagrad, got SGD"):
         ec.update_in_backward(torch.optim.SGD(ec.parameters(), lr=0.1))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="not updated in backward"):
+        ec.look_up_after_backward()  # the tables would be read before their step
     handle = ec.update_in_backward(FusedSGD(lr=0.1))
     with pytest.raises(RuntimeError, match="updated in backward already"):
         ec.update_in_backward(FusedSGD(lr=0.1))
@@ -434,7 +446,21 @@ def body_update_in_backward_api() -> None:
     ec(ids).sum().backward()
     assert all(p.grad is None for p in ec.parameters())  # the column block's hook too
     assert all(not torch.equal(p, before[n]) for n, p in ec.named_parameters())
+    after = ec.look_up_after_backward()
+    ec.prefetch(ids)
+    ec.prefetch(ids)
+    ec(ids).sum().backward()
+    assert len(ec._started) == 1  # the second batch's rows left at the end of backward
+    ec(ids).sum().backward()
+    assert not ec._started and not ec.prefetched
     handle.remove()  # sparse .grad again, for an optimizer
+    ec.prefetch(ids)
+    with pytest.raises(RuntimeError, match="update_in_backward was removed"):
+        ec(ids).sum().backward()
+    after.remove()
+    ec.drain()
+    for p in ec.parameters():
+        p.grad = None
     ec(ids).sum().backward()
     assert all(p.grad is not None and p.grad.is_sparse for p in ec.parameters())
     env.finalize()

@@ -82,16 +82,21 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
                "table_optimizer": "SGD (rows) in backward" if fused else "SGD (sparse rows)",
                "memory_budget": options.memory_budget,
-               "prefetch": "the next batch's ids; its lookups once the tables are updated"
-               if prefetch else None,
+               "prefetch": None if not prefetch else "the next batch's ids; its lookups once "
+               "the tables are updated (" + ("at the end of backward)" if fused else
+                                             "after their step)"),
                "backward": "the rows' gradients travel during the dense backward and land "
                "before the tables' step" if defer else "blocks on the rows' gradients"}
     statistics, reset = statistics_of(model)  # gradients and activation exchanges
     if not prefetch:
         return Setup(model=model, optimizer=Pair(dense_opt, table_opt), settle=model.synchronize,
                      reset=reset, statistics=statistics, close=close, details=details)
-    # the next batch's rows leave as soon as the tables are updated (start_lookup)
-    return Setup(model=model, optimizer=Pair(dense_opt, table_opt, net.embeddings.start_lookup),
+    # the next batch's rows leave as soon as the tables are updated (start_lookup): at the end
+    # of backward when they are updated in it, else after their step
+    if fused:
+        net.embeddings.look_up_after_backward()
+    after = None if fused else net.embeddings.start_lookup
+    return Setup(model=model, optimizer=Pair(dense_opt, table_opt, after),
                  settle=model.synchronize, reset=reset,
                  statistics=statistics, close=close, details=details,
                  prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))

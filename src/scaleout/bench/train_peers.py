@@ -27,15 +27,16 @@ Configurations:
   tables, row-wise for one no rank can hold; SGD row updates fused into the lookups'
   backward, :meth:`~scaleout.pytorch.EmbeddingCollection.update_in_backward`), the dense MLPs data
   parallel through DataParallel; each iteration prefetches the next batch's ids
-  (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated,
-  starts sending its rows (:meth:`~scaleout.pytorch.EmbeddingCollection.start_lookup`).
+  (:meth:`~scaleout.pytorch.EmbeddingCollection.prefetch`) and, once the tables are updated
+  (at the end of backward), starts sending its rows
+  (:meth:`~scaleout.pytorch.EmbeddingCollection.look_up_after_backward`).
 * ``hybrid-deferred`` — ``hybrid`` whose backward sends the rows' gradients back without
   waiting for them (:meth:`~scaleout.pytorch.EmbeddingCollection.defer_backward`: they land
   before the tables' step; what deferring them gains, in one interleaved run).
 * ``hybrid-noprefetch`` — ``hybrid`` with neither: each forward exchanges its ids and rows
   when it runs (what prefetching gains, in one interleaved run).
 * ``hybrid-unfused`` — ``hybrid`` whose tables get sparse gradients, stepped by torch's SGD
-  after backward (what fusing the update gains).
+  after backward, the next batch's rows sent after that step (what fusing the update gains).
 
 Every set-up reports its parameter bytes per rank (``details["param_bytes"]``) and, with a
 memory budget, whether they fit it.

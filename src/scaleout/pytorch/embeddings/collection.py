@@ -28,12 +28,13 @@ lands (the sparse gradients are written) before the tables' optimizer steps.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from scaleout.core import collectives
 from scaleout.core.consistency import verify_plan
@@ -125,6 +126,8 @@ class EmbeddingCollection(TableBackward):
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
         self._landing = Landing(self.divisor, self.exchange_recorder)  # defer_backward's
+        # look_up_after_backward's handles (an OrderedDict: RemovableHandle keeps a weakref)
+        self._after_backward: OrderedDict[int, bool] = OrderedDict()
         mine = self.plan.tables_of(self.comm.rank)
         # my tables' rows in one weight (the column-wise blocks apart)
         self._batch = TableBatch([None if self.plan.owners[t] == COLUMN_WISE
@@ -191,7 +194,8 @@ class EmbeddingCollection(TableBackward):
             looked = self._look_up(received.ids, received.asked)
         rows = exchange_rows(looked, self.comm, exchange.recv, exchange.send, self.divisor,
                              self.exchange_recorder, started,
-                             self._landing if self._landing.active else None)
+                             self._landing if self._landing.active else None,
+                             self._backward_done if self._after_backward else None)
         self._advance()  # the next batches' ids travel while this one computes
         return exchange.gather(rows, self.dim)
 
@@ -240,6 +244,35 @@ class EmbeddingCollection(TableBackward):
             raise TypeError(f"EmbeddingCollection.look_up_after: expected a torch optimizer, "
                             f"got {type(optimizer).__name__}")
         return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
+
+    def look_up_after_backward(self) -> RemovableHandle:
+        """Call :meth:`start_lookup` at the end of every backward that reaches the tables,
+        not after an optimizer step: with :meth:`update_in_backward` the tables then hold
+        what the next forward reads, so its rows travel while the dense layers' gradients
+        are reduced and their optimizer steps. Every rank of the data group calls it.
+
+        Returns:
+            The handle (``.remove()`` stops it).
+
+        Raises:
+            RuntimeError: the tables are not updated in backward (they would be read before
+                their step); from ``backward()``, when the update in backward was removed
+                since.
+        """
+        if self._batch.update is None:
+            raise RuntimeError("EmbeddingCollection.look_up_after_backward: the tables are not "
+                               "updated in backward (update_in_backward), so at the end of "
+                               "backward they are not what the next forward reads")
+        handle = RemovableHandle(self._after_backward)
+        self._after_backward[handle.id] = True
+        return handle
+
+    def _backward_done(self) -> None:
+        if self._batch.update is None:
+            raise RuntimeError("EmbeddingCollection: look_up_after_backward needs the tables "
+                               "updated in backward, and update_in_backward was removed")
+        if self._pending and id(self._pending[0]) not in self._started:
+            self.start_lookup()
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start sending the ids of a batch that a later :meth:`forward` will get.

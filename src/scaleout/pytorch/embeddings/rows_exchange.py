@@ -14,6 +14,7 @@ the lookups' backward, which leaves exactly the sparse gradients the blocking pa
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,7 +76,8 @@ class Deferral:
 
 def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv: list[int],
                   divisor: int, recorder: ExchangeRecorder,
-                  started: Started | None = None, landing: Landing | None = None) -> torch.Tensor:
+                  started: Started | None = None, landing: Landing | None = None,
+                  after_backward: Callable[[], None] | None = None) -> torch.Tensor:
     """Send ``send[j]`` of ``rows`` to rank ``j``, receive ``recv[i]`` from rank ``i``.
 
     Args:
@@ -87,19 +89,23 @@ def exchange_rows(rows: torch.Tensor, comm: Communicator, send: list[int], recv:
         landing: defer the backward exchange: backward starts it and adds it to ``landing``
             (whose :meth:`Landing.land` must run before the tables are read or updated);
             ``None``: backward blocks on it.
+        after_backward: called once the backward pass that runs the reverse exchange has
+            finished (every node of it, hooks included), on every rank.
 
     Returns:
         The rows this rank asked for, in the autograd graph.
     """
     if landing is None and rows.requires_grad:
-        return _Exchange.apply(rows, comm, send, recv, divisor, recorder, started, None)
+        return _Exchange.apply(rows, comm, send, recv, divisor, recorder, started, None,
+                               after_backward)
     # Whether backward runs the reverse exchange must not depend on this rank's lookups,
     # which need no gradient on a rank holding no table (or no column of its block), or
     # frozen tables: a leaf stands in for them. Deferred, the graph stops here too (a tuple:
     # autograd does not see ``rows`` as an input); the lookups' part of it runs when the
     # gradients land.
     return _Exchange.apply(rows.detach().requires_grad_(), comm, send, recv, divisor,
-                           recorder, started, None if landing is None else (rows, landing))
+                           recorder, started, None if landing is None else (rows, landing),
+                           after_backward)
 
 
 class _Exchange(torch.autograd.Function):
@@ -108,9 +114,10 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx: Any, rows: torch.Tensor, comm: Communicator, send: list[int],
                 recv: list[int], divisor: int, recorder: ExchangeRecorder,
                 started: Started | None,
-                deferred: tuple[torch.Tensor, Landing] | None) -> torch.Tensor:
+                deferred: tuple[torch.Tensor, Landing] | None,
+                after_backward: Callable[[], None] | None) -> torch.Tensor:
         ctx.args = (comm, send, recv, divisor, recorder)
-        ctx.deferred = deferred
+        ctx.deferred, ctx.after_backward = deferred, after_backward
         if started is not None:
             return recorder.wait(started, rows)
         return recorder.run(rows, lambda: collectives.alltoallv(comm, rows, send, recv).wait())
@@ -118,12 +125,14 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         comm, send, recv, divisor, recorder = ctx.args
+        if ctx.after_backward is not None:  # (DDP's way to run at the end of backward)
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.after_backward)
         grad = grad.contiguous()
         if ctx.deferred is not None:
             looked, landing = ctx.deferred
             ctx.deferred = None  # (the lookups' graph is the landing's from here on)
             landing.add(looked, recorder.start(collectives.alltoallv(comm, grad, recv, send)),
                         grad)
-            return (None,) * 8
+            return (None,) * 9
         back = recorder.run(grad, lambda: collectives.alltoallv(comm, grad, recv, send).wait())
-        return collectives.average_into(back, back, divisor), *[None] * 7
+        return collectives.average_into(back, back, divisor), *[None] * 8

@@ -98,7 +98,8 @@ def body(kind: str, data_parts: int, model_parts: int) -> None:
         opt.step()
         opt.zero_grad()
     model.synchronize()
-    assert model.statistics.operation("conv2 (activations)").bytes > 0  # halos, reported
+    if model_parts > 1:  # halos, reported (a model group of one has none to exchange)
+        assert model.statistics.operation("conv2 (activations)").bytes > 0
     for name, value in reference(kind, data_parts).items():
         torch.testing.assert_close(dict(net.named_parameters())[name].detach(), value,
                                    rtol=1e-9, atol=1e-11,
@@ -109,7 +110,7 @@ def body(kind: str, data_parts: int, model_parts: int) -> None:
 
 @pytest.mark.parametrize("kind,data_parts,model_parts", [
     ("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2), ("2d-bn", 1, 2),
-    ("2d-bn", 2, 2), ("2d-bn", 1, 3)])
+    ("2d-bn", 2, 2), ("2d-bn", 1, 3), ("2d-bn", 2, 1)])
 def test_spatial_cnn_matches_single_process(kind: str, data_parts: int, model_parts: int) -> None:
     run_ranks(data_parts * model_parts, body, kind, data_parts, model_parts, timeout=120)
 

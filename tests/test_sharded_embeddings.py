@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import scaleout
 from harness import run_ranks
+from scaleout import checkpoint
 from scaleout import GroupType
 from scaleout.pytorch import (
     COLUMN_WISE,
@@ -424,6 +425,64 @@ def test_fused_rules_check_their_arguments() -> None:
         FusedRowWiseAdagrad(lr=0.1, eps=-1.0)
     with pytest.raises(TypeError, match="lr must be a number, got str"):
         FusedSGD(lr="0.1")  # type: ignore[arg-type]
+
+
+def body_fused_checkpoint(path: str) -> None:
+    """Row-wise Adagrad in backward: its accumulators, held by no optimizer, are checkpointed
+    with the collection; a resumed run equals an uninterrupted one."""
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution()
+    d = dist.rank(GroupType.DATA)
+
+    def build(seed: int) -> tuple[torch.nn.Module, DataParallel, torch.optim.Optimizer]:
+        net = WORKLOAD.build_model(seed).double()
+        net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist)
+        net.embeddings.update_in_backward(FusedRowWiseAdagrad(lr=0.05))
+        model = DataParallel(net, dist)
+        dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+        return net, model, DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9),
+                                                model)
+
+    def train(model: DataParallel, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            x, y = shard(*global_batch(step, 2), d)
+            F.binary_cross_entropy_with_logits(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        model.synchronize()
+
+    net, model, opt = build(0)
+    train(model, opt, range(2))
+    checkpoint.save(path, model, opt, step=2)
+    train(model, opt, range(2, 4))
+    # resumed from the checkpoint into other initial weights: the same weights after step 4
+    fresh, fresh_model, fresh_opt = build(1)
+    checkpoint.load(path, fresh_model, fresh_opt)
+    train(fresh_model, fresh_opt, range(2, 4))
+    for name, value in net.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=1e-12, atol=0)
+    # without the rule's accumulators (a fresh rule, its state not loaded) they differ
+    reset, reset_model, reset_opt = build(1)
+    checkpoint.load(path, reset_model, reset_opt)
+    reset.embeddings._batch.update.state.clear()
+    train(reset_model, reset_opt, range(2, 4))
+    assert any(not torch.allclose(reset.state_dict()[n], v) for n, v in net.state_dict().items()
+               if n.startswith("embeddings.") and not n.endswith("_extra_state"))
+    # loading it where the tables are not updated in backward is refused, naming the rule
+    plain = WORKLOAD.build_model(0).double()
+    plain.embeddings = EmbeddingCollection.from_embeddings(list(plain.embeddings), dist)
+    with pytest.raises(ValueError, match=r"updated in backward by FusedRowWiseAdagrad when "
+                       r"saved, here by none: call update_in_backward"):
+        plain.load_state_dict(model.module_state_dict())
+    for m in (model, fresh_model, reset_model):
+        m.close()
+    env.finalize()
+
+
+def test_a_checkpoint_keeps_the_state_of_the_update_in_backward(tmp_path) -> None:
+    run_ranks(2, body_fused_checkpoint, str(tmp_path / "ckpt"), timeout=120)
 
 
 def body_update_in_backward_api() -> None:

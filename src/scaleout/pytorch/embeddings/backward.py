@@ -123,3 +123,41 @@ class TableBackward(nn.Module):
         write the tables' sparse gradients (:meth:`defer_backward`); whether any was
         pending (``False`` without deferral)."""
         return self._landing.land()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Checkpointed with ``state_dict()``: the update in backward's rule and its state
+        (row-wise Adagrad's accumulators), which no optimizer holds; ``None`` without one."""
+        rule = self._batch.update
+        return {"update_in_backward": None if rule is None else
+                {"rule": type(rule).__name__, "state": rule.state_dict()}}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restored by ``load_state_dict()``: the rule's state, into the rule this collection
+        updates with now (of the same kind: call :meth:`update_in_backward` first).
+
+        Raises:
+            ValueError: state saved with a rule and no rule (or another kind) here, or
+                accumulators of other tables than this rank's (another plan).
+        """
+        saved = state.get("update_in_backward") if isinstance(state, dict) else None
+        if saved is None:
+            if not isinstance(state, dict) or "update_in_backward" not in state:
+                raise ValueError("EmbeddingCollection extra state must be a dict with an "
+                                 "'update_in_backward' entry")
+            return
+        rule = self._batch.update
+        if rule is None or type(rule).__name__ != saved["rule"]:
+            here = "none" if rule is None else type(rule).__name__
+            raise ValueError(f"EmbeddingCollection.load_state_dict: the tables were updated in "
+                             f"backward by {saved['rule']} when saved, here by {here}: call "
+                             f"update_in_backward({saved['rule']}(...)) before loading")
+        rows = {"batch": self._batch.weight.shape[0]}
+        rows.update({f"table {t}": self.get_submodule(str(t)).weight.shape[0]
+                     for t in self.held() if self.plan.owners[t] == COLUMN_WISE})
+        for key, value in saved["state"].get("state", {}).items():
+            if rows.get(key) != value.shape[0]:
+                raise ValueError(f"EmbeddingCollection.load_state_dict: {saved['rule']}'s "
+                                 f"accumulators for {key!r} have {value.shape[0]} rows, this "
+                                 f"rank's tables {rows.get(key, 'none')} (saved with another "
+                                 "plan)")
+        rule.load_state_dict(saved["state"])

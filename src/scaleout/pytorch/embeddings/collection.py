@@ -375,7 +375,8 @@ class EmbeddingCollection(TableBackward):
         Raises:
             ValueError: a table it holds is not of its full ``(rows, dim)`` shape.
         """
-        return part_of_full_state(self.plan, self.tables, self.held(), self.comm.rank, state)
+        part = part_of_full_state(self.plan, self.tables, self.held(), self.comm.rank, state)
+        return {**part, "_extra_state": self.get_extra_state()}  # (the rule's state: kept)
 
     def extra_repr(self) -> str:
         return f"{len(self.tables)} tables x {self.dim}, holding {self.held()}"

@@ -5,10 +5,10 @@ it reaches at once instead of leaving each table a sparse ``.grad`` for an optim
 The rows of every table a rank holds whole, and of its blocks of row-wise tables, lie in one
 batched weight (:class:`~scaleout.pytorch.embeddings.batched.TableBatch`): their update is
 one ``index_add_`` for all of them, with no per-table sparse gradient, no accumulation into
-``.grad`` and no per-table optimizer step (for a DLRM rank's 13 tables and ~4,000 ids,
-0.3 ms instead of 1-2 ms on this project's 2-core machine: docs/hybrid.md). A column-wise
-block, kept apart, is updated as soon as its own sparse gradient is accumulated (a
-post-accumulate hook), and its ``.grad`` cleared.
+``.grad`` and no per-table optimizer step (a DLRM rank's 13 tables and ~4,000 ids: 0.5-0.85
+ms instead of 1.2-1.9 ms with the lookup, on this project's 2-core machine: docs/hybrid.md).
+A column-wise block, kept apart, is updated as soon as its own sparse gradient is
+accumulated (a post-accumulate hook), and its ``.grad`` cleared.
 
 The rules are the row-wise ones a sparse update can apply exactly: plain SGD, and row-wise
 Adagrad (the same update as :class:`~scaleout.pytorch.embeddings.optim.RowWiseAdagrad`).

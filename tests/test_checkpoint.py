@@ -3,12 +3,11 @@ state, RNG); a SIGKILL at any moment of a save leaves the previous checkpoint lo
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,6 @@ from torch import nn
 import scaleout
 from harness import run_ranks
 from scaleout import checkpoint
-
-SRC = str(Path(__file__).parents[1] / "src")
 
 
 def make(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
@@ -73,41 +70,40 @@ def test_resume_is_bit_identical(tmp_path: Path, world: int) -> None:
     assert names == [f"rank-{r}-of-{world}.pt" for r in range(world)]
 
 
-SAVER = """
-    import sys, torch
-    from torch import nn
-    from scaleout import checkpoint
-    path, step = sys.argv[1], int(sys.argv[2])
+def _saver(path: str, step: int, ready: Connection) -> None:
+    """Save again and again until killed (a forked child: no interpreter start-up per save
+    process, the same SIGKILL at any moment of a save)."""
     model = nn.Linear(2048, 1024)  # 8 MB of weights, 16 MB with the momentum buffers
     with torch.no_grad():
         model.weight.fill_(float(step))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2048)).sum().backward()
     opt.step()
-    print("saving", flush=True)
-    for _ in range(1000):  # save again and again until killed
+    ready.send("saving")
+    for _ in range(1000):
         checkpoint.save(path, model, opt, step=step)
-"""
+
+
+def _start_saver(path: Path, step: int) -> multiprocessing.Process:
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe(duplex=False)
+    saver = context.Process(target=_saver, args=(str(path), step, theirs), daemon=True)
+    saver.start()
+    assert ours.poll(60) and ours.recv() == "saving"
+    return saver
 
 
 def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
-    script = tmp_path / "saver.py"
-    script.write_text(textwrap.dedent(SAVER))
     path = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": SRC}
-    first = subprocess.Popen([sys.executable, str(script), str(path), "1"], env=env,
-                             stdout=subprocess.PIPE, text=True)
-    assert first.stdout is not None and first.stdout.readline() == "saving\n"
+    first = _start_saver(path, 1)
     time.sleep(1.0)
-    first.kill()
-    first.wait()
+    os.kill(first.pid, signal.SIGKILL)
+    first.join()
     for delay in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5):
-        saver = subprocess.Popen([sys.executable, str(script), str(path), "2"], env=env,
-                                 stdout=subprocess.PIPE, text=True)
-        assert saver.stdout is not None and saver.stdout.readline() == "saving\n"
+        saver = _start_saver(path, 2)
         time.sleep(delay)
         os.kill(saver.pid, signal.SIGKILL)
-        saver.wait()
+        saver.join()
         model = nn.Linear(2048, 1024)
         step, _ = checkpoint.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1,
                                                                momentum=0.9))

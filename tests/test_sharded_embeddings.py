@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import scaleout
+from dlrm_oracle import CONFIG, body_dlrm
 from harness import run_ranks
-from scaleout import checkpoint
-from scaleout import GroupType
 from scaleout.pytorch import (
     COLUMN_WISE,
     ROW_WISE,
-    DataParallel,
-    DistributedOptimizer,
     EmbeddingCollection,
-    FusedRowWiseAdagrad,
-    FusedSGD,
     RowWiseAdagrad,
     ShardingPlan,
     TableSpec,
@@ -32,166 +26,8 @@ from scaleout.pytorch import (
     load_full_state_dict,
     plan_tables,
     prefetching,
-    tensor_parallel,
 )
 from scaleout.pytorch.embeddings.batched import TableBatch
-from scaleout.workloads import DLRMConfig, DLRMInputs, DLRMWorkload
-
-CONFIG = DLRMConfig(num_dense=4, table_sizes=(50, 30, 20, 10, 7, 5), embedding_dim=4,
-                    bottom_mlp=(8,), top_mlp=(8,))
-WORKLOAD = DLRMWorkload(config=CONFIG)
-PER_RANK, STEPS = 4, 4
-
-
-def global_batch(step: int, data_parts: int) -> tuple[DLRMInputs, torch.Tensor]:
-    inputs, targets = WORKLOAD.make_batch(PER_RANK * data_parts, step, 3)
-    return DLRMInputs(inputs.dense.double(), inputs.sparse), targets.double()
-
-
-def shard(inputs: DLRMInputs, targets: torch.Tensor, d: int):
-    rows = slice(d * PER_RANK, (d + 1) * PER_RANK)
-    return DLRMInputs(inputs.dense[rows], inputs.sparse[rows]), targets[rows]
-
-
-def optimizers(net: torch.nn.Module) -> tuple[list, list]:
-    tables = [p for n, p in net.named_parameters() if n.startswith("embeddings.")]
-    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
-    return dense, tables
-
-
-def table_optimizer(layout: str, tables: list) -> torch.optim.Optimizer:
-    # RowWiseAdagrad's per-row statistic would cover each rank's columns only
-    if layout == "columns":
-        return torch.optim.SGD(tables, lr=0.5)
-    return RowWiseAdagrad(tables, lr=0.05)
-
-
-def fused_rule(layout: str) -> FusedSGD | FusedRowWiseAdagrad:
-    """:func:`table_optimizer`'s update, applied in backward."""
-    return FusedSGD(lr=0.5) if layout == "columns" else FusedRowWiseAdagrad(lr=0.05)
-
-
-def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
-    net = WORKLOAD.build_model(0).double()
-    dense, tables = optimizers(net)
-    dense_opt = torch.optim.SGD(dense, lr=0.1, momentum=0.9)
-    table_opt = table_optimizer(layout, tables)
-    for step in range(STEPS):
-        inputs, targets = global_batch(step, data_parts)
-        for d in range(data_parts):
-            x, y = shard(inputs, targets, d)
-            (F.binary_cross_entropy_with_logits(net(x), y) / data_parts).backward()
-        dense_opt.step()
-        table_opt.step()
-        dense_opt.zero_grad()
-        table_opt.zero_grad()
-    return net.state_dict()
-
-
-def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
-              prefetch: str = "none", defer: str = "no", update: str = "step") -> list[int] | int:
-    """Train ``STEPS`` steps, compare with :func:`reference`; the tables held here (``defer
-    == "late"``: how many weights differ). ``update == "backward"``: the tables are updated
-    in backward (no table optimizer)."""
-    env = scaleout.init(timeout=60)
-    dist = env.create_distribution(data_parts, model_parts)
-    net = WORKLOAD.build_model(0).double()
-    specs = [TableSpec(rows=rows, dim=CONFIG.embedding_dim) for rows in CONFIG.table_sizes]
-    if layout == "budget":  # 8-byte weights: the 50-row table (1600 bytes) fits no rank
-        plan = plan_tables(specs, data_parts, memory_budget=1500, element_size=8)
-        assert plan.owners[0] == ROW_WISE and plan.owners[1] != ROW_WISE
-        assert max(map(plan.memory_of, range(data_parts))) <= 1500
-    elif layout == "explicit":  # row-wise tables of 50 and of 5 rows, the others whole
-        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, 0, 1, 0, 1, ROW_WISE),
-                            ranks=data_parts, element_size=8)
-    elif layout == "columns":  # tables 1 and 4 split by columns, 0 by rows
-        plan = ShardingPlan(tables=tuple(specs), owners=(ROW_WISE, COLUMN_WISE, 0, 1, COLUMN_WISE,
-                                                         0), ranks=data_parts, element_size=8)
-        assert "(columns 2+2)" in plan.describe() or data_parts != 2
-    elif layout == "idle":  # the last rank holds no table: it only asks and answers nothing
-        plan = ShardingPlan(tables=tuple(specs), owners=(0, 1, 0, 1, 0, 1), ranks=data_parts,
-                            element_size=8)
-    else:
-        plan = plan_tables(specs, data_parts, element_size=8)
-    # ids repeat within a rank's batch: the exchange sends each distinct one once
-    x0, _ = shard(*global_batch(0, data_parts), dist.rank(GroupType.DATA))
-    assert any(x0.sparse[:, t].unique().numel() < PER_RANK for t in range(len(specs)))
-    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
-    if model_parts > 1:
-        tensor_parallel(net, dist)
-    dense, tables = optimizers(net)
-    model = DataParallel(net, dist)
-    dense_opt = DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9), model,
-                                     mode=mode)
-    table_opt = table_optimizer(layout, tables) if tables else None  # "idle": none held
-    if update == "backward":
-        net.embeddings.update_in_backward(fused_rule(layout))
-        table_opt = None
-    if prefetch == "loader":  # the next batch's rows leave once the tables are updated
-        net.embeddings.look_up_after(table_opt or dense_opt)  # (a rank without tables: any)
-    elif prefetch == "after backward":  # updated in backward: they leave at its end
-        net.embeddings.look_up_after_backward()
-    if defer == "step":  # the rows' gradients land in the tables' step pre-hook
-        net.embeddings.defer_backward(table_opt or dense_opt)
-    elif defer == "late":  # wrong on purpose: they land at the next forward, after the step
-        net.embeddings.defer_backward(None)
-    d = dist.rank(GroupType.DATA)
-    batches = [shard(*global_batch(step, data_parts), d) for step in range(STEPS)]
-    if prefetch in ("loader", "after backward"):  # each next batch's ids travel meanwhile
-        batches = prefetching(batches, net.embeddings, ids=lambda batch: batch[0].sparse)
-    elif prefetch == "two ahead":
-        net.embeddings.prefetch(batches[0][0].sparse)
-        net.embeddings.prefetch(batches[1][0].sparse)
-    for step, (x, y) in enumerate(batches):
-        if prefetch == "two ahead" and step + 2 < STEPS:
-            net.embeddings.prefetch(batches[step + 2][0].sparse)
-        if prefetch != "none":
-            ahead = 2 if prefetch == "two ahead" else 1  # this batch's and those ahead
-            assert net.embeddings.prefetched == min(ahead + 1, STEPS - step)
-        F.binary_cross_entropy_with_logits(model(x), y).backward()
-        if defer != "no":  # backward returned before the tables' gradients came back
-            assert all(p.grad is None for p in tables)
-            # (unless the next lookup, at the end of backward, landed them to read the tables)
-            last = prefetch == "after backward" and step + 1 == STEPS
-            assert len(net.embeddings._landing) == (prefetch != "after backward" or last)
-        assert all(p.grad is None or p.grad.is_sparse for p in tables)
-        assert update == "step" or all(p.grad is None for p in tables)
-        if prefetch == "after backward":  # the next batch's rows left before the step
-            assert len(net.embeddings._started) == (step + 1 < STEPS)
-        dense_opt.step()
-        dense_opt.zero_grad()
-        if table_opt is not None:
-            table_opt.step()
-            table_opt.zero_grad()
-        if prefetch == "two ahead":
-            assert net.embeddings.start_lookup() == (step + 1 < STEPS)
-    model.synchronize()
-    assert model.statistics.operation("embeddings (activations)").bytes > 0
-    state = full_state_dict(net)
-    expected = reference(data_parts, layout)
-    assert set(state) == set(expected), (sorted(state), sorted(expected))
-    if defer == "late":  # how many weights the misordered update got wrong
-        off = sum(not torch.allclose(state[n], v, rtol=1e-9, atol=1e-11)
-                  for n, v in expected.items())
-        net.embeddings.drain()
-        model.close()
-        env.finalize()
-        return off
-    for name, value in expected.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
-                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
-    held = net.embeddings.held()
-    fresh = WORKLOAD.build_model(1).double()
-    fresh.embeddings = EmbeddingCollection.from_embeddings(list(fresh.embeddings), dist,
-                                                           plan=plan)
-    if model_parts > 1:
-        tensor_parallel(fresh, dist)
-    load_full_state_dict(fresh, expected)
-    assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
-    model.close()
-    env.finalize()
-    return held
-
 
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch", [
     (2, 1, "sync", "planned", "none"), (3, 1, "overlap", "planned", "none"),
@@ -222,23 +58,6 @@ def test_deferred_backward_matches_single_process(data_parts: int, model_parts: 
     # the rows' gradients travel while the dense backward runs, land before the tables' step
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
                      prefetch, "step", timeout=120)
-    assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
-
-
-@pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch,defer", [
-    (2, 1, "overlap", "planned", "loader", "no"), (3, 1, "sync", "budget", "two ahead", "no"),
-    (2, 2, "overlap", "columns", "loader", "no"), (3, 1, "overlap", "idle", "loader", "step"),
-    (2, 1, "overlap", "explicit", "none", "step"),
-    # the next batch's rows leave at the end of backward, before the optimizer steps
-    (2, 1, "overlap", "planned", "after backward", "no"),
-    (3, 1, "sync", "columns", "after backward", "no"),
-    (3, 1, "overlap", "idle", "after backward", "step")])
-def test_tables_updated_in_backward_match_single_process(data_parts: int, model_parts: int,
-                                                         mode: str, layout: str, prefetch: str,
-                                                         defer: str) -> None:
-    # one update of a rank's tables in the lookups' backward: the optimizer step's weights
-    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
-                     prefetch, defer, "backward", timeout=120)
     assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
 
 
@@ -380,153 +199,6 @@ def test_table_batch_looks_up_every_table_in_one_gather_like_one_lookup_each() -
     again = batch.look_up(batch.rows(ids, table), table, weights)
     assert again.dtype == torch.float64 and torch.equal(again, want.double())
     assert all(w.data_ptr() == batch.view(j).data_ptr() for w, j in zip(weights, batch.members))
-
-
-@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
-def test_a_fused_update_equals_the_optimizer_step_on_the_sparse_gradients(rule: str) -> None:
-    # a row-wise table's block (ids outside it asked too), a whole table; rows asked twice
-    blocks, rows = [(3, 5), (0, 4)], [9, 4]
-    batches = [TableBatch(blocks, rows, dim=3, dtype=torch.float64) for _ in range(2)]
-    start = torch.randn(9, 3, dtype=torch.float64)
-    members = []
-    for batch in batches:
-        weights = [torch.nn.Parameter(batch.view(j)) for j in batch.members]
-        for w, j in zip(weights, batch.members):
-            w.data = batch.view(j)
-        batch.weight.copy_(start)
-        members.append(weights)
-    fused = FusedSGD(lr=0.3) if rule == "sgd" else FusedRowWiseAdagrad(lr=0.3)
-    batches[0].update = fused
-    stepped = members[1]
-    opt = (torch.optim.SGD(stepped, lr=0.3) if rule == "sgd"
-           else RowWiseAdagrad(stepped, lr=0.3))
-    table = torch.tensor([0, 0, 1, 0, 1, 0])
-    for step in range(3):
-        ids = torch.tensor([4, 2, 1, 4, 1, 7 - step])  # 2 is not my row of table 0
-        grad = torch.randn(6, 3, dtype=torch.float64)
-        for batch, weights in zip(batches, members):
-            batch.look_up(batch.rows(ids, table), table, weights).backward(grad)
-        assert all(w.grad is None for w in members[0])  # updated in backward, no .grad
-        opt.step()
-        opt.zero_grad()
-        torch.testing.assert_close(batches[0].weight, batches[1].weight, rtol=1e-12, atol=0)
-    assert not torch.equal(batches[0].weight, start)
-    if rule == "adagrad":  # the batched weight's accumulators, one per row
-        assert fused.state_dict()["state"]["batch"].shape == (9,)
-        again = FusedRowWiseAdagrad(lr=1.0)
-        again.load_state_dict(fused.state_dict())
-        assert again.lr == 0.3 and torch.equal(again.state["batch"], fused.state["batch"])
-
-
-def test_fused_rules_check_their_arguments() -> None:
-    with pytest.raises(ValueError, match="FusedSGD: lr must be > 0, got 0"):
-        FusedSGD(lr=0)
-    with pytest.raises(ValueError, match="eps must be > 0"):
-        FusedRowWiseAdagrad(lr=0.1, eps=-1.0)
-    with pytest.raises(TypeError, match="lr must be a number, got str"):
-        FusedSGD(lr="0.1")  # type: ignore[arg-type]
-
-
-def body_fused_checkpoint(path: str) -> None:
-    """Row-wise Adagrad in backward: its accumulators, held by no optimizer, are checkpointed
-    with the collection; a resumed run equals an uninterrupted one."""
-    env = scaleout.init(timeout=60)
-    dist = env.create_distribution()
-    d = dist.rank(GroupType.DATA)
-
-    def build(seed: int) -> tuple[torch.nn.Module, DataParallel, torch.optim.Optimizer]:
-        net = WORKLOAD.build_model(seed).double()
-        net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist)
-        net.embeddings.update_in_backward(FusedRowWiseAdagrad(lr=0.05))
-        model = DataParallel(net, dist)
-        dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
-        return net, model, DistributedOptimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.9),
-                                                model)
-
-    def train(model: DataParallel, opt: torch.optim.Optimizer, steps: range) -> None:
-        for step in steps:
-            x, y = shard(*global_batch(step, 2), d)
-            F.binary_cross_entropy_with_logits(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        model.synchronize()
-
-    net, model, opt = build(0)
-    train(model, opt, range(2))
-    checkpoint.save(path, model, opt, step=2)
-    train(model, opt, range(2, 4))
-    # resumed from the checkpoint into other initial weights: the same weights after step 4
-    fresh, fresh_model, fresh_opt = build(1)
-    checkpoint.load(path, fresh_model, fresh_opt)
-    train(fresh_model, fresh_opt, range(2, 4))
-    for name, value in net.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=1e-12, atol=0)
-    # without the rule's accumulators (a fresh rule, its state not loaded) they differ
-    reset, reset_model, reset_opt = build(1)
-    checkpoint.load(path, reset_model, reset_opt)
-    reset.embeddings._batch.update.state.clear()
-    train(reset_model, reset_opt, range(2, 4))
-    assert any(not torch.allclose(reset.state_dict()[n], v) for n, v in net.state_dict().items()
-               if n.startswith("embeddings.") and not n.endswith("_extra_state"))
-    # loading it where the tables are not updated in backward is refused, naming the rule
-    plain = WORKLOAD.build_model(0).double()
-    plain.embeddings = EmbeddingCollection.from_embeddings(list(plain.embeddings), dist)
-    with pytest.raises(ValueError, match=r"updated in backward by FusedRowWiseAdagrad when "
-                       r"saved, here by none: call update_in_backward"):
-        plain.load_state_dict(model.module_state_dict())
-    for m in (model, fresh_model, reset_model):
-        m.close()
-    env.finalize()
-
-
-def test_a_checkpoint_keeps_the_state_of_the_update_in_backward(tmp_path) -> None:
-    run_ranks(2, body_fused_checkpoint, str(tmp_path / "ckpt"), timeout=120)
-
-
-def body_update_in_backward_api() -> None:
-    env = scaleout.init(timeout=60)
-    ec = EmbeddingCollection([TableSpec(rows=r, dim=2) for r in (5, 4, 3)],
-                             env.create_distribution(),
-                             plan=ShardingPlan(tables=tuple(TableSpec(rows=r, dim=2)
-                                                            for r in (5, 4, 3)),
-                                               owners=(0, COLUMN_WISE, ROW_WISE), ranks=2,
-                                               element_size=4))
-    with pytest.raises(TypeError, match="expected FusedSGD or FusedRowWiseAdagrad, got SGD"):
-        ec.update_in_backward(torch.optim.SGD(ec.parameters(), lr=0.1))  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="not updated in backward"):
-        ec.look_up_after_backward()  # the tables would be read before their step
-    handle = ec.update_in_backward(FusedSGD(lr=0.1))
-    with pytest.raises(RuntimeError, match="updated in backward already"):
-        ec.update_in_backward(FusedSGD(lr=0.1))
-    ids = torch.tensor([[1, 2, 0], [4, 3, 2]])
-    before = {n: p.detach().clone() for n, p in ec.named_parameters()}
-    ec(ids).sum().backward()
-    assert all(p.grad is None for p in ec.parameters())  # the column block's hook too
-    assert all(not torch.equal(p, before[n]) for n, p in ec.named_parameters())
-    after = ec.look_up_after_backward()
-    ec.prefetch(ids)
-    ec.prefetch(ids)
-    ec(ids).sum().backward()
-    assert len(ec._started) == 1  # the second batch's rows left at the end of backward
-    ec(ids).sum().backward()
-    assert not ec._started and not ec.prefetched
-    handle.remove()  # sparse .grad again, for an optimizer
-    ec.prefetch(ids)
-    with pytest.raises(RuntimeError, match="update_in_backward was removed"):
-        ec(ids).sum().backward()
-    after.remove()
-    ec.drain()
-    for p in ec.parameters():
-        p.grad = None
-    ec(ids).sum().backward()
-    assert all(p.grad is not None and p.grad.is_sparse for p in ec.parameters())
-    env.finalize()
-
-
-def test_update_in_backward_checks_its_rule_and_can_be_removed() -> None:
-    run_ranks(2, body_update_in_backward_api, timeout=60)
 
 
 def body_narrow_column_block() -> None:

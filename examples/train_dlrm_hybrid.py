@@ -51,24 +51,23 @@ def main() -> int:
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     model = DataParallel(net, dist)  # no DistributedOptimizer: averaged .grad after backward
     dense_opt = torch.optim.SGD(dense, lr=0.05, momentum=0.9)
-    table_opt = RowWiseAdagrad(tables, lr=0.05)
-    if args.fused:
+    table_opt = None if args.fused else RowWiseAdagrad(tables, lr=0.05)
+    if args.fused:  # the tables have no .grad then: nothing else to step
         if args.parallel != "hybrid":
             parser.error("--fused needs --parallel hybrid")
         net.embeddings.update_in_backward(FusedRowWiseAdagrad(lr=0.05))
-        table_opt = dense_opt  # (the tables have no .grad: nothing else to step)
     eval_x, eval_y = workload.make_batch(args.batch, 10**6, 1, rank=env.rank,
                                          world_size=env.world_size)
     batches = (workload.make_batch(args.batch, step, 0, rank=env.rank, world_size=env.world_size)
                for step in range(args.steps))
     if args.parallel == "hybrid":
         batches = prefetching(batches, net.embeddings, ids=lambda batch: batch[0].sparse)
-        net.embeddings.look_up_after(table_opt)
+        net.embeddings.look_up_after(table_opt or dense_opt)
     began = time.perf_counter()
     for x, y in batches:
         F.binary_cross_entropy_with_logits(model(x), y).backward()
         dense_opt.step()
-        if table_opt is not dense_opt:
+        if table_opt is not None:
             table_opt.step()
             table_opt.zero_grad()
         dense_opt.zero_grad()

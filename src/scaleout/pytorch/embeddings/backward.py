@@ -139,11 +139,11 @@ class TableBackward(nn.Module):
             ValueError: state saved with a rule and no rule (or another kind) here, or
                 accumulators of other tables than this rank's (another plan).
         """
-        saved = state.get("update_in_backward") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or "update_in_backward" not in state:
+            raise ValueError("EmbeddingCollection extra state must be a dict with an "
+                             "'update_in_backward' entry")
+        saved = state["update_in_backward"]
         if saved is None:
-            if not isinstance(state, dict) or "update_in_backward" not in state:
-                raise ValueError("EmbeddingCollection extra state must be a dict with an "
-                                 "'update_in_backward' entry")
             return
         rule = self._batch.update
         if rule is None or type(rule).__name__ != saved["rule"]:

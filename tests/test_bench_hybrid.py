@@ -27,11 +27,11 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out.json"
     assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
-                 "--vs", "ddp,hybrid-deferred,hybrid-noprefetch,hybrid-unfused", "--json",
-                 str(out)]) == 0
+                 "--vs", "ddp,hybrid-deferred,hybrid-noprefetch,hybrid-unfused,lockstep,"
+                 "hybrid-lockstep", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-deferred",
-                            "hybrid-noprefetch", "hybrid-unfused"}
+                            "hybrid-noprefetch", "hybrid-unfused", "lockstep", "hybrid-lockstep"}
     # prefetching the next batch's ids and rows, and deferring the rows' gradients, train
     # the same model, to the last bit
     assert summary["hybrid"]["final_loss"] == summary["hybrid-noprefetch"]["final_loss"]
@@ -54,6 +54,15 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
     assert "rank 1: 13 tables" in hybrid["tables"]
     assert summary["hybrid"]["bytes_per_iter"] > 0  # its Statistics: gradients + activations
     assert "hybrid" in capsys.readouterr().out
+    # the ceiling: every rank alone with all the tables, hybrid's lookups and update, trains
+    # its own copy as lockstep does (the same optimizer; up to float order)
+    ceiling = summary["hybrid-lockstep"]["details"]
+    assert "rank 0: 26 tables" in ceiling["tables"] and not ceiling["fits_memory_budget"]
+    assert ceiling["exchange"] == "one 4-byte allreduce per iteration"
+    assert summary["hybrid-lockstep"]["final_loss"] == pytest.approx(
+        summary["lockstep"]["final_loss"], 1e-6)
+    assert summary["hybrid-lockstep"]["final_loss"] != pytest.approx(
+        summary["hybrid"]["final_loss"], 1e-6)  # each rank its own copy: not the trained model
 
 
 @pytest.mark.parametrize(("extra", "message"), [

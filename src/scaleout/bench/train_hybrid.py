@@ -2,7 +2,16 @@
 backward, its dense MLPs data parallel, the next batch's ids and rows prefetched
 (``hybrid-noprefetch``: not; ``hybrid-deferred``: prefetched, and the rows' gradients sent
 back without blocking backward; ``hybrid-unfused``: the tables' sparse gradients stepped by
-torch's SGD after backward)."""
+torch's SGD after backward), and its ceiling, ``hybrid-lockstep``.
+
+``hybrid-lockstep`` is not a trainer. Every rank holds all the tables and trains its own copy
+of the model on its own samples, with ``hybrid``'s code: the same lookups through an
+:class:`EmbeddingCollection` (on a data group of one rank), the same update of the tables in
+backward, the same dense SGD. The ranks meet once per iteration in a one-element allreduce,
+as in ``lockstep``, and move nothing else. A rank of ``hybrid`` looks up as many rows (its
+half of the tables for twice the samples) and computes the same dense layers, so no
+synchronous hybrid run can be faster here. It differs from ``lockstep``, which runs the
+data-parallel model's compute (dense table gradients, a step over whole tables)."""
 
 from __future__ import annotations
 
@@ -12,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaleout.bench.train_setup import LR, Setup, SetupOptions, sgd, statistics_of
+from scaleout.bench.train_ceilings import LockstepSGD
+from scaleout.bench.train_setup import LR, MOMENTUM, Setup, SetupOptions, nothing, sgd, statistics_of
 
-__all__ = ["Pair", "build_hybrid"]
+__all__ = ["Pair", "build_hybrid", "build_hybrid_lockstep"]
 
 
 class Pair(torch.optim.Optimizer):
@@ -41,30 +51,44 @@ class Pair(torch.optim.Optimizer):
             self.tables.zero_grad(set_to_none=set_to_none)
 
 
-def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False,
-                 fused: bool = True) -> Setup:
-    import scaleout
-    from scaleout.pytorch import (DataParallel, DistributedOptimizer, EmbeddingCollection,
-                                  FusedSGD, TableSpec, plan_tables)
-
+def _model(options: SetupOptions) -> nn.Module:
+    """The workload's model, which must keep its tables in an ``embeddings`` list (DLRM)."""
     net = options.workload.build_model(options.seed)
-    tables = getattr(net, "embeddings", None)
-    if not isinstance(tables, nn.ModuleList):
+    if not isinstance(getattr(net, "embeddings", None), nn.ModuleList):
         raise ValueError(f"hybrid: the workload {options.workload.name!r} has no embedding "
                          "tables to shard (use --workload dlrm)")
-    env = scaleout.init(timeout=options.timeout_s)
-    dist = env.create_distribution()
+    return net
+
+
+def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | None) -> Any:
+    """Replace ``net.embeddings`` by an :class:`EmbeddingCollection` on ``dist``'s data group
+    of ``ranks``, planned under ``budget_bytes`` of parameters per rank; returns the plan."""
+    from scaleout.pytorch import EmbeddingCollection, TableSpec, plan_tables
+
+    tables = net.embeddings
     specs = [TableSpec(rows=t.num_embeddings, dim=t.embedding_dim, name=str(i))
              for i, t in enumerate(tables)]
     dense_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
                       if not n.startswith("embeddings."))
-    budget = None if options.memory_budget is None else options.memory_budget - dense_bytes
+    budget = None if budget_bytes is None else budget_bytes - dense_bytes
     if budget is not None and budget < 1:
-        raise ValueError(f"hybrid: the memory budget of {options.memory_budget} bytes leaves no "
+        raise ValueError(f"hybrid: the memory budget of {budget_bytes} bytes leaves no "
                          f"room for tables beside the dense parameters' {dense_bytes} bytes")
-    plan = plan_tables(specs, env.world_size, memory_budget=budget,
+    plan = plan_tables(specs, ranks, memory_budget=budget,
                        element_size=tables[0].weight.element_size())
     net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)
+    return plan
+
+
+def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False,
+                 fused: bool = True) -> Setup:
+    import scaleout
+    from scaleout.pytorch import DataParallel, DistributedOptimizer, FusedSGD
+
+    net = _model(options)
+    env = scaleout.init(timeout=options.timeout_s)
+    dist = env.create_distribution()
+    plan = _shard_tables(net, dist, env.world_size, options.memory_budget)
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     sparse = list(net.embeddings.parameters())
     model = DataParallel(net, dist, scheduler=options.scheduler())
@@ -99,4 +123,27 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     return Setup(model=model, optimizer=Pair(dense_opt, table_opt, after),
                  settle=model.synchronize, reset=reset,
                  statistics=statistics, close=close, details=details,
+                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))
+
+
+def build_hybrid_lockstep(options: SetupOptions) -> Setup:
+    """``hybrid``'s compute on every rank alone, meeting once per iteration (the module's
+    docstring): a ceiling, not a trainer."""
+    import scaleout
+    from scaleout.pytorch import FusedSGD
+
+    net = _model(options)
+    env = scaleout.init(timeout=options.timeout_s)
+    # a data group of one rank each: every rank looks its own samples up in all the tables
+    dist = env.create_distribution(data_parts=1, model_parts=env.world_size)
+    plan = _shard_tables(net, dist, 1, None)
+    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    optimizer = LockstepSGD(dense, lr=LR, momentum=MOMENTUM)  # meets, then steps
+    net.embeddings.update_in_backward(FusedSGD(lr=LR))
+    net.embeddings.look_up_after_backward()
+    details = {"exchange": "one 4-byte allreduce per iteration", "tables": plan.describe(),
+               "table_optimizer": "SGD (rows) in backward",
+               "prefetch": "the next batch's lookups at the end of backward, locally"}
+    return Setup(model=net, optimizer=optimizer, settle=nothing, reset=nothing,
+                 statistics=None, close=env.finalize, details=details,
                  prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))

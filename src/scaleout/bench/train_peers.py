@@ -55,7 +55,7 @@ import torch.distributed as tdist
 
 from scaleout.bench.ddp_hooks import one_bucket_at_a_time
 from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
-from scaleout.bench.train_hybrid import build_hybrid
+from scaleout.bench.train_hybrid import build_hybrid, build_hybrid_lockstep
 from scaleout.bench.train_setup import (LR, MOMENTUM, Setup, SetupOptions, nothing,
                                        param_groups, sgd, statistics_of)
 
@@ -64,7 +64,7 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
 
 #: Peers a user may name with ``--vs``.
 PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
-         "hybrid-noprefetch", "hybrid-unfused", *CEILINGS)
+         "hybrid-noprefetch", "hybrid-unfused", *CEILINGS, "hybrid-lockstep")
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
 #: PowerSGD's ``matrix_approximation_rank`` for ``ddp-powersgd``.
@@ -206,6 +206,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "hybrid-unfused": lambda o: build_hybrid(o, fused=False),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
+    "hybrid-lockstep": build_hybrid_lockstep,
 }
 
 

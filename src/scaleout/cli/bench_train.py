@@ -35,7 +35,9 @@ fresh ranks every round):
             dense MLPs data parallel, the next batch's ids and rows prefetched; also
             --parallel hybrid), hybrid-deferred (the same, the rows' gradients sent
             back without blocking backward), hybrid-noprefetch (without prefetching),
-            hybrid-unfused (the tables stepped after backward, not updated in it)
+            hybrid-unfused (the tables stepped after backward, not updated in it);
+            hybrid-lockstep (hybrid's ceiling: each rank runs hybrid's compute alone on
+            all the tables and meets the others once per iteration)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
 tc; --no-testbed runs over loopback instead, with no rate limit. A configuration that
 fails is reported with its reason and not run again; the others go on (exit code 1).

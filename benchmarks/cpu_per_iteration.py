@@ -69,7 +69,8 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     options = SetupOptions(workload=workload,
                            policy=os.environ.get("SCALEOUT_POLICY", "default"),
                            mode=os.environ.get("SCALEOUT_MODE", "overlap"),
-                           compression=os.environ.get("SCALEOUT_COMPRESSION") or None)
+                           compression=os.environ.get("SCALEOUT_COMPRESSION") or None,
+                           batch=workload.default_batch_size)
     setup = build_setup(config, options)
     batch = workload.default_batch_size
     batches = [workload.make_batch(batch * world, step, 0, rank=rank, world_size=world)

@@ -46,7 +46,10 @@ def main() -> int:
     workload = get_workload(args.workload)
     net = workload.build_model(0)
     if args.parallel == "hybrid":
-        net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist)
+        # each rank's share of a batch at most: its ids' counts and ids travel in one round
+        per_rank = -(-args.batch // env.world_size)
+        net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist,
+                                                             max_batch=per_rank)
     tables = [p for n, p in net.named_parameters() if n.startswith("embeddings.")]
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     model = DataParallel(net, dist)  # no DistributedOptimizer: averaged .grad after backward

@@ -81,10 +81,13 @@ def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
 
 
 def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
-              prefetch: str = "none", defer: str = "no", update: str = "step") -> list[int] | int:
+              prefetch: str = "none", defer: str = "no", update: str = "step",
+              ids: str = "two rounds") -> list[int] | int:
     """Train ``STEPS`` steps, compare with :func:`reference`; the tables held here (``defer
     == "late"``: how many weights differ). ``update == "backward"``: the tables are updated
-    in backward (no table optimizer)."""
+    in backward (no table optimizer). ``ids == "one round"``: the collection is given
+    ``max_batch``, so each batch's counts and ids travel together."""
+    max_batch = PER_RANK if ids == "one round" else None
     env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
@@ -108,7 +111,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     # ids repeat within a rank's batch: the exchange sends each distinct one once
     x0, _ = shard(*global_batch(0, data_parts), dist.rank(GroupType.DATA))
     assert any(x0.sparse[:, t].unique().numel() < PER_RANK for t in range(len(specs)))
-    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan)
+    net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan,
+                                                         max_batch=max_batch)
     if model_parts > 1:
         tensor_parallel(net, dist)
     dense, tables = optimizers(net)
@@ -175,7 +179,7 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     held = net.embeddings.held()
     fresh = WORKLOAD.build_model(1).double()
     fresh.embeddings = EmbeddingCollection.from_embeddings(list(fresh.embeddings), dist,
-                                                           plan=plan)
+                                                           plan=plan, max_batch=max_batch)
     if model_parts > 1:
         tensor_parallel(fresh, dist)
     load_full_state_dict(fresh, expected)

@@ -2,7 +2,8 @@
 backward, its dense MLPs data parallel, the next batch's ids and rows prefetched
 (``hybrid-noprefetch``: not; ``hybrid-deferred``: prefetched, and the rows' gradients sent
 back without blocking backward; ``hybrid-unfused``: the tables' sparse gradients stepped by
-torch's SGD after backward), and its ceiling, ``hybrid-lockstep``.
+torch's SGD after backward; ``hybrid-two-rounds``: each batch's id counts, then its ids, as
+two exchanges instead of one), and its ceiling, ``hybrid-lockstep``.
 
 ``hybrid-lockstep`` is not a trainer. Every rank holds all the tables and trains its own copy
 of the model on its own samples, with ``hybrid``'s code: the same lookups through an
@@ -22,7 +23,15 @@ import torch
 from torch import nn
 
 from scaleout.bench.train_ceilings import LockstepSGD
-from scaleout.bench.train_setup import LR, MOMENTUM, Setup, SetupOptions, nothing, sgd, statistics_of
+from scaleout.bench.train_setup import (
+    LR,
+    MOMENTUM,
+    Setup,
+    SetupOptions,
+    nothing,
+    sgd,
+    statistics_of,
+)
 
 __all__ = ["Pair", "build_hybrid", "build_hybrid_lockstep"]
 
@@ -60,9 +69,11 @@ def _model(options: SetupOptions) -> nn.Module:
     return net
 
 
-def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | None) -> Any:
+def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | None,
+                  max_batch: int | None) -> Any:
     """Replace ``net.embeddings`` by an :class:`EmbeddingCollection` on ``dist``'s data group
-    of ``ranks``, planned under ``budget_bytes`` of parameters per rank; returns the plan."""
+    of ``ranks``, planned under ``budget_bytes`` of parameters per rank (each batch's ids in
+    one round where ``max_batch`` is known); returns the plan."""
     from scaleout.pytorch import EmbeddingCollection, TableSpec, plan_tables
 
     tables = net.embeddings
@@ -76,19 +87,21 @@ def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | Non
                          f"room for tables beside the dense parameters' {dense_bytes} bytes")
     plan = plan_tables(specs, ranks, memory_budget=budget,
                        element_size=tables[0].weight.element_size())
-    net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan)
+    net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan,
+                                                         max_batch=max_batch)
     return plan
 
 
 def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False,
-                 fused: bool = True) -> Setup:
+                 fused: bool = True, one_round: bool = True) -> Setup:
     import scaleout
     from scaleout.pytorch import DataParallel, DistributedOptimizer, FusedSGD
 
     net = _model(options)
     env = scaleout.init(timeout=options.timeout_s)
     dist = env.create_distribution()
-    plan = _shard_tables(net, dist, env.world_size, options.memory_budget)
+    max_batch = options.batch if one_round else None
+    plan = _shard_tables(net, dist, env.world_size, options.memory_budget, max_batch)
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     sparse = list(net.embeddings.parameters())
     model = DataParallel(net, dist, scheduler=options.scheduler())
@@ -104,6 +117,7 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
+               "ids": "counts and ids in one round" if max_batch else "counts, then ids",
                "table_optimizer": "SGD (rows) in backward" if fused else "SGD (sparse rows)",
                "memory_budget": options.memory_budget,
                "prefetch": None if not prefetch else "the next batch's ids; its lookups once "
@@ -136,7 +150,7 @@ def build_hybrid_lockstep(options: SetupOptions) -> Setup:
     env = scaleout.init(timeout=options.timeout_s)
     # a data group of one rank each: every rank looks its own samples up in all the tables
     dist = env.create_distribution(data_parts=1, model_parts=env.world_size)
-    plan = _shard_tables(net, dist, 1, None)
+    plan = _shard_tables(net, dist, 1, None, options.batch)
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     optimizer = LockstepSGD(dense, lr=LR, momentum=MOMENTUM)  # meets, then steps
     net.embeddings.update_in_backward(FusedSGD(lr=LR))

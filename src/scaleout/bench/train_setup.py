@@ -39,6 +39,8 @@ class SetupOptions:
             under it); ``None``: unlimited.
         warmup: untimed iterations: ``"auto"`` measures all but the first and the last and
             tunes before the last (which then runs the tuned plan).
+        batch: samples per rank per iteration, when known (``hybrid``: its tables'
+            ``max_batch``, so each batch's ids travel in one round).
     """
 
     workload: Workload
@@ -50,6 +52,7 @@ class SetupOptions:
     memory_budget: int | None = None
     device: str = "cpu"
     warmup: int = 4
+    batch: int | None = None
 
     def scheduler(self) -> Any:
         """scaleout's SchedulerConfig for ``policy`` (``"default"``: left to scaleout)."""

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     options = SetupOptions(workload=workload, seed=args.seed, policy=args.policy,
                            mode=args.mode, compression=args.compression,
                            timeout_s=args.timeout, device=args.device,
-                           memory_budget=args.memory_budget, warmup=args.warmup)
+                           memory_budget=args.memory_budget, warmup=args.warmup,
+                           batch=args.batch)
     device = options.torch_device()
     cuda = device.type == "cuda"
     if cuda:

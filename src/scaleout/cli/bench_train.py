@@ -35,7 +35,8 @@ fresh ranks every round):
             dense MLPs data parallel, the next batch's ids and rows prefetched; also
             --parallel hybrid), hybrid-deferred (the same, the rows' gradients sent
             back without blocking backward), hybrid-noprefetch (without prefetching),
-            hybrid-unfused (the tables stepped after backward, not updated in it);
+            hybrid-unfused (the tables stepped after backward, not updated in it),
+            hybrid-two-rounds (each batch's id counts and ids as two exchanges, not one);
             hybrid-lockstep (hybrid's ceiling: each rank runs hybrid's compute alone on
             all the tables and meets the others once per iteration)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and

@@ -43,7 +43,13 @@ from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
 from scaleout.pytorch.embeddings.backward import TableBackward
 from scaleout.pytorch.embeddings.full_state import gather_full_state, part_of_full_state
-from scaleout.pytorch.embeddings.ids_exchange import IdsExchange
+from scaleout.pytorch.embeddings.ids_exchange import (
+    IdsExchange,
+    check_ids,
+    check_max_batch,
+    check_rows,
+    id_capacity,
+)
 from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
@@ -80,10 +86,14 @@ class EmbeddingCollection(TableBackward):
         init: ``init(table_index, weight, first_row, first_column)`` fills this rank's block
             of a table in place (default: DLRM's uniform +-rows^-0.5 from a generator seeded
             by the table index, the same values whichever rank holds them).
+        max_batch: the most samples a rank passes to one forward or prefetch; given, a
+            batch's id counts and ids travel in one round (blocks padded for it) instead of
+            two. The same on every rank.
 
     Raises:
-        ValueError: tables of different widths, a plan for other tables or ranks, or ranks
-            of the data group with different tables, dtypes or plans (every rank raises).
+        ValueError: tables of different widths, a plan for other tables or ranks, a
+            ``max_batch`` < 1, or ranks of the data group with different tables, dtypes,
+            plans or ``max_batch`` (every rank raises).
 
     Example (2 ranks; rank 0 holds tables 0 and 3, rank 1 tables 1 and 2):
         >>> ec = EmbeddingCollection([TableSpec(rows=r, dim=8) for r in (9, 5, 4, 2)], dist)
@@ -93,8 +103,9 @@ class EmbeddingCollection(TableBackward):
 
     def __init__(self, tables: Sequence[TableSpec], distribution: Distribution, *,
                  plan: ShardingPlan | None = None, dtype: torch.dtype = torch.float32,
-                 init: Any = None) -> None:
+                 init: Any = None, max_batch: int | None = None) -> None:
         super().__init__()
+        check_max_batch(max_batch)
         tables = tuple(tables)
         if not tables:
             raise ValueError("EmbeddingCollection needs at least one table")
@@ -114,14 +125,18 @@ class EmbeddingCollection(TableBackward):
                              f"{self.comm.size}")
         # every rank routes ids by its own plan: plans that differ would answer ids with
         # another table's rows
-        verify_plan(self.comm, "EmbeddingCollection plan",
-                    f"tables {shapes} of {dtype}, owners {self.plan.owners}")
+        verify_plan(self.comm, "EmbeddingCollection plan", f"tables {shapes} of {dtype}, "
+                    f"owners {self.plan.owners}, max_batch {max_batch}")
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype, self.device = dtype, torch.device("cpu")  # the tables' (see _apply)
         self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
         self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
+        self.max_batch = max_batch
+        self._held = [self.plan.tables_of(r) for r in range(self.comm.size)]  # by every rank
+        self._capacity = None if max_batch is None else id_capacity(
+            self._held, self._rows.tolist(), max_batch)
         self._pending: deque[IdsExchange] = deque()  # prefetched, oldest first
         # id(exchange): its rows (in the tables' autograd graph) on their way
         self._started: dict[int, tuple[torch.Tensor, Started]] = {}
@@ -151,8 +166,10 @@ class EmbeddingCollection(TableBackward):
 
     @classmethod
     def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
-                        plan: ShardingPlan | None = None) -> EmbeddingCollection:
-        """Shard existing tables (every rank passes the same ones; each keeps its own).
+                        plan: ShardingPlan | None = None,
+                        max_batch: int | None = None) -> EmbeddingCollection:
+        """Shard existing tables (every rank passes the same ones; each keeps its own;
+        ``plan`` and ``max_batch`` as for the constructor).
 
         Raises:
             ValueError: a table with ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``
@@ -171,7 +188,7 @@ class EmbeddingCollection(TableBackward):
         def copy(index: int, weight: torch.Tensor, first: int, column: int) -> None:
             weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
                                                   column: column + weight.shape[1]])
-        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy)
+        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy, max_batch=max_batch)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``.double()``, ``.to(device)``: a rank that holds no table follows too (its lookups
@@ -323,26 +340,14 @@ class EmbeddingCollection(TableBackward):
             exchange.advance()
 
     def _check(self, ids: torch.Tensor, what: str) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"EmbeddingCollection.{what}: expected an int64 (or int32) tensor "
-                            f"of ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.dim() != 2 or ids.shape[1] != len(self.tables):
-            raise ValueError(f"EmbeddingCollection.{what}: expected ids of shape (batch, "
-                             f"{len(self.tables)}), got {tuple(ids.shape)}")
+        check_ids(ids, len(self.tables), self.max_batch, f"EmbeddingCollection.{what}")
 
     def _exchange(self, ids: torch.Tensor) -> IdsExchange:
         """A new exchange of ``ids`` (checked: an id past its table would land in the next
         one's rows in the exchange's single id space)."""
-        rows = self._rows.to(ids.device)
-        outside = ((ids < 0) | (ids >= rows)).any(dim=0)
-        if bool(outside.any()):
-            t = int(outside.nonzero()[0])
-            raise ValueError(f"EmbeddingCollection: ids of table {t} must be in [0, "
-                             f"{self.tables[t].rows}), got {ids[:, t].min().item()}.."
-                             f"{ids[:, t].max().item()}")
-        held = [self.plan.tables_of(r) for r in range(self.comm.size)]
-        return IdsExchange(ids.long(), held, self._first_rows.to(ids.device), self.comm,
-                           self.exchange_recorder)
+        check_rows(ids, self._rows.to(ids.device))
+        return IdsExchange(ids.long(), self._held, self._first_rows.to(ids.device), self.comm,
+                           self.exchange_recorder, self._capacity)
 
     def _take(self, ids: torch.Tensor) -> IdsExchange:
         """The exchange of ``ids``: the first prefetched one (which must be of them), or a

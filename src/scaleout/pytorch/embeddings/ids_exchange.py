@@ -13,6 +13,12 @@ batch computes:
    expect;
 3. ids: once the counts are there (:meth:`advance`), an alltoallv sends the ids themselves.
 
+With a ``capacity`` (the collection's ``max_batch``), steps 2 and 3 are one alltoallv: each
+holder gets a block of a size it knows in advance, its tables' counts followed by the ids,
+padded to the most distinct ids a batch of ``max_batch`` samples can send it
+(:func:`id_capacity`). One collective fewer per batch; on two ranks sharing a 2-core
+machine each costs ~0.5-1 ms whatever its size (benchmarks/RESULTS.md, issue 14, stop 19).
+
 Ids do not depend on the weights, so exchanging them early is exact whatever the tables
 hold by then.
 """
@@ -27,7 +33,8 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 
-__all__ = ["IdsExchange", "Received"]
+__all__ = ["IdsExchange", "Received", "check_ids", "check_max_batch", "check_rows",
+           "id_capacity"]
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,17 @@ class IdsExchange:
             (the cumulative row counts).
         comm: the data group's communicator.
         recorder: records the exchanges' time (exposed: the waits) and bytes.
+        capacity: ``capacity[r]``: the most ids this batch can send rank ``r``
+            (:func:`id_capacity`, the same on every rank): counts and ids in one round;
+            ``None``: two rounds.
     """
 
     def __init__(self, ids: torch.Tensor, held: list[list[int]], first_rows: torch.Tensor,
-                 comm: Communicator, recorder: ExchangeRecorder) -> None:
+                 comm: Communicator, recorder: ExchangeRecorder,
+                 capacity: list[int] | None = None) -> None:
         self.ids = ids
         self.comm, self.recorder = comm, recorder
-        self.held = held
+        self.held, self.capacity = held, capacity
         batch, tables = ids.shape
         # (table, slot): every holder's tables in order; a split table has one slot per rank
         slot_tables = torch.tensor([t for part in held for t in part], dtype=torch.int64,
@@ -89,14 +100,34 @@ class IdsExchange:
         self._counts: Started | None = None
         self._ids: Started | None = None
         self._asked: torch.Tensor | None = None
+        self._padded: torch.Tensor | None = None  # the one round's send buffer
         self._received: Received | None = None
 
     def start(self) -> IdsExchange:
-        """Start the counts' exchange (step 2); returns ``self``."""
-        if self._counts is None:
-            mine = len(self.held[self.comm.rank])
+        """Start the counts' exchange (step 2; with a capacity, steps 2 and 3 at once);
+        returns ``self``."""
+        if self._counts is not None or self._ids is not None or self._received is not None:
+            return self
+        mine = len(self.held[self.comm.rank])
+        if self.capacity is None:
             self._counts = self.recorder.start(collectives.alltoallv(
                 self.comm, self.counts, [len(h) for h in self.held], [mine] * self.comm.size))
+            return self
+        blocks = [len(h) + c for h, c in zip(self.held, self.capacity)]
+        send = self.sent.new_zeros(sum(blocks))
+        at = offset = 0
+        for rank, ((first, end), sent, cap) in enumerate(zip(_bounds(self.held), self.send,
+                                                              self.capacity)):
+            if sent > cap:  # (the collection checks the batch against max_batch first)
+                raise ValueError(f"IdsExchange: {sent} distinct ids for rank {rank}, more than "
+                                 f"the {cap} its block holds")
+            tables = end - first
+            send[at: at + tables] = self.counts[first:end]
+            send[at + tables: at + tables + sent] = self.sent[offset: offset + sent]
+            at, offset = at + tables + cap, offset + sent
+        self._ids = self.recorder.start(collectives.alltoallv(
+            self.comm, send, blocks, [mine + self.capacity[self.comm.rank]] * self.comm.size))
+        self._padded = send
         return self
 
     def advance(self) -> None:
@@ -114,8 +145,18 @@ class IdsExchange:
         """The ids the other ranks asked this rank for (waits for every step)."""
         if self._received is None:
             self.advance()
-            assert self._ids is not None and self._asked is not None
-            ids = self.recorder.wait(self._ids, self.sent)
+            assert self._ids is not None
+            if self.capacity is None:
+                assert self._asked is not None
+                ids = self.recorder.wait(self._ids, self.sent)
+            else:  # each rank's block: my tables' counts, then that many ids, then padding
+                mine = len(self.held[self.comm.rank])
+                assert self._padded is not None
+                got = self.recorder.wait(self._ids, self._padded).view(
+                    self.comm.size, mine + self.capacity[self.comm.rank])
+                self._asked = got[:, :mine].contiguous()
+                ids = torch.cat([got[r, mine: mine + n] for r, n
+                                 in enumerate(self._asked.sum(dim=1).tolist())])
             self._received = Received(ids=ids, asked=self._asked)
             self._ids = None
         return self._received
@@ -143,3 +184,45 @@ def _bounds(held: list[list[int]]) -> list[tuple[int, int]]:
         out.append((first, first + len(part)))
         first += len(part)
     return out
+
+
+def id_capacity(held: list[list[int]], rows: list[int], max_batch: int) -> list[int]:
+    """Per rank, the most distinct ids a batch of ``max_batch`` samples sends it: for each
+    table (or block) it holds, that table's ids, of which at most ``min(max_batch, rows)``
+    differ (a split table's holders each get all of them)."""
+    return [sum(min(max_batch, rows[t]) for t in part) for part in held]
+
+
+def check_max_batch(max_batch: object) -> None:
+    """``max_batch`` is ``None`` or an int >= 1 (else TypeError / ValueError)."""
+    if max_batch is None:
+        return
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int):
+        raise TypeError(f"EmbeddingCollection: max_batch must be an int or None, got "
+                        f"{type(max_batch).__name__}")
+    if max_batch < 1:
+        raise ValueError(f"EmbeddingCollection: max_batch must be >= 1, got {max_batch}")
+
+
+def check_ids(ids: torch.Tensor, tables: int, max_batch: int | None, what: str) -> None:
+    """``ids``: an integer ``(batch, tables)`` tensor of at most ``max_batch`` samples."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what}: expected an int64 (or int32) tensor of ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 2 or ids.shape[1] != tables:
+        raise ValueError(f"{what}: expected ids of shape (batch, {tables}), got "
+                         f"{tuple(ids.shape)}")
+    if max_batch is not None and ids.shape[0] > max_batch:
+        raise ValueError(f"{what}: a batch of {ids.shape[0]} samples, more than "
+                         f"max_batch={max_batch}")
+
+
+def check_rows(ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Every id of column ``t`` in ``[0, rows[t])``: one past its table would land in the
+    next table's rows in the exchange's single id space."""
+    outside = ((ids < 0) | (ids >= rows)).any(dim=0)
+    if bool(outside.any()):
+        t = int(outside.nonzero()[0])
+        raise ValueError(f"EmbeddingCollection: ids of table {t} must be in [0, "
+                         f"{int(rows[t])}), got {ids[:, t].min().item()}.."
+                         f"{ids[:, t].max().item()}")

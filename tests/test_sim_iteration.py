@@ -274,3 +274,24 @@ def test_a_codec_on_the_host_shares_the_compute_cores() -> None:
     assert _host_case(0.0, half) == pytest.approx(22.0)
     # host 0.5 s/B: 4 wire B cost 2 s of CPU, the codec 2 s more, all while a computes
     assert _host_case(0.5, half) == pytest.approx(26.0)
+
+
+def test_host_cpu_per_message_is_charged_per_chunk_like_the_bytes() -> None:
+    # _host_case's transfer as one message: 3 s of CPU per collective, done while a computes
+    work = Workload(name="host", layers=(
+        Layer(name="a", forward_s=0.0, backward_s=20.0, grad_bytes=0),
+        Layer(name="b", forward_s=1.0, backward_s=1.0, grad_bytes=8)))
+    topo = parse_topology("2", bandwidths=[1.0], latencies=[0.0], kinds=["ring"])
+
+    def run(per_message: float, partition: int) -> float:
+        sched = SchedulerConfig(policy="priority", partition_bytes=partition,
+                                credit_bytes=8, urgent_bytes=0)
+        cfg = IterationConfig(scheduler=sched, mode="sync", host_s_per_message=per_message)
+        return simulate(work, topo, cfg).iteration_s
+
+    assert run(0.0, 8) == pytest.approx(22.0)
+    assert run(3.0, 8) == pytest.approx(25.0)  # one message: its 3 s lengthen a's compute
+    assert run(0.0, 4) == pytest.approx(22.0)  # two chunks cost nothing more on the wire...
+    assert run(3.0, 4) == pytest.approx(28.0)  # ...but twice the CPU: more, smaller chunks pay
+    with pytest.raises(ValueError, match="host_s_per_message"):
+        IterationConfig(host_s_per_message=-1.0)

@@ -210,3 +210,30 @@ def test_a_runner_up_that_comes_out_ahead_once_tuned_becomes_the_choice(monkeypa
     assert swapped.predicted_s == pytest.approx(first.predicted_s * 0.95)
     assert dict(swapped.runner_up.codecs) == dict(first.codecs)  # within 10%: timed too
     assert swapped.runner_up.predicted_s >= swapped.predicted_s
+
+
+def test_a_collectives_cpu_makes_fewer_messages_win_where_the_wire_is_hidden() -> None:
+    # 8 layers of 2 MB under 20 ms of backward each: every transfer hides under compute,
+    # so on the wire alone the defaults' 8 messages cost nothing and stay...
+    w = Workload(name="hidden", layers=tuple(
+        Layer(name=f"l{i}", forward_s=0.01, backward_s=0.02, grad_bytes=2 * MB) for i in range(8)))
+
+    def messages(link: LinkModel, sched: SchedulerConfig) -> int:
+        cfg = IterationConfig(scheduler=sched, trace=True,
+                              host_s_per_message=link.cpu_s_per_message)
+        result = simulate(w, link.topology(), cfg)
+        return sum(1 for s in result.spans if s.lane == "comm" and s.iteration == 1)
+
+    wire = LinkModel(ranks=2, latency_s=1e-3, seconds_per_byte=1 / 1.1e9)
+    plain = choose(w, wire)
+    assert plain.scheduler == SchedulerConfig() and messages(wire, plain.scheduler) == 8
+    # ...but when each collective takes 5 ms of the compute's CPU (gloo on a shared CPU),
+    # the search sends fewer, larger ones
+    cpu = LinkModel(ranks=2, latency_s=1e-3, seconds_per_byte=1 / 1.1e9, cpu_s_per_message=5e-3)
+    charged = choose(w, cpu)
+    assert messages(cpu, charged.scheduler) < 8, charged.summary()
+    assert charged.predicted_s < 0.99 * charged.default_s
+    assert charged.default_s > plain.default_s + 8 * 5e-3 * 0.5  # the defaults pay for theirs
+    assert "5.000ms of CPU per collective" in charged.summary()
+    with pytest.raises(ValueError, match="cpu_s_per_message"):
+        LinkModel(ranks=2, latency_s=0.0, seconds_per_byte=0.0, cpu_s_per_message=-1.0)

@@ -55,7 +55,8 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
            "codecs": dict(model.tuning.codecs), "tuned_at": tuned_at,
            "compressed_in_use": model._compression is not None,
            "params": [p.detach().cpu() for p in net.parameters()],
-           "bytes": total.bytes, "raw_bytes": total.raw_bytes}
+           "bytes": total.bytes, "raw_bytes": total.raw_bytes,
+           "cpu_per_message": model.tuning.link.cpu_s_per_message}
     model.close()
     env.finalize()
     return out
@@ -66,6 +67,10 @@ def test_every_rank_agrees_and_the_replicas_stay_identical() -> None:
     assert len({r["key"] for r in results}) == 1
     assert results[0]["tuned_at"] == 4  # skip 1, measure 2, then tune
     assert not results[0]["codecs"] and "chosen:" in results[0]["summary"]
+    # a collective's CPU, measured on this CPU run, the slowest rank's on every rank
+    assert len({r["cpu_per_message"] for r in results}) == 1
+    assert results[0]["cpu_per_message"] > 0
+    assert "of CPU per collective" in results[0]["summary"]
     for other in results[1:]:
         for a, b in zip(results[0]["params"], other["params"]):
             assert torch.equal(a, b)

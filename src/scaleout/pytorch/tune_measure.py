@@ -33,18 +33,23 @@ def _wait(request: Any, device: torch.device) -> None:
 
 
 def measure_link(comm: Any, device: torch.device) -> list[float]:
-    """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds)."""
-    times = []
+    """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds),
+    then the process's CPU time per small all-reduce (every thread's: the call and the
+    communication library's threads; their mean over the repetitions)."""
+    times, cpu = [], 0.0
     for nbytes in PROBE_BYTES:
         buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         _wait(allreduce(comm, buffer), device)  # connections and buffers warm
         best = math.inf
+        began = time.process_time()
         for _ in range(PROBE_REPEATS):
             start = time.perf_counter()
             _wait(allreduce(comm, buffer), device)
             best = min(best, time.perf_counter() - start)
+        if nbytes == PROBE_BYTES[0]:
+            cpu = (time.process_time() - began) / PROBE_REPEATS
         times.append(best)
-    return times
+    return [*times, cpu]
 
 
 def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],

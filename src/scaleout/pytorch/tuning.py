@@ -248,16 +248,19 @@ class Tuner:
         min_numel = CompressionConfig().min_numel
         codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
         link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
-                else [0.0, 0.0])
+                else [0.0, 0.0, 0.0])
         # the slowest rank's figures: every rank then decides alike
         values = slowest(comm, model._device, [*link, *compute, *(s for _, s in codecs)])
-        link_model = config.link or LinkModel.fit(comm.size, (PROBE_BYTES[0], values[0]),
-                                                  (PROBE_BYTES[1], values[1]))
+        # a collective's CPU competes with the compute only where the compute is on the CPU
+        cpu = values[2] if model._device.type == "cpu" else 0.0
+        link_model = config.link or replace(
+            LinkModel.fit(comm.size, (PROBE_BYTES[0], values[0]), (PROBE_BYTES[1], values[1])),
+            cpu_s_per_message=cpu)
         if link_model.ranks != comm.size:
             raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
                              f"has {comm.size}")
-        workload = _workload(layers, values[2:2 + 2 * len(layers)], 1)
-        seconds = values[2 + 2 * len(layers):]
+        workload = _workload(layers, values[3:3 + 2 * len(layers)], 1)
+        seconds = values[3 + 2 * len(layers):]
         models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                   in zip(codecs, seconds)])
         choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,

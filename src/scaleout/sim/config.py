@@ -135,6 +135,11 @@ class IterationConfig:
             the rank computes lengthens its compute (processor sharing); work done while it
             waits costs nothing more. A codec's compute then runs on those cores too and is
             charged the same way. 0: the network has its own engine.
+        host_s_per_message: CPU seconds a rank spends per collective (per chunk sent) on
+            those cores, whatever its size: the call and the communication library's threads
+            (gloo over TCP: ~1 ms for a 1 KB all-reduce on a 2-core machine, RESULTS.md). It is
+            charged like ``host_s_per_byte`` (the autotuner measures it on CPU runs; a
+            multi-round codec's later rounds are not counted).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -148,6 +153,7 @@ class IterationConfig:
     pipeline: str | None = None
     pipeline_chunks: int = 16
     host_s_per_byte: float = 0.0
+    host_s_per_message: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -172,9 +178,10 @@ class IterationConfig:
                 )
             if len(set(names)) != 1 or self.flat:
                 raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
-        host = self.host_s_per_byte
-        if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
-            raise ValueError(f"host_s_per_byte must be >= 0, got {host!r}")
+        for name in ("host_s_per_byte", "host_s_per_message"):
+            host = getattr(self, name)
+            if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
+                raise ValueError(f"{name} must be >= 0, got {host!r}")
         chunks = self.pipeline_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

@@ -175,11 +175,12 @@ class _Run:
         chunk = self.net.popleft()
         wire, codec_s, summable = self.wire(chunk)
         cost = self.cost(wire, summable)
-        host = wire * self.cfg.host_s_per_byte  # the CPU the wire bytes cost (testbed)
+        # the CPU the wire bytes and the collective's call cost (testbed, a tuned CPU run)
+        host = wire * self.cfg.host_s_per_byte + self.cfg.host_s_per_message
         duration = max(cost.time, host) + codec_s
         # on such a host the codec runs on the compute's cores too: its share done while the
         # rank computes is charged the same way
-        cpu = host + codec_s if self.cfg.host_s_per_byte else 0.0
+        cpu = host + (codec_s if self.cfg.host_s_per_byte else 0.0)
         self.net_busy = True
         start, clock = self.q.now, self.compute_clock()
         if chunk.iteration == 1:  # a steady-state iteration's traffic, counted once

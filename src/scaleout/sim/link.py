@@ -16,7 +16,9 @@ __all__ = ["LinkModel"]
 @dataclass(frozen=True, kw_only=True)
 class LinkModel:
     """A measured data-parallel link: an all-reduce of ``m`` bytes over ``ranks`` ranks takes
-    ``latency_s + m * seconds_per_byte``.
+    ``latency_s + m * seconds_per_byte``; each costs a rank ``cpu_s_per_message`` of CPU on
+    the cores its compute uses (measured on CPU runs; 0 where the compute has cores or a
+    device of its own).
 
     Raises:
         ValueError: ranks < 1, or a negative / non-finite time.
@@ -25,11 +27,12 @@ class LinkModel:
     ranks: int
     latency_s: float
     seconds_per_byte: float
+    cpu_s_per_message: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"ranks must be an int >= 1, got {self.ranks!r}")
-        for name in ("latency_s", "seconds_per_byte"):
+        for name in ("latency_s", "seconds_per_byte", "cpu_s_per_message"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < 0:
@@ -72,7 +75,9 @@ class LinkModel:
                                         latency=self.latency_s / per_latency),))
 
     def describe(self) -> str:
-        return (f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)} + "
+        text = (f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)} + "
                 f"{format_bytes(self.bandwidth)}/s" if self.seconds_per_byte else
                 f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)}, no measurable "
                 "per-byte cost")
+        return text + (f", {format_time(self.cpu_s_per_message)} of CPU per collective"
+                       if self.cpu_s_per_message else "")

@@ -65,6 +65,7 @@ class _Search:
     def __init__(self, workload: Workload, link: LinkModel, mode: str,
                  models: Mapping[str, Mapping[str, CodecModel]], codec_competes: bool) -> None:
         self.w, self.topo, self.mode, self.models = workload, link.topology(), mode, models
+        self.cpu_per_message = link.cpu_s_per_message
         self.codec_competes = codec_competes
         self.priced: dict[tuple[Any, ...], Candidate] = {}
 
@@ -82,7 +83,8 @@ class _Search:
         key = (sched, tuple(sorted(codecs.items())))
         if key not in self.priced:
             layer_codecs = {name: self.models[name][spec] for name, spec in codecs.items()}
-            config = IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs)
+            config = IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs,
+                                     host_s_per_message=self.cpu_per_message)
             seconds = simulate(self.workload(codecs), self.topo, config).iteration_s
             self.priced[key] = Candidate(label, sched, MappingProxyType(dict(codecs)), seconds)
         return self.priced[key]

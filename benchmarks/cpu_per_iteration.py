@@ -66,13 +66,13 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     workload = get_workload(workload_name)
+    batch = workload.default_batch_size
     options = SetupOptions(workload=workload,
                            policy=os.environ.get("SCALEOUT_POLICY", "default"),
                            mode=os.environ.get("SCALEOUT_MODE", "overlap"),
                            compression=os.environ.get("SCALEOUT_COMPRESSION") or None,
-                           batch=workload.default_batch_size)
+                           batch=batch)
     setup = build_setup(config, options)
-    batch = workload.default_batch_size
     batches = [workload.make_batch(batch * world, step, 0, rank=rank, world_size=world)
                for step in range(DISTINCT_BATCHES)]
     phases = [0.0, 0.0, 0.0]  # main thread CPU: forward, backward, step + zero_grad

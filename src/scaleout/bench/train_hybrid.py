@@ -69,6 +69,11 @@ def _model(options: SetupOptions) -> nn.Module:
     return net
 
 
+def _dense(net: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside the tables (the MLPs: data parallel, or local in the ceiling)."""
+    return [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+
+
 def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | None,
                   max_batch: int | None) -> Any:
     """Replace ``net.embeddings`` by an :class:`EmbeddingCollection` on ``dist``'s data group
@@ -79,8 +84,7 @@ def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | Non
     tables = net.embeddings
     specs = [TableSpec(rows=t.num_embeddings, dim=t.embedding_dim, name=str(i))
              for i, t in enumerate(tables)]
-    dense_bytes = sum(p.numel() * p.element_size() for n, p in net.named_parameters()
-                      if not n.startswith("embeddings."))
+    dense_bytes = sum(p.numel() * p.element_size() for p in _dense(net))
     budget = None if budget_bytes is None else budget_bytes - dense_bytes
     if budget is not None and budget < 1:
         raise ValueError(f"hybrid: the memory budget of {budget_bytes} bytes leaves no "
@@ -102,7 +106,7 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     dist = env.create_distribution()
     max_batch = options.batch if one_round else None
     plan = _shard_tables(net, dist, env.world_size, options.memory_budget, max_batch)
-    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    dense = _dense(net)
     sparse = list(net.embeddings.parameters())
     model = DataParallel(net, dist, scheduler=options.scheduler())
     dense_opt = DistributedOptimizer(sgd(dense), model, mode=options.mode)
@@ -151,7 +155,7 @@ def build_hybrid_lockstep(options: SetupOptions) -> Setup:
     # a data group of one rank each: every rank looks its own samples up in all the tables
     dist = env.create_distribution(data_parts=1, model_parts=env.world_size)
     plan = _shard_tables(net, dist, 1, None, options.batch)
-    dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
+    dense = _dense(net)
     optimizer = LockstepSGD(dense, lr=LR, momentum=MOMENTUM)  # meets, then steps
     net.embeddings.update_in_backward(FusedSGD(lr=LR))
     net.embeddings.look_up_after_backward()

@@ -62,6 +62,14 @@ def thread_cpu() -> dict[str, list[float]]:
     return out
 
 
+def _budget(text: str | None) -> int | None:
+    """``BUDGET`` as ``bench train --memory-budget`` takes it (``4m``), or none."""
+    if not text:
+        return None
+    from scaleout.bench.stats import parse_size
+    return parse_size(text)
+
+
 def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -71,7 +79,7 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
                            policy=os.environ.get("SCALEOUT_POLICY", "default"),
                            mode=os.environ.get("SCALEOUT_MODE", "overlap"),
                            compression=os.environ.get("SCALEOUT_COMPRESSION") or None,
-                           batch=batch)
+                           batch=batch, memory_budget=_budget(os.environ.get("BUDGET")))
     setup = build_setup(config, options)
     batches = [workload.make_batch(batch * world, step, 0, rank=rank, world_size=world)
                for step in range(DISTINCT_BATCHES)]
@@ -79,6 +87,8 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
 
     def iteration(step: int, record: bool) -> None:
         inputs, targets = batches[step % DISTINCT_BATCHES]
+        if setup.prefetch is not None:  # (hybrid: the next batch's ids, as bench train does)
+            setup.prefetch(batches[(step + 1) % DISTINCT_BATCHES][0])
         began = time.thread_time()
         loss = workload.loss_fn(setup.model(inputs), targets)
         forward = time.thread_time()
@@ -91,13 +101,15 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
             phases[1] += backward - forward
             phases[2] += time.thread_time() - backward
 
+    if setup.prefetch is not None:
+        setup.prefetch(batches[0][0])
     for step in range(WARMUP):
         iteration(step, False)
     setup.settle()
     threads_before = thread_cpu()
     before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for step in range(iters):
-        iteration(step, True)
+        iteration(WARMUP + step, True)
     setup.settle()
     wall = (time.perf_counter() - started) / iters
     after = resource.getrusage(resource.RUSAGE_SELF)

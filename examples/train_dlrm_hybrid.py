@@ -46,10 +46,11 @@ def main() -> int:
     workload = get_workload(args.workload)
     net = workload.build_model(0)
     if args.parallel == "hybrid":
-        # each rank's share of a batch at most: its ids' counts and ids travel in one round
+        # each rank's share of a batch at most: its ids' counts and ids travel in one round,
+        # with the rows' gradients of the batch before
         per_rank = -(-args.batch // env.world_size)
-        net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist,
-                                                             max_batch=per_rank)
+        net.embeddings = EmbeddingCollection.from_embeddings(
+            list(net.embeddings), dist, max_batch=per_rank, ids_with_gradients=True)
     tables = [p for n, p in net.named_parameters() if n.startswith("embeddings.")]
     dense = [p for n, p in net.named_parameters() if not n.startswith("embeddings.")]
     model = DataParallel(net, dist)  # no DistributedOptimizer: averaged .grad after backward

@@ -86,8 +86,10 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     """Train ``STEPS`` steps, compare with :func:`reference`; the tables held here (``defer
     == "late"``: how many weights differ). ``update == "backward"``: the tables are updated
     in backward (no table optimizer). ``ids == "one round"``: the collection is given
-    ``max_batch``, so each batch's counts and ids travel together."""
-    max_batch = PER_RANK if ids == "one round" else None
+    ``max_batch``, so each batch's counts and ids travel together; ``"with gradients"``: and
+    a prefetched batch's ids travel with the rows' gradients of the backward before it."""
+    max_batch = PER_RANK if ids in ("one round", "with gradients") else None
+    riding = ids == "with gradients"
     env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
@@ -112,7 +114,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     x0, _ = shard(*global_batch(0, data_parts), dist.rank(GroupType.DATA))
     assert any(x0.sparse[:, t].unique().numel() < PER_RANK for t in range(len(specs)))
     net.embeddings = EmbeddingCollection.from_embeddings(list(net.embeddings), dist, plan=plan,
-                                                         max_batch=max_batch)
+                                                         max_batch=max_batch,
+                                                         ids_with_gradients=riding)
     if model_parts > 1:
         tensor_parallel(net, dist)
     dense, tables = optimizers(net)
@@ -145,6 +148,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
             ahead = 2 if prefetch == "two ahead" else 1  # this batch's and those ahead
             assert net.embeddings.prefetched == min(ahead + 1, STEPS - step)
         F.binary_cross_entropy_with_logits(model(x), y).backward()
+        if riding and prefetch != "none" and step + 1 < STEPS:  # the next ids came along
+            assert net.embeddings._pending[0].carried
         if defer != "no":  # backward returned before the tables' gradients came back
             assert all(p.grad is None for p in tables)
             # (unless the next lookup, at the end of backward, landed them to read the tables)
@@ -179,7 +184,8 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     held = net.embeddings.held()
     fresh = WORKLOAD.build_model(1).double()
     fresh.embeddings = EmbeddingCollection.from_embeddings(list(fresh.embeddings), dist,
-                                                           plan=plan, max_batch=max_batch)
+                                                           plan=plan, max_batch=max_batch,
+                                                           ids_with_gradients=riding)
     if model_parts > 1:
         tensor_parallel(fresh, dist)
     load_full_state_dict(fresh, expected)

@@ -28,18 +28,22 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
     out = tmp_path / "out.json"
     assert main([*BASE, "--parallel", "hybrid", "--memory-budget", "4m",
                  "--vs", "ddp,hybrid-deferred,hybrid-noprefetch,hybrid-unfused,lockstep,"
-                 "hybrid-lockstep,hybrid-two-rounds", "--json", str(out)]) == 0
+                 "hybrid-lockstep,hybrid-one-round,hybrid-two-rounds", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
     assert set(summary) == {"single", "scaleout", "ddp", "hybrid", "hybrid-deferred",
                             "hybrid-noprefetch", "hybrid-unfused", "lockstep", "hybrid-lockstep",
-                            "hybrid-two-rounds"}
+                            "hybrid-one-round", "hybrid-two-rounds"}
     # prefetching the next batch's ids and rows, and deferring the rows' gradients, train
     # the same model, to the last bit
     assert summary["hybrid"]["final_loss"] == summary["hybrid-noprefetch"]["final_loss"]
     assert summary["hybrid"]["final_loss"] == summary["hybrid-deferred"]["final_loss"]
-    # the ids in one round (the bench knows the batch) or in two: the same ids, the same model
+    # the ids with the rows' gradients, alone in one round (the bench knows the batch) or in
+    # two: the same ids, the same model
+    assert summary["hybrid"]["final_loss"] == summary["hybrid-one-round"]["final_loss"]
     assert summary["hybrid"]["final_loss"] == summary["hybrid-two-rounds"]["final_loss"]
-    assert summary["hybrid"]["details"]["ids"] == "counts and ids in one round"
+    assert summary["hybrid"]["details"]["ids"] == ("counts and ids with the rows' gradients of "
+                                                   "the backward before")
+    assert summary["hybrid-one-round"]["details"]["ids"] == "counts and ids in one round"
     assert summary["hybrid-two-rounds"]["details"]["ids"] == "counts, then ids"
     assert "land before the tables' step" in summary["hybrid-deferred"]["details"]["backward"]
     assert summary["hybrid"]["details"]["backward"].startswith("blocks")

@@ -2,8 +2,10 @@
 backward, its dense MLPs data parallel, the next batch's ids and rows prefetched
 (``hybrid-noprefetch``: not; ``hybrid-deferred``: prefetched, and the rows' gradients sent
 back without blocking backward; ``hybrid-unfused``: the tables' sparse gradients stepped by
-torch's SGD after backward; ``hybrid-two-rounds``: each batch's id counts, then its ids, as
-two exchanges instead of one), and its ceiling, ``hybrid-lockstep``.
+torch's SGD after backward; ``hybrid-one-round``: each batch's ids sent when prefetched,
+in one exchange of their own, instead of with the rows' gradients of the batch before;
+``hybrid-two-rounds``: its id counts, then its ids, as two exchanges), and its ceiling,
+``hybrid-lockstep``.
 
 ``hybrid-lockstep`` is not a trainer. Every rank holds all the tables and trains its own copy
 of the model on its own samples, with ``hybrid``'s code: the same lookups through an
@@ -33,7 +35,7 @@ from scaleout.bench.train_setup import (
     statistics_of,
 )
 
-__all__ = ["Pair", "build_hybrid", "build_hybrid_lockstep"]
+__all__ = ["IDS", "Pair", "build_hybrid", "build_hybrid_lockstep"]
 
 
 class Pair(torch.optim.Optimizer):
@@ -75,10 +77,11 @@ def _dense(net: nn.Module) -> list[nn.Parameter]:
 
 
 def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | None,
-                  max_batch: int | None) -> Any:
+                  max_batch: int | None, ids_with_gradients: bool = False) -> Any:
     """Replace ``net.embeddings`` by an :class:`EmbeddingCollection` on ``dist``'s data group
     of ``ranks``, planned under ``budget_bytes`` of parameters per rank (each batch's ids in
-    one round where ``max_batch`` is known); returns the plan."""
+    one round where ``max_batch`` is known, with the rows' gradients if
+    ``ids_with_gradients``); returns the plan."""
     from scaleout.pytorch import EmbeddingCollection, TableSpec, plan_tables
 
     tables = net.embeddings
@@ -91,21 +94,31 @@ def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | Non
                          f"room for tables beside the dense parameters' {dense_bytes} bytes")
     plan = plan_tables(specs, ranks, memory_budget=budget,
                        element_size=tables[0].weight.element_size())
-    net.embeddings = EmbeddingCollection.from_embeddings(list(tables), dist, plan=plan,
-                                                         max_batch=max_batch)
+    net.embeddings = EmbeddingCollection.from_embeddings(
+        list(tables), dist, plan=plan, max_batch=max_batch,
+        ids_with_gradients=ids_with_gradients)
     return plan
 
 
+#: How a batch's ids reach the tables' holders, by ``build_hybrid``'s ``ids``.
+IDS = {"with gradients": "counts and ids with the rows' gradients of the backward before",
+       "one round": "counts and ids in one round", "two rounds": "counts, then ids"}
+
+
 def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = False,
-                 fused: bool = True, one_round: bool = True) -> Setup:
+                 fused: bool = True, ids: str = "with gradients") -> Setup:
     import scaleout
     from scaleout.pytorch import DataParallel, DistributedOptimizer, FusedSGD
+
+    if ids not in IDS:
+        raise ValueError(f"build_hybrid: ids must be one of {sorted(IDS)}, got {ids!r}")
 
     net = _model(options)
     env = scaleout.init(timeout=options.timeout_s)
     dist = env.create_distribution()
-    max_batch = options.batch if one_round else None
-    plan = _shard_tables(net, dist, env.world_size, options.memory_budget, max_batch)
+    max_batch = None if ids == "two rounds" else options.batch
+    plan = _shard_tables(net, dist, env.world_size, options.memory_budget, max_batch,
+                         ids == "with gradients")
     dense = _dense(net)
     sparse = list(net.embeddings.parameters())
     model = DataParallel(net, dist, scheduler=options.scheduler())
@@ -121,7 +134,7 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
         env.finalize()
 
     details = {"policy": options.policy, "mode": options.mode, "tables": plan.describe(),
-               "ids": "counts and ids in one round" if max_batch else "counts, then ids",
+               "ids": IDS[ids],
                "table_optimizer": "SGD (rows) in backward" if fused else "SGD (sparse rows)",
                "memory_budget": options.memory_budget,
                "prefetch": None if not prefetch else "the next batch's ids; its lookups once "
@@ -154,7 +167,7 @@ def build_hybrid_lockstep(options: SetupOptions) -> Setup:
     env = scaleout.init(timeout=options.timeout_s)
     # a data group of one rank each: every rank looks its own samples up in all the tables
     dist = env.create_distribution(data_parts=1, model_parts=env.world_size)
-    plan = _shard_tables(net, dist, 1, None, options.batch)
+    plan = _shard_tables(net, dist, 1, None, options.batch, True)
     dense = _dense(net)
     optimizer = LockstepSGD(dense, lr=LR, momentum=MOMENTUM)  # meets, then steps
     net.embeddings.update_in_backward(FusedSGD(lr=LR))

@@ -64,7 +64,8 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
 
 #: Peers a user may name with ``--vs``.
 PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
-         "hybrid-noprefetch", "hybrid-unfused", "hybrid-two-rounds", *CEILINGS,
+         "hybrid-noprefetch", "hybrid-unfused", "hybrid-one-round",
+         "hybrid-two-rounds", *CEILINGS,
          "hybrid-lockstep")
 #: Every configuration the worker can run.
 CONFIGURATIONS = ("single", "scaleout", *PEERS)
@@ -205,7 +206,8 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "hybrid-deferred": lambda o: build_hybrid(o, defer=True),
     "hybrid-noprefetch": lambda o: build_hybrid(o, prefetch=False),
     "hybrid-unfused": lambda o: build_hybrid(o, fused=False),
-    "hybrid-two-rounds": lambda o: build_hybrid(o, one_round=False),
+    "hybrid-one-round": lambda o: build_hybrid(o, ids="one round"),
+    "hybrid-two-rounds": lambda o: build_hybrid(o, ids="two rounds"),
     "lockstep": lambda o: _lockstep(o, traffic=False),
     "lockstep-traffic": lambda o: _lockstep(o, traffic=True),
     "hybrid-lockstep": build_hybrid_lockstep,

@@ -36,7 +36,9 @@ fresh ranks every round):
             --parallel hybrid), hybrid-deferred (the same, the rows' gradients sent
             back without blocking backward), hybrid-noprefetch (without prefetching),
             hybrid-unfused (the tables stepped after backward, not updated in it),
-            hybrid-two-rounds (each batch's id counts and ids as two exchanges, not one);
+            hybrid-one-round (each batch's ids alone when prefetched, not with the rows'
+            gradients of the batch before), hybrid-two-rounds (and its id counts and ids
+            as two exchanges);
             hybrid-lockstep (hybrid's ceiling: each rank runs hybrid's compute alone on
             all the tables and meets the others once per iteration)
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and

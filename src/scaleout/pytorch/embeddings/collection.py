@@ -16,12 +16,13 @@ Forward, on every rank of the data group (each with its own samples):
    model-parallel -> data-parallel transition, an all-to-all).
 
 Backward is the reverse of step 4: the gradients of a row's samples are summed by the rank
-that asked for it before they travel, and reach the table weights as sparse row gradients,
-scaled like DataParallel's average over the data group; the tables are then updated by a
-row-wise optimizer (``RowWiseAdagrad``, or torch's SGD / Adagrad / SparseAdam, which accept
-sparse gradients), or in backward itself (:meth:`~EmbeddingCollection.update_in_backward`:
-one update of all of a rank's tables, no sparse gradients). The dense layers around stay
-data parallel. With :meth:`~EmbeddingCollection.defer_backward` the reverse exchange does
+that asked for it before they travel (with ``ids_with_gradients``, together with the next
+prefetched batch's ids: :mod:`~scaleout.pytorch.embeddings.ride`), and reach the table
+weights as sparse row gradients, scaled like DataParallel's average over the data group;
+the tables are then updated by a row-wise optimizer (``RowWiseAdagrad``, or torch's SGD /
+Adagrad / SparseAdam, which accept sparse gradients), or in backward itself
+(:meth:`~EmbeddingCollection.update_in_backward`: one update of all of a rank's tables, no
+sparse gradients). The dense layers around stay data parallel. With :meth:`~EmbeddingCollection.defer_backward` the reverse exchange does
 not block backward: it travels while the dense layers' backward and allreduce run, and
 lands (the sparse gradients are written) before the tables' optimizer steps.
 """
@@ -34,22 +35,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from scaleout.core import collectives
 from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
-from scaleout.pytorch.embeddings.backward import TableBackward
 from scaleout.pytorch.embeddings.full_state import gather_full_state, part_of_full_state
 from scaleout.pytorch.embeddings.ids_exchange import (
     IdsExchange,
     check_ids,
+    check_ids_with_gradients,
     check_max_batch,
     check_rows,
     id_capacity,
 )
+from scaleout.pytorch.embeddings.lookahead import Lookahead
 from scaleout.pytorch.embeddings.lookup import look_up
 from scaleout.pytorch.embeddings.planner import (
     COLUMN_WISE,
@@ -64,7 +64,7 @@ from scaleout.pytorch.placement import Kind, Placement, place
 __all__ = ["EmbeddingCollection"]
 
 
-class EmbeddingCollection(TableBackward):
+class EmbeddingCollection(Lookahead):
     """Embedding tables sharded across the data group; ``(B, T)`` ids -> ``(B, T, dim)``.
 
     Column ``t`` of the ids indexes table ``t`` (one id per table per sample, as in DLRM).
@@ -89,11 +89,16 @@ class EmbeddingCollection(TableBackward):
         max_batch: the most samples a rank passes to one forward or prefetch; given, a
             batch's id counts and ids travel in one round (blocks padded for it) instead of
             two. The same on every rank.
+        ids_with_gradients: a prefetched batch's ids wait for the next backward and travel
+            with the rows' gradients, in one exchange (one collective fewer per batch); a
+            forward or lookup that needs them before any backward sends them alone. Needs
+            ``max_batch``. The same on every rank.
 
     Raises:
         ValueError: tables of different widths, a plan for other tables or ranks, a
-            ``max_batch`` < 1, or ranks of the data group with different tables, dtypes,
-            plans or ``max_batch`` (every rank raises).
+            ``max_batch`` < 1, ``ids_with_gradients`` without ``max_batch``, or ranks of the
+            data group with different tables, dtypes, plans, ``max_batch`` or
+            ``ids_with_gradients`` (every rank raises).
 
     Example (2 ranks; rank 0 holds tables 0 and 3, rank 1 tables 1 and 2):
         >>> ec = EmbeddingCollection([TableSpec(rows=r, dim=8) for r in (9, 5, 4, 2)], dist)
@@ -103,9 +108,11 @@ class EmbeddingCollection(TableBackward):
 
     def __init__(self, tables: Sequence[TableSpec], distribution: Distribution, *,
                  plan: ShardingPlan | None = None, dtype: torch.dtype = torch.float32,
-                 init: Any = None, max_batch: int | None = None) -> None:
+                 init: Any = None, max_batch: int | None = None,
+                 ids_with_gradients: bool = False) -> None:
         super().__init__()
         check_max_batch(max_batch)
+        check_ids_with_gradients(ids_with_gradients, max_batch)
         tables = tuple(tables)
         if not tables:
             raise ValueError("EmbeddingCollection needs at least one table")
@@ -126,14 +133,15 @@ class EmbeddingCollection(TableBackward):
         # every rank routes ids by its own plan: plans that differ would answer ids with
         # another table's rows
         verify_plan(self.comm, "EmbeddingCollection plan", f"tables {shapes} of {dtype}, "
-                    f"owners {self.plan.owners}, max_batch {max_batch}")
+                    f"owners {self.plan.owners}, max_batch {max_batch}, ids with gradients "
+                    f"{ids_with_gradients}")
         self.tables = tables
         self.exchange_recorder = ExchangeRecorder()
         self.dim = dims.pop()
         self.dtype, self.device = dtype, torch.device("cpu")  # the tables' (see _apply)
         self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
         self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
-        self.max_batch = max_batch
+        self.max_batch, self.ids_with_gradients = max_batch, ids_with_gradients
         self._held = [self.plan.tables_of(r) for r in range(self.comm.size)]  # by every rank
         self._capacity = None if max_batch is None else id_capacity(
             self._held, self._rows.tolist(), max_batch)
@@ -166,10 +174,10 @@ class EmbeddingCollection(TableBackward):
 
     @classmethod
     def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
-                        plan: ShardingPlan | None = None,
-                        max_batch: int | None = None) -> EmbeddingCollection:
+                        plan: ShardingPlan | None = None, max_batch: int | None = None,
+                        ids_with_gradients: bool = False) -> EmbeddingCollection:
         """Shard existing tables (every rank passes the same ones; each keeps its own;
-        ``plan`` and ``max_batch`` as for the constructor).
+        ``plan``, ``max_batch`` and ``ids_with_gradients`` as for the constructor).
 
         Raises:
             ValueError: a table with ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``
@@ -188,7 +196,8 @@ class EmbeddingCollection(TableBackward):
         def copy(index: int, weight: torch.Tensor, first: int, column: int) -> None:
             weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
                                                   column: column + weight.shape[1]])
-        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy, max_batch=max_batch)
+        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy, max_batch=max_batch,
+                   ids_with_gradients=ids_with_gradients)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``.double()``, ``.to(device)``: a rank that holds no table follows too (its lookups
@@ -212,132 +221,10 @@ class EmbeddingCollection(TableBackward):
         rows = exchange_rows(looked, self.comm, exchange.recv, exchange.send, self.divisor,
                              self.exchange_recorder, started,
                              self._landing if self._landing.active else None,
-                             self._backward_done if self._after_backward else None)
+                             self._backward_done if self._after_backward else None,
+                             self._rider if self.ids_with_gradients else None)
         self._advance()  # the next batches' ids travel while this one computes
         return exchange.gather(rows, self.dim)
-
-    def start_lookup(self) -> bool:
-        """Look the next forward's rows up now and start sending them: the first prefetched
-        batch's, whose ids are there by now.
-
-        Call it once the tables hold what that forward must read, that is after the tables'
-        update of the batch before (:meth:`look_up_after` calls it after every step of the
-        tables' optimizer); the forward then waits only for rows already on their way. The
-        rows are read when it is called: a table changed after that is not seen by that
-        forward (every rank calls it at the same point).
-
-        Returns:
-            Whether a lookup started (``False``: no prefetched batch).
-
-        Raises:
-            RuntimeError: the first prefetched batch's lookup started already.
-        """
-        self.land_gradients()  # the rows read below are those after every backward so far
-        if not self._pending:
-            return False
-        exchange = self._pending[0]
-        if id(exchange) in self._started:
-            raise RuntimeError("EmbeddingCollection.start_lookup: the next batch's rows were "
-                               "looked up already (twice without a forward in between)")
-        received = exchange.received()
-        with torch.enable_grad():  # the forward that takes the rows may train
-            looked = self._look_up(received.ids, received.asked)
-        self._started[id(exchange)] = (looked, self.exchange_recorder.start(
-            collectives.alltoallv(self.comm, looked.detach(), exchange.recv, exchange.send)))
-        self._advance()
-        return True
-
-    def look_up_after(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Call :meth:`start_lookup` after every ``optimizer.step()`` (the tables' optimizer:
-        the rows of the next prefetched batch then leave as soon as the tables are updated).
-
-        Returns:
-            The hook's handle (``.remove()`` stops it).
-
-        Raises:
-            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"EmbeddingCollection.look_up_after: expected a torch optimizer, "
-                            f"got {type(optimizer).__name__}")
-        return optimizer.register_step_post_hook(lambda *_: self.start_lookup())
-
-    def look_up_after_backward(self) -> RemovableHandle:
-        """Call :meth:`start_lookup` at the end of every backward that reaches the tables,
-        not after an optimizer step: with :meth:`update_in_backward` the tables then hold
-        what the next forward reads, so its rows travel while the dense layers' gradients
-        are reduced and their optimizer steps. Every rank of the data group calls it.
-
-        Returns:
-            The handle (``.remove()`` stops it).
-
-        Raises:
-            RuntimeError: the tables are not updated in backward (they would be read before
-                their step); from ``backward()``, when the update in backward was removed
-                since.
-        """
-        if self._batch.update is None:
-            raise RuntimeError("EmbeddingCollection.look_up_after_backward: the tables are not "
-                               "updated in backward (update_in_backward), so at the end of "
-                               "backward they are not what the next forward reads")
-        handle = RemovableHandle(self._after_backward)
-        self._after_backward[handle.id] = True
-        return handle
-
-    def _backward_done(self) -> None:
-        if self._batch.update is None:
-            raise RuntimeError("EmbeddingCollection: look_up_after_backward needs the tables "
-                               "updated in backward, and update_in_backward was removed")
-        if self._pending and id(self._pending[0]) not in self._started:
-            self.start_lookup()
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start sending the ids of a batch that a later :meth:`forward` will get.
-
-        The exchange of ids (counts, then the ids) then travels while the batches before it
-        compute, and that forward waits only for the rows. Ids do not depend on the weights,
-        so the result is exactly that of a forward without prefetch. Batches are consumed
-        in the order they were prefetched; every rank of the data group must prefetch at the
-        same points (each its own batch). :func:`prefetching` does it for a loader.
-
-        Args:
-            ids: ``(B, T)`` int64, what a later forward will get (compared with it then).
-
-        Raises:
-            TypeError: ids that are not an integer tensor.
-            ValueError: ids of the wrong shape, or outside their table's rows.
-
-        Example (each rank, a loop over ``batches``; :func:`prefetching` does the same):
-            >>> ec.prefetch(batches[0])
-            >>> for step, ids in enumerate(batches):
-            ...     if step + 1 < len(batches):
-            ...         ec.prefetch(batches[step + 1])   # travels during this step
-            ...     loss = head(ec(ids)).sum(); loss.backward(); ...
-        """
-        self._check(ids, "prefetch")
-        self._pending.append(self._exchange(ids.detach().clone()).start())
-
-    @property
-    def prefetched(self) -> int:
-        """How many prefetched batches no forward has taken yet."""
-        return len(self._pending)
-
-    def drain(self) -> None:
-        """Finish the exchanges of prefetched batches no forward will take (at the end of
-        training, say) and forget them; every rank of the data group at the same point
-        (deferred gradients land first)."""
-        self.land_gradients()
-        while self._pending:
-            exchange = self._pending.popleft()
-            exchange.received()
-            _, started = self._started.pop(id(exchange), (None, None))
-            if started is not None:
-                started.request.wait()
-
-    def _advance(self) -> None:
-        """Start the ids' exchange of every prefetched batch whose counts were sent."""
-        for exchange in self._pending:
-            exchange.advance()
 
     def _check(self, ids: torch.Tensor, what: str) -> None:
         check_ids(ids, len(self.tables), self.max_batch, f"EmbeddingCollection.{what}")
@@ -348,19 +235,6 @@ class EmbeddingCollection(TableBackward):
         check_rows(ids, self._rows.to(ids.device))
         return IdsExchange(ids.long(), self._held, self._first_rows.to(ids.device), self.comm,
                            self.exchange_recorder, self._capacity)
-
-    def _take(self, ids: torch.Tensor) -> IdsExchange:
-        """The exchange of ``ids``: the first prefetched one (which must be of them), or a
-        new one."""
-        if not self._pending:
-            return self._exchange(ids).start()
-        first = self._pending.popleft()
-        if first.ids.shape != ids.shape or not torch.equal(first.ids, ids.to(first.ids)):
-            self._pending.appendleft(first)
-            raise ValueError(f"EmbeddingCollection.forward: got other ids than the first of "
-                             f"the {len(self._pending)} prefetched batches; forward must take "
-                             "the prefetched batches in the order they were prefetched")
-        return first
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:
         weights = {t: self.get_submodule(str(t)).weight for t in self.held()}

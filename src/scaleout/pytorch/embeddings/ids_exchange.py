@@ -18,6 +18,9 @@ holder gets a block of a size it knows in advance, its tables' counts followed b
 padded to the most distinct ids a batch of ``max_batch`` samples can send it
 (:func:`id_capacity`). One collective fewer per batch; on two ranks sharing a 2-core
 machine each costs ~0.5-1 ms whatever its size (benchmarks/RESULTS.md, issue 14, stop 19).
+A prefetched batch's blocks may also wait for the next exchange of rows' gradients and
+travel in it (:mod:`~scaleout.pytorch.embeddings.ride`, the collection's
+``ids_with_gradients``): none of their own then.
 
 Ids do not depend on the weights, so exchanging them early is exact whatever the tables
 hold by then.
@@ -26,6 +29,7 @@ hold by then.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +37,11 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.pytorch.exchange_stats import ExchangeRecorder, Started
 
-__all__ = ["IdsExchange", "Received", "check_ids", "check_max_batch", "check_rows",
-           "id_capacity"]
+if TYPE_CHECKING:
+    from scaleout.pytorch.embeddings.ride import Ride
+
+__all__ = ["IdsExchange", "Received", "check_ids", "check_ids_with_gradients",
+           "check_max_batch", "check_rows", "id_capacity"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,10 @@ class IdsExchange:
         self._asked: torch.Tensor | None = None
         self._padded: torch.Tensor | None = None  # the one round's send buffer
         self._received: Received | None = None
+        #: the ids wait for the next exchange of rows' gradients to carry them
+        #: (:class:`~scaleout.pytorch.embeddings.ride.Ride`) instead of starting on their own
+        self.rides = False
+        self._ride: Ride | None = None
 
     def start(self) -> IdsExchange:
         """Start the counts' exchange (step 2; with a capacity, steps 2 and 3 at once);
@@ -113,6 +124,17 @@ class IdsExchange:
             self._counts = self.recorder.start(collectives.alltoallv(
                 self.comm, self.counts, [len(h) for h in self.held], [mine] * self.comm.size))
             return self
+        send, blocks, block_in = self.padded()
+        self._ids = self.recorder.start(collectives.alltoallv(
+            self.comm, send, blocks, [block_in] * self.comm.size))
+        self._padded = send
+        return self
+
+    def padded(self) -> tuple[torch.Tensor, list[int], int]:
+        """The one round's send buffer (with a capacity): each holder's block holds its
+        tables' counts, then the ids, then padding; the blocks' sizes; and the size of the
+        block this rank gets from every rank."""
+        assert self.capacity is not None
         blocks = [len(h) + c for h, c in zip(self.held, self.capacity)]
         send = self.sent.new_zeros(sum(blocks))
         at = offset = 0
@@ -125,13 +147,23 @@ class IdsExchange:
             send[at: at + tables] = self.counts[first:end]
             send[at + tables: at + tables + sent] = self.sent[offset: offset + sent]
             at, offset = at + tables + cap, offset + sent
-        self._ids = self.recorder.start(collectives.alltoallv(
-            self.comm, send, blocks, [mine + self.capacity[self.comm.rank]] * self.comm.size))
-        self._padded = send
-        return self
+        return send, blocks, blocks[self.comm.rank]
+
+    def join(self, ride: Ride) -> None:
+        """Let ``ride`` (an exchange of rows' gradients) carry this batch's ids: the
+        collection's ``ids_with_gradients``; :meth:`received` then waits for it."""
+        self._ride = ride
+
+    @property
+    def carried(self) -> bool:
+        """Whether a gradients' exchange carries these ids (:meth:`join`)."""
+        return self._ride is not None
 
     def advance(self) -> None:
-        """Wait for the counts and start the ids' exchange (step 3), once."""
+        """Wait for the counts and start the ids' exchange (step 3), once (not while the
+        ids wait for a gradients' exchange to carry them)."""
+        if self.rides:
+            return
         self.start()
         if self._ids is not None or self._received is not None:
             return
@@ -142,24 +174,36 @@ class IdsExchange:
             self.comm, self.sent, self.send, self._asked.sum(dim=1).tolist()))
 
     def received(self) -> Received:
-        """The ids the other ranks asked this rank for (waits for every step)."""
-        if self._received is None:
+        """The ids the other ranks asked this rank for (waits for every step; ids waiting
+        for a gradients' exchange that none started go on their own now)."""
+        if self._received is None and self._ride is not None:
+            self._arrive(self._ride.ids())
+        elif self._received is None:
+            self.rides = False
             self.advance()
             assert self._ids is not None
             if self.capacity is None:
                 assert self._asked is not None
                 ids = self.recorder.wait(self._ids, self.sent)
-            else:  # each rank's block: my tables' counts, then that many ids, then padding
-                mine = len(self.held[self.comm.rank])
+                self._received = Received(ids=ids, asked=self._asked)
+            else:
                 assert self._padded is not None
-                got = self.recorder.wait(self._ids, self._padded).view(
-                    self.comm.size, mine + self.capacity[self.comm.rank])
-                self._asked = got[:, :mine].contiguous()
-                ids = torch.cat([got[r, mine: mine + n] for r, n
-                                 in enumerate(self._asked.sum(dim=1).tolist())])
-            self._received = Received(ids=ids, asked=self._asked)
+                self._arrive(self.recorder.wait(self._ids, self._padded))
             self._ids = None
+        assert self._received is not None
         return self._received
+
+    def _arrive(self, got: torch.Tensor) -> None:
+        """The one round's blocks arrived: each rank's holds my tables' counts, then that
+        many ids, then padding."""
+        assert self.capacity is not None
+        mine = len(self.held[self.comm.rank])
+        block = mine + self.capacity[self.comm.rank]
+        got = got.to(self.sent.device).view(self.comm.size, block)
+        self._asked = got[:, :mine].contiguous()
+        ids = torch.cat([got[r, mine: mine + n] for r, n
+                         in enumerate(self._asked.sum(dim=1).tolist())])
+        self._received = Received(ids=ids, asked=self._asked)
 
     @property
     def recv(self) -> list[int]:
@@ -202,6 +246,17 @@ def check_max_batch(max_batch: object) -> None:
                         f"{type(max_batch).__name__}")
     if max_batch < 1:
         raise ValueError(f"EmbeddingCollection: max_batch must be >= 1, got {max_batch}")
+
+
+def check_ids_with_gradients(ids_with_gradients: object, max_batch: int | None) -> None:
+    """``ids_with_gradients`` is a bool, and needs ``max_batch`` (the ids' blocks must be of a
+    size every rank knows in advance to travel inside the gradients' exchange)."""
+    if not isinstance(ids_with_gradients, bool):
+        raise TypeError(f"EmbeddingCollection: ids_with_gradients must be a bool, got "
+                        f"{type(ids_with_gradients).__name__}")
+    if ids_with_gradients and max_batch is None:
+        raise ValueError("EmbeddingCollection: ids_with_gradients needs max_batch (the ids "
+                         "travel in blocks of a size known in advance)")
 
 
 def check_ids(ids: torch.Tensor, tables: int, max_batch: int | None, what: str) -> None:

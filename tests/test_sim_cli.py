@@ -164,6 +164,26 @@ def test_run_host_cost(tmp_path, capsys) -> None:
     assert times == pytest.approx([0.03 + 1.048576, 0.03 + 2.0])
 
 
+def test_run_cycle(tmp_path, capsys) -> None:
+    from scaleout.sim.trace import write_trace
+    from scaleout.sim.workload import Layer, Workload
+
+    trace = tmp_path / "t.json"
+    layer = Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20)
+    write_trace(trace, Workload(name="rec", batch_size=4, layers=(layer,)))
+    args = ["sim", "run", "--trace", str(trace), "--topology", "2", "--bandwidth", "8Mbps",
+            "--latency", "0us", "--mode", "sync", "--policy", "fifo", "--json"]
+    times = []
+    for cycle in ("0s", "100ms"):
+        assert main([*args, "--cycle", cycle]) == 0
+        times.append(json.loads(capsys.readouterr().out)["iteration_s"])
+    # the gradient, ready at 30 ms, waits for a cycle: at 100 ms in the first iteration, then
+    # 100 ms after the last one's work ended (the steady state: a wait of 70 ms)
+    assert times == pytest.approx([0.03 + 1.048576, 0.1 + 1.048576])
+    assert main([*args, "--cycle", "5 parsecs"]) == 2
+    assert "time must look like" in capsys.readouterr().err
+
+
 def test_validate_prints_sources_writes_json_and_exit_code_matches(tmp_path, capsys) -> None:
     out = tmp_path / "v.json"
     rc = main(["sim", "validate", "--only", "published", "--json", str(out)])

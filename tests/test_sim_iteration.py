@@ -295,3 +295,30 @@ def test_host_cpu_per_message_is_charged_per_chunk_like_the_bytes() -> None:
     assert run(3.0, 4) == pytest.approx(28.0)  # ...but twice the CPU: more, smaller chunks pay
     with pytest.raises(ValueError, match="host_s_per_message"):
         IterationConfig(host_s_per_message=-1.0)
+
+
+def test_a_cycled_loop_starts_collectives_only_at_its_cycles() -> None:
+    # Horovod's background loop (cycle_s): a gradient ready at t=2 waits for the cycle at t=5
+    one = Workload(name="one", layers=(Layer(name="a", forward_s=1.0, backward_s=1.0,
+                                              grad_bytes=8),))
+    topo = parse_topology("2", bandwidths=[1.0], latencies=[0.0], kinds=["ring"])
+    fifo = SchedulerConfig(policy="fifo")
+
+    def run(cycle: float) -> object:
+        cfg = IterationConfig(scheduler=fifo, mode="sync", cycle_s=cycle, trace=True)
+        return simulate(one, topo, cfg)
+
+    assert run(0.0).iteration_s == pytest.approx(10.0)  # backward 2 s, 8 s on the wire
+    cycled = run(5.0)
+    assert _comm(cycled, 0) == [("bucket0", 5.0, 13.0)]
+    # the loop ticks 5 s after its last cycle or when that cycle's work ended (t=13), then
+    # every 5 s while idle: the next gradient (t=15) waits for t=18
+    assert _comm(cycled, 1) == [("bucket0", 18.0, 26.0)]
+    assert cycled.iteration_s == pytest.approx(13.0)
+    # a busy loop does not sleep: what arrived during a cycle's work goes right after it
+    sched = SchedulerConfig(policy="fifo", bucket_bytes=1 * MB, first_bucket_bytes=1 * MB)
+    r = simulate(_two_layers(), _link(),
+                 IterationConfig(scheduler=sched, mode="sync", cycle_s=1.0, trace=True))
+    assert _comm(r) == [("bucket0", 2.0, 10.0), ("bucket1", 10.0, 11.0)]
+    with pytest.raises(ValueError, match="cycle_s"):
+        IterationConfig(cycle_s=-1.0)

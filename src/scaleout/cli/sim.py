@@ -107,6 +107,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help="CPU seconds per wire MB the host spends moving bytes on the cores its compute "
             "uses (charged while it overlaps compute; 0: offloaded network)",
         )
+        p.add_argument(
+            "--cycle", default="0s", metavar="TIME",
+            help="collectives start only at the cycles of a background loop this far apart, "
+            "like Horovod's (HOROVOD_CYCLE_TIME, default 5ms there); 0 (default): at once",
+        )
         network_args(p, default_topology=None)
         json_arg(p)
         if name == "run":

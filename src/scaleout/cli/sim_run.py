@@ -19,7 +19,7 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
     from scaleout.sim.config import CodecModel, codec_model
     from scaleout.sim.models import DEVICES, model_workload
     from scaleout.sim.trace import read_trace
-    from scaleout.sim.units import parse_bytes
+    from scaleout.sim.units import parse_bytes, parse_time
 
     codec = codec_model(args.codec)
     if args.codec_ratio != 1.0 or args.codec_cost or args.codec_gather:
@@ -39,6 +39,7 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
         pipeline=args.pipeline,
         pipeline_chunks=args.pipeline_chunks,
         host_s_per_byte=args.host_cost / (1 << 20),
+        cycle_s=parse_time(args.cycle),
         scheduler=SchedulerConfig(
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),

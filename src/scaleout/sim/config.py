@@ -140,6 +140,11 @@ class IterationConfig:
             (gloo over TCP: ~1 ms for a 1 KB all-reduce on a 2-core machine, RESULTS.md). It is
             charged like ``host_s_per_byte`` (the autotuner measures it on CPU runs; a
             multi-round codec's later rounds are not counted).
+        cycle_s: a background loop that starts collectives only at its cycles (Horovod's
+            ``HOROVOD_CYCLE_TIME``, 5 ms by default): a cycle starts what is queued at its
+            start, one after the other, and the next one starts ``cycle_s`` after it, or
+            when that work ends if later; what arrives meanwhile waits for it. 0: a
+            collective starts as soon as the network is free (scaleout's engine, DDP).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -154,6 +159,7 @@ class IterationConfig:
     pipeline_chunks: int = 16
     host_s_per_byte: float = 0.0
     host_s_per_message: float = 0.0
+    cycle_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -178,7 +184,7 @@ class IterationConfig:
                 )
             if len(set(names)) != 1 or self.flat:
                 raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
-        for name in ("host_s_per_byte", "host_s_per_message"):
+        for name in ("host_s_per_byte", "host_s_per_message", "cycle_s"):
             host = getattr(self, name)
             if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
                 raise ValueError(f"{name} must be >= 0, got {host!r}")

@@ -29,6 +29,8 @@ against one rank that never communicates), per-dimension link utilisation.
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,6 +98,11 @@ class _Run:
         self.computed = 0.0  # compute seconds done before ``computing`` (processor sharing)
         self.computing: float | None = None  # start of the compute span running now
         self.debt = 0.0  # host work owed to the next compute span
+        # a cycled loop (``cycle_s``): its last cycle's start, when that cycle's work ended,
+        # the chunks it admitted that are not sent yet, and whether a tick is scheduled
+        self.cycle_at = self.cycle_free = 0.0
+        self.admitted = 0
+        self.ticking = False
 
     def compute_clock(self) -> float:
         """Seconds this rank has computed so far (the running span included)."""
@@ -169,10 +176,32 @@ class _Run:
     def multi_round(self, chunk: _Chunk) -> bool:
         return bool(chunk.bucket.codec) and self.codecs[chunk.bucket.keys[0]].multi_round
 
+    def next_tick(self) -> float:
+        """When the cycled loop next starts a cycle: one ``cycle_s`` after the last cycle
+        started, or when its work ended if later; idle cycles follow every ``cycle_s``."""
+        cycle, now = self.cfg.cycle_s, self.q.now
+        start = max(self.cycle_at + cycle, self.cycle_free)
+        if start >= now:
+            return start
+        return start + cycle * math.ceil((now - start) / cycle - 1e-9)
+
     def serve(self) -> None:
-        if self.net_busy or not self.net:
+        if self.net_busy or not self.net or self.ticking:
             return
+        if self.cfg.cycle_s and not self.admitted:  # a cycle takes what is queued at its start
+            tick = self.next_tick()
+            if tick > self.q.now:
+                self.ticking = True
+
+                def cycle() -> None:
+                    self.ticking = False
+                    self.serve()
+
+                self.q.after(tick - self.q.now, cycle)
+                return
+            self.cycle_at, self.admitted = self.q.now, len(self.net)
         chunk = self.net.popleft()
+        self.admitted = max(self.admitted - 1, 0)
         wire, codec_s, summable = self.wire(chunk)
         cost = self.cost(wire, summable)
         # the CPU the wire bytes and the collective's call cost (testbed, a tuned CPU run)
@@ -189,6 +218,8 @@ class _Run:
 
         def finish() -> None:
             self.net_busy = False
+            if not self.admitted:  # (a cycled loop: this cycle's work is done)
+                self.cycle_free = self.q.now
             if cpu and duration > 0:  # the host work done while the rank computed
                 self.debt += cpu * (self.compute_clock() - clock) / duration
             lane = chunk.bucket.lane

@@ -10,7 +10,7 @@ import torch
 import scaleout
 from dlrm_oracle import CONFIG, body_dlrm
 from harness import run_ranks
-from scaleout.core import collectives
+from scaleout.core import collectives, pairwise
 from scaleout.pytorch import (
     COLUMN_WISE,
     ROW_WISE,
@@ -33,6 +33,17 @@ def test_ids_with_gradients_match_single_process(data_parts: int, model_parts: i
     held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
                      prefetch, defer, update, "with gradients", timeout=120)
     assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
+
+
+def test_large_exchanges_through_receive_first_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every block through the point-to-point exchange (threshold 0; the ranks are forked from
+    # here), as the tables' exchanges of a large batch go: with DataParallel timing them, a
+    # second waiter once hung them (tests/test_pairwise.py)
+    monkeypatch.setattr(pairwise, "MIN_BLOCK_BYTES", 0)
+    run_ranks(2, body_dlrm, 2, 1, "overlap", "planned", "after backward", "no", "backward",
+              "with gradients", timeout=120)
+    run_ranks(2, body_dlrm, 2, 1, "overlap", "planned", "loader", "step", "step", "one round",
+              timeout=120)
 
 
 def body_with_gradients(dtype: torch.dtype) -> None:

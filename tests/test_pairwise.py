@@ -12,7 +12,7 @@ import torch
 
 import scaleout
 from harness import run_ranks
-from scaleout.core import pairwise
+from scaleout.core import collectives, pairwise
 from test_collectives import body_all_groups
 
 OPS = ["allgather", "allgatherv", "alltoall", "alltoallv"]
@@ -52,6 +52,34 @@ def body_large_blocks() -> list[bool]:
 def test_blocks_from_the_threshold_up_take_the_exchange() -> None:
     taken = run_ranks(2, body_large_blocks, timeout=90)
     assert taken == [[True, False, False]] * 2
+
+
+def body_waited_twice() -> None:
+    env = scaleout.init(timeout=20)
+    comm = env.create_distribution().communicator(scaleout.GroupType.DATA)
+    rows = pairwise.MIN_BLOCK_BYTES // 4
+    x = torch.arange(2 * rows, dtype=torch.float32) + 1000 * env.rank
+    for _ in range(3):  # a request timed on completion (a future's thread) and waited for
+        request = collectives.alltoallv(comm, x, [rows, rows], [rows, rows])
+        done = []
+        request.when_done(lambda _: done.append(time.monotonic()))
+        began = time.monotonic()
+        out = request.wait()
+        assert time.monotonic() - began < 10, "the second waiter blocked until its timeout"
+        assert torch.equal(out[rows * (1 - env.rank): rows * (2 - env.rank)],
+                           x[rows * env.rank: rows * (env.rank + 1)] + 1000 * (1 - 2 * env.rank))
+    deadline = time.monotonic() + 5
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done, "the completion callback never ran"
+    env.finalize()
+
+
+def test_an_exchange_waited_by_two_threads_completes_for_both() -> None:
+    # gloo's point-to-point works hand each completion to one wait: with a future's thread
+    # and the training loop both waiting, one of them hung until its timeout (the sharded
+    # tables' exchanges with blocks >= MIN_BLOCK_BYTES: a hybrid DLRM at batch 8192)
+    run_ranks(2, body_waited_twice, timeout=60)
 
 
 def body_peer_never_comes() -> str:

@@ -72,55 +72,75 @@ def recv_first(group: Any, tensor: torch.Tensor, block_bytes: int, *, ranks: int
 class PairwiseWork:
     """The point-to-point works of one exchange as one work.
 
-    A gloo ``irecv`` / ``isend`` work whose ``wait(timeout)`` times out is aborted (it then
-    reports completion, and a second ``wait`` returns as if it had succeeded), so these are
-    never waited on in slices the way scaleout waits on collectives (checking the watchdog
-    between slices): :func:`~scaleout.core.watchdog.wait_work` reads ``whole_wait`` and waits
-    once, for all the time left. A peer that dies still ends the wait at once (gloo reports
-    the closed connection). Gloo's point-to-point works have no future; :meth:`get_future`
-    makes one, completed by one waiter thread for the whole exchange.
+    Gloo's ``irecv`` / ``isend`` works must be waited on by one thread, once: each
+    ``wait`` consumes one completion of the underlying buffer, so a second waiter (a future's
+    thread beside the training loop's wait, as when an exchange is also timed) blocks
+    until its timeout although the messages went through, and a ``wait(timeout)`` that
+    times out aborts the work. Here one waiter thread, started at the first
+    :meth:`wait` or :meth:`get_future`, waits on them all for the communicator's timeout;
+    every caller waits for that thread's outcome instead, in slices if it likes (so the
+    watchdog can name a dead peer between slices). A peer that dies still ends the wait
+    at once (gloo reports the closed connection).
 
     Args:
         works: the started ``isend`` / ``irecv`` works.
-        timeout_s: the longest the future's waiter thread waits for them.
+        timeout_s: the longest the waiter thread waits for them.
     """
-
-    whole_wait = True
 
     def __init__(self, works: Sequence[Any], timeout_s: float) -> None:
         self._works = list(works)
         self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def _waiter(self) -> torch.futures.Future:
+        """The future of the one thread that waits on the works (started once)."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                threading.Thread(target=self._wait_all, daemon=True,
+                                 name="scaleout-pairwise").start()
+            return self._future
+
+    def _wait_all(self) -> None:
+        assert self._future is not None
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            for work in self._works:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except BaseException as err:  # noqa: BLE001 - handed to every waiter
+            self._error = err
+            self._finished.set()
+            self._future.set_exception(err)
+        else:
+            self._finished.set()
+            self._future.set_result(None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until every message is through; raise what failed.
 
         Raises:
-            RuntimeError: ``timeout`` passed first (gloo's "Timed out waiting ..."), or a
-                message failed (a peer closed the connection).
+            RuntimeError: ``timeout`` passed first ("timed out"; the exchange goes on and a
+                later ``wait`` may still succeed), or a message failed (a peer closed the
+                connection, or the waiter thread's own timeout passed).
         """
         seconds = self._timeout_s if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + seconds
-        for work in self._works:
-            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        self._waiter()
+        if not self._finished.wait(seconds):
+            raise RuntimeError(f"pairwise exchange: timed out after {seconds:.3f} s waiting "
+                               f"for {len(self._works)} point-to-point messages")
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
+        return self._finished.is_set()
 
     def get_future(self) -> torch.futures.Future:
         """A future completed (or failed) when every message is through."""
-        future: torch.futures.Future = torch.futures.Future()
-
-        def wait_all() -> None:
-            try:
-                self.wait()
-            except RuntimeError as err:
-                future.set_exception(err)
-            else:
-                future.set_result(None)
-
-        threading.Thread(target=wait_all, daemon=True, name="scaleout-pairwise").start()
-        return future
+        return self._waiter()
 
 
 def exchange_blocks(group: Any, ranks: Sequence[int], rank: int,

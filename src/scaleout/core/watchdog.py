@@ -308,9 +308,7 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
     while True:
         raise_if_failed(rank, group, operation)
         remaining = deadline - time.monotonic()
-        # (works that a timed-out wait would abort are waited on once: whole_wait)
-        step = min(remaining, _SLICE) if _active and not getattr(work, "whole_wait", False) \
-            else remaining
+        step = min(remaining, _SLICE) if _active else remaining
         try:
             work.wait(timeout=timedelta(seconds=max(step, 1e-3)))
             return

@@ -4,6 +4,9 @@ the single-process DLRM comparison on every layout, fewer collectives, and clear
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -34,17 +37,20 @@ def test_capacity_is_what_max_batch_samples_can_send() -> None:
     assert id_capacity([[0, 2], [1, 2], []], [100, 3, 8], 5) == [5 + 5, 3 + 5, 0]
 
 
-def body_one_round() -> None:
-    env = scaleout.init(timeout=30)
-    dist = env.create_distribution()
-    specs = tuple(TableSpec(rows=r, dim=2) for r in (6, 3, 5, 4))
-    plan = ShardingPlan(tables=specs, owners=(ROW_WISE, COLUMN_WISE, 0, 1), ranks=2,
-                        element_size=4)
-    torch.manual_seed(0)
-    plain = [torch.nn.Embedding(r, 2) for r in (6, 3, 5, 4)]
-    batches = [torch.tensor([[5, 2, 4, 3], [0, 2, 4, 0], [5, 1, 0, 3]]),  # repeated ids
-               torch.zeros(0, 4, dtype=torch.long)]  # rank 1 looks nothing up
-    calls = []
+#: Four small tables on 2 ranks: row-wise, column-wise, and one whole on each rank.
+SMALL_ROWS = (6, 3, 5, 4)
+
+
+def small_plan() -> tuple[tuple[TableSpec, ...], ShardingPlan]:
+    specs = tuple(TableSpec(rows=r, dim=2) for r in SMALL_ROWS)
+    return specs, ShardingPlan(tables=specs, owners=(ROW_WISE, COLUMN_WISE, 0, 1), ranks=2,
+                               element_size=4)
+
+
+@contextlib.contextmanager
+def counting_alltoallv() -> Iterator[list[object]]:
+    """Every ``collectives.alltoallv`` call's send counts, while inside."""
+    calls: list[object] = []
     real = collectives.alltoallv
 
     def counted(*args, **kwargs):
@@ -53,6 +59,20 @@ def body_one_round() -> None:
 
     collectives.alltoallv = counted
     try:
+        yield calls
+    finally:
+        collectives.alltoallv = real
+
+
+def body_one_round() -> None:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    specs, plan = small_plan()
+    torch.manual_seed(0)
+    plain = [torch.nn.Embedding(r, 2) for r in SMALL_ROWS]
+    batches = [torch.tensor([[5, 2, 4, 3], [0, 2, 4, 0], [5, 1, 0, 3]]),  # repeated ids
+               torch.zeros(0, 4, dtype=torch.long)]  # rank 1 looks nothing up
+    with counting_alltoallv() as calls:
         outs = {}
         for max_batch in (None, 3):
             ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan, max_batch=max_batch)
@@ -71,8 +91,6 @@ def body_one_round() -> None:
             ec.prefetch(torch.zeros(4, 4, dtype=torch.long))
         with pytest.raises(ValueError, match=r"forward: a batch of 4 samples"):
             ec(torch.zeros(4, 4, dtype=torch.long))
-    finally:
-        collectives.alltoallv = real
     # every rank must give the same max_batch (it sizes the blocks a rank receives)
     with pytest.raises(ValueError, match=r"the ranks called different collectives .*"
                                          r"max_batch 3.*max_batch 4"):

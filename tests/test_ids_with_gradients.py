@@ -10,15 +10,9 @@ import torch
 import scaleout
 from dlrm_oracle import CONFIG, body_dlrm
 from harness import run_ranks
-from scaleout.core import collectives, pairwise
-from scaleout.pytorch import (
-    COLUMN_WISE,
-    ROW_WISE,
-    EmbeddingCollection,
-    FusedSGD,
-    ShardingPlan,
-    TableSpec,
-)
+from scaleout.core import pairwise
+from scaleout.pytorch import EmbeddingCollection, FusedSGD, TableSpec
+from test_ids_one_round import SMALL_ROWS, counting_alltoallv, small_plan
 
 
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch,defer,update", [
@@ -49,24 +43,14 @@ def test_large_exchanges_through_receive_first_messages(monkeypatch: pytest.Monk
 def body_with_gradients(dtype: torch.dtype) -> None:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()
-    specs = tuple(TableSpec(rows=r, dim=2) for r in (6, 3, 5, 4))
-    plan = ShardingPlan(tables=specs, owners=(ROW_WISE, COLUMN_WISE, 0, 1), ranks=2,
-                        element_size=4)
+    specs, plan = small_plan()
     torch.manual_seed(0)
-    plain = [torch.nn.Embedding(r, 2, dtype=dtype) for r in (6, 3, 5, 4)]
+    plain = [torch.nn.Embedding(r, 2, dtype=dtype) for r in SMALL_ROWS]
     batches = [[torch.tensor([[5, 2, 4, 3], [0, 2, 4, 0], [5, 1, 0, 3]]),  # repeated ids
                 torch.tensor([[1, 0, 3, 2], [4, 1, 1, 1]])],
                [torch.zeros(0, 4, dtype=torch.long),  # rank 1 looks nothing up, then 3 ids
                 torch.tensor([[5, 2, 2, 0], [3, 2, 4, 1], [0, 0, 0, 0]])]][env.rank]
-    calls = []
-    real = collectives.alltoallv
-
-    def counted(*args, **kwargs):
-        calls.append(args[2])
-        return real(*args, **kwargs)
-
-    collectives.alltoallv = counted
-    try:
+    with counting_alltoallv() as calls:
         runs = {}
         for riding in (False, True):
             ec = EmbeddingCollection.from_embeddings(plain, dist, plan=plan, max_batch=3,
@@ -82,15 +66,13 @@ def body_with_gradients(dtype: torch.dtype) -> None:
                 out.mul(torch.arange(1, 9, dtype=dtype).view(1, 4, 2)).pow(2).sum().backward()
                 outs.append(out.detach())
             runs[riding] = (len(calls), outs, ec.full_state())
-        # alone: 2 x (ids, rows, gradients); riding: the second batch's ids go with the
-        # first batch's gradients (the first batch's, prefetched before any backward, alone)
-        assert runs[False][0] == 6 and runs[True][0] == 5, {k: v[0] for k, v in runs.items()}
-        for a, b in zip(runs[False][1], runs[True][1]):
-            assert torch.equal(a, b)
-        for name, value in runs[False][2].items():
-            assert torch.equal(value, runs[True][2][name]), name
-    finally:
-        collectives.alltoallv = real
+    # alone: 2 x (ids, rows, gradients); riding: the second batch's ids go with the first
+    # batch's gradients (the first batch's, prefetched before any backward, alone)
+    assert runs[False][0] == 6 and runs[True][0] == 5, {k: v[0] for k, v in runs.items()}
+    for a, b in zip(runs[False][1], runs[True][1]):
+        assert torch.equal(a, b)
+    for name, value in runs[False][2].items():
+        assert torch.equal(value, runs[True][2][name]), name
     with pytest.raises(ValueError, match=r"the ranks called different collectives .*"
                                          r"ids with gradients False.*ids with gradients True"):
         EmbeddingCollection(specs, dist, plan=plan, max_batch=3,

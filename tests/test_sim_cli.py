@@ -147,7 +147,9 @@ def test_sweep_and_trace_workload(tmp_path, capsys) -> None:
     assert points[0]["compute_s"] == pytest.approx(0.06)  # batch 8 from a trace at batch 4
 
 
-def test_run_host_cost(tmp_path, capsys) -> None:
+def _one_layer_run(tmp_path, capsys, option: str, values: tuple[str, ...]) -> list[float]:
+    """``sim run`` of a one-layer trace (10 ms forward, 20 ms backward, 1 MiB of gradient)
+    on 2 ranks at 8 Mbit/s, sync, FIFO; the iteration time with each ``option`` value."""
     from scaleout.sim.trace import write_trace
     from scaleout.sim.workload import Layer, Workload
 
@@ -157,30 +159,24 @@ def test_run_host_cost(tmp_path, capsys) -> None:
     args = ["sim", "run", "--trace", str(trace), "--topology", "2", "--bandwidth", "8Mbps",
             "--latency", "0us", "--mode", "sync", "--policy", "fifo", "--json"]
     times = []
-    for cost in ("0", "2"):
-        assert main([*args, "--host-cost", cost]) == 0
+    for value in values:
+        assert main([*args, option, value]) == 0
         times.append(json.loads(capsys.readouterr().out)["iteration_s"])
+    return times
+
+
+def test_run_host_cost(tmp_path, capsys) -> None:
+    times = _one_layer_run(tmp_path, capsys, "--host-cost", ("0", "2"))
     # 2 ranks: the all-reduce moves 1 MiB at 1e6 B/s; with 2 s of CPU per MB it takes 2 s
     assert times == pytest.approx([0.03 + 1.048576, 0.03 + 2.0])
 
 
 def test_run_cycle(tmp_path, capsys) -> None:
-    from scaleout.sim.trace import write_trace
-    from scaleout.sim.workload import Layer, Workload
-
-    trace = tmp_path / "t.json"
-    layer = Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=1 << 20)
-    write_trace(trace, Workload(name="rec", batch_size=4, layers=(layer,)))
-    args = ["sim", "run", "--trace", str(trace), "--topology", "2", "--bandwidth", "8Mbps",
-            "--latency", "0us", "--mode", "sync", "--policy", "fifo", "--json"]
-    times = []
-    for cycle in ("0s", "100ms"):
-        assert main([*args, "--cycle", cycle]) == 0
-        times.append(json.loads(capsys.readouterr().out)["iteration_s"])
+    times = _one_layer_run(tmp_path, capsys, "--cycle", ("0s", "100ms"))
     # the gradient, ready at 30 ms, waits for a cycle: at 100 ms in the first iteration, then
     # 100 ms after the last one's work ended (the steady state: a wait of 70 ms)
     assert times == pytest.approx([0.03 + 1.048576, 0.1 + 1.048576])
-    assert main([*args, "--cycle", "5 parsecs"]) == 2
+    assert main(["sim", "run", "--model", "resnet50", "--cycle", "5 parsecs"]) == 2
     assert "time must look like" in capsys.readouterr().err
 
 

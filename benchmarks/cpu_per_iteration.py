@@ -12,7 +12,8 @@ with torchrun (one process per rank), on loopback::
 
 ``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``), ``SCALEOUT_MODE`` (``overlap``,
 ``sync``) and ``SCALEOUT_COMPRESSION`` (a codec spec, e.g. ``powersgd:2``) choose scaleout's
-set-up. Rank 0 prints one line. Interleave configurations and
+set-up; ``BUDGET`` (e.g. ``4m``) is ``bench train``'s ``--memory-budget`` (the hybrid's plan),
+and a configuration that prefetches (the hybrid) gets each next batch's ids as there. Rank 0 prints one line. Interleave configurations and
 repeat (the machine's speed drifts by 20-30% over minutes here).
 """
 
@@ -63,7 +64,8 @@ def thread_cpu() -> dict[str, list[float]]:
 
 
 def _budget(text: str | None) -> int | None:
-    """``BUDGET`` as ``bench train --memory-budget`` takes it (``4m``), or none."""
+    """The ``BUDGET`` variable in bytes (``4m``, ``1048576``: ``bench.stats.parse_size``), or
+    none."""
     if not text:
         return None
     from scaleout.bench.stats import parse_size

@@ -112,11 +112,11 @@ class PairwiseWork:
                 work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         except BaseException as err:  # noqa: BLE001 - handed to every waiter
             self._error = err
-            self._finished.set()
-            self._future.set_exception(err)
-        else:
-            self._finished.set()
+        self._finished.set()  # (after the error is set: waiters read it)
+        if self._error is None:
             self._future.set_result(None)
+        else:
+            self._future.set_exception(self._error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until every message is through; raise what failed.

@@ -185,9 +185,9 @@ class IterationConfig:
             if len(set(names)) != 1 or self.flat:
                 raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
         for name in ("host_s_per_byte", "host_s_per_message", "cycle_s"):
-            host = getattr(self, name)
-            if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
-                raise ValueError(f"{name} must be >= 0, got {host!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         chunks = self.pipeline_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

@@ -30,7 +30,6 @@ against one rank that never communicates), per-dimension link utilisation.
 from __future__ import annotations
 
 import math
-
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

@@ -75,7 +75,7 @@ def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--memory-budget", "lots"], "--memory-budget: expected bytes like 64m"),
+    (["--memory-budget", "lots"], "--memory-budget: size must look like '64MB'"),
     (["--memory-budget", "0"], "memory_budget: expected bytes >= 1, got 0"),
 ])
 def test_budget_errors(extra: list[str], message: str,

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["parse_size", "parse_sizes", "format_size", "median", "spread"]
+from scaleout.sim.units import parse_bytes
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"64K"`` -> 65536. Raises ValueError on anything else."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
-    if not match:
-        raise ValueError(f"expected a size like 1K, 4M or 1048576, got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+__all__ = ["parse_sizes", "format_size", "median", "spread"]
 
 
 def parse_sizes(text: str, factor: int = 4) -> list[int]:
-    """``"1K..64M"`` (powers of ``factor`` in between) or a comma list ``"1M,16M"``."""
+    """``"1K..64M"`` (powers of ``factor`` in between) or a comma list ``"1M,16M"`` (each
+    size as :func:`~scaleout.sim.units.parse_bytes` reads it)."""
     if ".." in text:
-        low, high = (parse_size(part) for part in text.split("..", 1))
+        low, high = (parse_bytes(part) for part in text.split("..", 1))
         if low < 1 or high < low:
             raise ValueError(f"size range must be increasing and positive, got {text!r}")
         sizes, size = [], low
@@ -30,7 +22,7 @@ def parse_sizes(text: str, factor: int = 4) -> list[int]:
             sizes.append(size)
             size *= factor
         return sizes
-    return [parse_size(part) for part in text.split(",") if part.strip()]
+    return [parse_bytes(part) for part in text.split(",") if part.strip()]
 
 
 def format_size(size: float) -> str:

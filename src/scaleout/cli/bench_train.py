@@ -154,15 +154,14 @@ def _terminate_as_interrupt() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _bytes(text: str) -> int:
-    """``"64m"`` -> 67108864 (suffixes k, m, g are powers of 1024; an optional ``b``)."""
-    value = text.strip().lower().removesuffix("b")
-    scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(value[-1:], 1)
+def _memory_budget(text: str) -> int:
+    """``--memory-budget``'s bytes (``64m``, ``1.5G``, ``1048576``: binary prefixes)."""
+    from scaleout.sim.units import parse_bytes
+
     try:
-        return int(float(value.rstrip("kmg")) * scale)
-    except ValueError:
-        raise ValueError(f"--memory-budget: expected bytes like 64m or 1048576, got "
-                         f"{text!r}") from None
+        return parse_bytes(text)
+    except ValueError as err:
+        raise ValueError(f"--memory-budget: {err}") from None
 
 
 def _error(message: str) -> int:
@@ -190,7 +189,8 @@ def handler(args: argparse.Namespace) -> int:
     if getattr(args, "parallel", "data") == "hybrid" and "hybrid" not in peers:
         peers = (*peers, "hybrid")
     try:
-        budget = _bytes(args.memory_budget) if getattr(args, "memory_budget", None) else None
+        budget = (_memory_budget(args.memory_budget) if getattr(args, "memory_budget", None)
+                  else None)
         config = TrainBenchConfig(
             workload=args.workload, ranks=args.ranks, rate=args.rate, peers=peers,
             memory_budget=budget,
@@ -201,10 +201,10 @@ def handler(args: argparse.Namespace) -> int:
             warm=not getattr(args, "cold", False))
     except (ValueError, TypeError) as err:
         return _error(str(err))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401 - fail before the run, not after it
-        except ImportError:
+    if args.plot:  # fail before the run, not after it
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
             return _error("--plot needs matplotlib, which is not installed: pip install "
                           "matplotlib  (or drop --plot)")
     if config.testbed:

@@ -18,7 +18,7 @@ from scaleout.bench import train, train_progress, train_report
 from scaleout.bench.train import TrainBenchConfig, rotation
 from scaleout.bench.train_report import format_report, plot_report, summarize
 from scaleout.cli.main import main
-from scaleout.testbed import TestbedUnavailable, check_capabilities
+from scaleout.testbed import TestbedUnavailable
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["bench", "train", "--workload", "digits-mlp", "--ranks", "2", "--rounds", "1",

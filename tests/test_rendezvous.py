@@ -4,7 +4,6 @@ a process can neither find, read nor forge the job's entries, nor join; the job 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap

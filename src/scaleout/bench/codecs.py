@@ -288,7 +288,7 @@ def run_codec_bench(config: CodecBenchConfig,
             # the copy again, after the codecs: the faster of the two is nearer the limit
             copy_s = min(copy_s, timer(lambda: target.copy_(x)))
             results += [_with_copy(row, numel, shape, copy_s) for row in rows]
-            del x, target
+            x = target = torch.empty(0)  # (this size's tensors freed before the next's)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"config": asdict(config), "device": str(device), "device_name": name,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}

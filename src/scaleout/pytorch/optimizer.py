@@ -177,6 +177,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.model.synchronize()
         self.inner.load_state_dict(state_dict)
+        # torch replaces the groups and the state: a scheduler edits them through this wrapper
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     # -- updates -------------------------------------------------------------------------
 
@@ -200,15 +202,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         used = self.model.updates.used_globally()
         for layer in pending:
             for param, ps in zip(layer.params, layer.sets):
-                shard = self._shards[id(param)]
                 owned = ps.wait_gradient_comm()
-                shard.grad = owned.clone() if used.get(id(param), True) else None
+                shard = self._shards.get(id(param))  # (none: a parameter it does not train)
+                if shard is not None:
+                    shard.grad = owned.clone() if used.get(id(param), True) else None
         self.inner.step()
         for layer in pending:
             for param, ps in zip(layer.params, layer.sets):
-                ps.start_increment_comm(self._shards[id(param)].detach())
+                shard = self._shards.get(id(param))
+                # every rank sends its slice; one this optimizer does not train stays as it is
+                ps.start_increment_comm(self._owned_values(param) if shard is None
+                                        else shard.detach())
                 param.grad = None
-                self._shards[id(param)].grad = None
+                if shard is not None:
+                    shard.grad = None
             layer.increments_pending = True
         if self.mode == "sync":
             self.model.synchronize()

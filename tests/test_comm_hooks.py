@@ -6,6 +6,8 @@ torch's own DDP hooks (``fp16_compress_hook``, ``powerSGD_hook``) run unchanged 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,40 @@ def test_hook_is_refused_after_the_first_forward_and_with_compression() -> None:
         plain.register_comm_hook(None, default_hooks.fp16_compress_hook)
     plain.close()
     env.finalize()
+
+
+def _raises(state, bucket):
+    raise RuntimeError("boom in the hook")
+
+
+def _returns_a_tensor(state, bucket):
+    return bucket.buffer()
+
+
+def _one_value_short(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer()[:-1])
+    return future
+
+
+def body_broken_hook(name: str) -> str:
+    env = scaleout.init(timeout=20)
+    model = DataParallel(net(), env.create_distribution())
+    model.register_comm_hook(None, {"raises": _raises, "tensor": _returns_a_tensor,
+                                    "short": _one_value_short}[name])
+    try:
+        model(batch(0, env.rank)[0]).sum().backward()  # sync mode: backward waits for it
+    except Exception as err:  # noqa: BLE001 - what the caller sees is the test's subject
+        return f"{type(err).__name__}: {err}"
+    finally:
+        model.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("name,error", [
+    ("raises", "RuntimeError: boom in the hook"),
+    ("tensor", "TypeError: the comm hook '_returns_a_tensor' returned Tensor for bucket"),
+    ("short", r"ValueError: the comm hook's result for bucket .* has (\d+) values, expected")])
+def test_a_broken_hook_is_named_at_once_not_a_timeout(name: str, error: str) -> None:
+    for seen in run_ranks(2, body_broken_hook, name, timeout=60):
+        assert re.search(error, seen), seen

@@ -244,7 +244,12 @@ class ProgressEngine:
             job, nbytes, start = lane.queue.popleft()
             if job.issued_at < job.ready_at:
                 job.issued_at = time.perf_counter()
-            request = start(lane.comm)
+            try:
+                request = start(lane.comm)
+            except Exception as err:  # noqa: BLE001 - a hook's error: its job's waiters raise it
+                lane.queue = deque(item for item in lane.queue if item[0] is not job)
+                job.complete(err)
+                continue
             lane.inflight[id(request)] = (job, nbytes, Deadline(self._timeout))
             self._watch(choice, request)
 

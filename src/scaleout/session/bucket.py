@@ -201,12 +201,20 @@ class GradBucket:
             view = copy.copy(self)
             view._buffer = self._buffer[begin:end]
         started = self.hook(self.state, view)
-        if not isinstance(started, Request):  # a torch.futures.Future from a DDP hook
+        if not isinstance(started, Request) and callable(getattr(started, "then", None)):
+            # a torch future (DDP hooks return torch._C.Future, torch.futures.Future's base)
             started = FutureRequest(started, rank=self.comm.global_rank, group=self.comm.label,
                                     operation=f"comm hook of {self.name}",
                                     timeout=self.comm.timeout)
+        elif not isinstance(started, Request):
+            raise TypeError(f"the comm hook {getattr(self.hook, '__name__', self.hook)!r} "
+                            f"returned {type(started).__name__} for bucket {self.name}; it "
+                            "must return a torch.futures.Future or a scaleout Request")
         target = view._buffer
-        request = started.then(lambda result: _into(target, result))
+        # the averaged bucket, or this rank's owned block of it with the sharded update
+        expected = target.numel() // (self.comm.size if self.members[0].spec.distributed_update
+                                      else 1)
+        request = started.then(lambda result: _into(target, result, expected, self.name))
         self._pending.append(request)
         return request
 
@@ -231,10 +239,16 @@ class GradBucket:
         return f"<GradBucket {self._index} {self.name} numel={self._buffer.numel()}>"
 
 
-def _into(target: torch.Tensor, result: Any) -> torch.Tensor:
-    """A hook's result copied into the bucket's buffer unless it already is (a prefix of) it."""
-    if isinstance(result, (list, tuple)):  # some DDP hooks' futures hold a one-tensor list
+def _into(target: torch.Tensor, result: Any, expected: int, name: str) -> torch.Tensor:
+    """A hook's result (``expected`` values) copied into the bucket's buffer unless it
+    already is (a prefix of) it."""
+    if isinstance(result, (list, tuple)) and result:  # some DDP hooks' futures: a 1-list
         result = result[0]
+    if not isinstance(result, torch.Tensor) or result.numel() != expected:
+        got = (f"{result.numel()} values" if isinstance(result, torch.Tensor)
+               else type(result).__name__)
+        raise ValueError(f"the comm hook's result for bucket {name} has {got}, expected "
+                         f"{expected} (the bucket's gradient, averaged)")
     if result.data_ptr() != target.data_ptr() or result.dtype != target.dtype:
         target[: result.numel()].copy_(result.reshape(-1))
     return target

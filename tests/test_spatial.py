@@ -195,3 +195,37 @@ def body_adaptive_pools() -> None:
 def test_adaptive_pooling_it_cannot_split_is_named() -> None:
     # left as it was, each rank pooled its own rows: a wrong result, silently
     run_ranks(2, body_adaptive_pools, timeout=30)
+
+
+def body_fixed_pools() -> list[float]:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    errors = []
+    for pool in (nn.MaxPool2d(2), nn.AvgPool2d(3), nn.MaxPool3d((2, 1, 1))):
+        three = isinstance(pool, nn.MaxPool3d)
+        conv = nn.Conv3d(1, 2, 3, padding=1) if three else nn.Conv2d(1, 2, 3, padding=1)
+        torch.manual_seed(0)
+        net = nn.Sequential(conv, nn.ReLU(), pool)
+        plain = copy.deepcopy(net)
+        spatial_parallel(net, dist)
+        x = torch.randn(2, 1, 12, 6, *([4] if three else []))  # 6 rows per rank: tiled
+        errors.append((net(split_rows(x, dist)) - split_rows(plain(x), dist)).abs().max().item())
+        # 5 rows per rank: a window would straddle the blocks
+        with pytest.raises(ValueError, match=r"layer 2 pools windows of \d rows, and this "
+                                             r"rank's block has 5 rows"):
+            net(split_rows(torch.randn(2, 1, 10, 6, *([4] if three else [])), dist))
+    for pool in (nn.MaxPool2d(2, stride=1), nn.AvgPool2d(2, padding=1),
+                 nn.MaxPool2d(2, ceil_mode=True)):
+        net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), pool)
+        with pytest.raises(ValueError, match=rf"layer 1 \({type(pool).__name__}\) pools the "
+                                             r"split rows with kernel 2"):
+            spatial_parallel(net, dist)
+        assert type(net[0]) is nn.Conv2d  # nothing converted
+    env.finalize()
+    return errors
+
+
+def test_fixed_pools_split_when_their_windows_tile_the_blocks() -> None:
+    # left as they were, a window straddling two ranks' blocks pooled each part alone
+    for errors in run_ranks(2, body_fixed_pools, timeout=30):
+        assert max(errors) < 1e-6, errors

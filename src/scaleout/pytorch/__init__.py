@@ -19,6 +19,7 @@ from scaleout.pytorch.spatial import (
     SpatialBatchNorm,
     SpatialConv,
     SpatialGlobalAvgPool,
+    SpatialPool,
     spatial_parallel,
     split_rows,
 )
@@ -38,5 +39,5 @@ __all__ = [
     "full_state_dict", "load_full_state_dict", "EmbeddingCollection", "RowWiseAdagrad",
     "FusedSGD", "FusedRowWiseAdagrad",
     "ShardingPlan", "TableSpec", "plan_tables", "prefetching", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
-    "SpatialGlobalAvgPool", "SpatialBatchNorm", "split_rows", "spatial_parallel",
+    "SpatialGlobalAvgPool", "SpatialBatchNorm", "SpatialPool", "split_rows", "spatial_parallel",
 ]

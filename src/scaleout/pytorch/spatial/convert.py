@@ -10,6 +10,7 @@ from scaleout.pytorch.modules import broadcast_tensors
 from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
+from scaleout.pytorch.spatial.pool import FIXED_POOLS, SpatialPool
 
 __all__ = ["spatial_parallel"]
 
@@ -32,12 +33,13 @@ def _global_pool(module: nn.Module) -> bool:
 
 def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module:
     """Replace, in place, every ``nn.Conv2d``/``Conv3d`` by a :class:`SpatialConv`, every
-    ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm` and every global
-    ``nn.AdaptiveAvgPool2d/3d(1)`` by a :class:`SpatialGlobalAvgPool`, keeping the weights
+    ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm`, every global
+    ``nn.AdaptiveAvgPool2d/3d(1)`` by a :class:`SpatialGlobalAvgPool` and every
+    ``MaxPool``/``AvgPool`` 2-D/3-D by a :class:`SpatialPool` (which checks that its windows
+    tile each rank's block), keeping the weights
     (broadcast from model-group rank 0 first; a tensor-parallel layer's shards stay as they
     are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
-    each block unchanged (activations, pooling whose window tiles the block) are left as
-    they are.
+    each block unchanged (activations, pools of one row at a time) are left as they are.
 
     Args:
         module: the plain model (changed in place and returned).
@@ -48,8 +50,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
 
     Raises:
         ValueError: a convolution that cannot be split (stride, dilation, even kernel,
-            padding), or an adaptive pool across dim 2 other than a global average, named;
-            nothing is converted then.
+            padding), a max or average pool whose windows do not tile dim 2 (stride =
+            kernel, no padding), or an adaptive pool across dim 2 other than a global
+            average, named; nothing is converted then. At a forward: a fixed pool whose
+            window does not divide a rank's block of rows.
     """
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
@@ -63,6 +67,8 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
                 new: nn.Module = SpatialConv(child, distribution=distribution, name=name)
             elif isinstance(child, (nn.BatchNorm2d, nn.BatchNorm3d)):
                 new = SpatialBatchNorm(child, distribution=distribution, name=name)
+            elif isinstance(child, FIXED_POOLS):
+                new = SpatialPool(child, name=name)
             elif _global_pool(child):
                 new = SpatialGlobalAvgPool(distribution=distribution)
             elif _pools_rows(child):

@@ -215,3 +215,47 @@ def body_frequency_scaled_embedding() -> None:
 def test_an_embedding_that_scales_gradients_by_frequency_is_not_split() -> None:
     # the split layer ignored the option: its gradients were not scaled, silently
     run_ranks(2, body_frequency_scaled_embedding, timeout=30)
+
+
+class _Between(torch.nn.Module):
+    """Two linears with ``step`` between them in the forward."""
+
+    def __init__(self, step) -> None:
+        super().__init__()
+        self.a, self.b, self.step = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.step(self.a(x)))
+
+
+class _Branching(_Between):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: torch.fx cannot trace it
+            return self.b(self.a(x))
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Residual(_Between):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(F.gelu(h)) + h  # h is needed whole
+
+
+def test_default_plan_pairs_only_across_elementwise_steps() -> None:
+    from scaleout.pytorch.tensor_parallel import plan_tensor_parallel
+
+    pair = {"a": "column", "b": "row"}
+    assert plan_tensor_parallel(_Between(F.gelu)) == pair
+    assert plan_tensor_parallel(_Between(lambda h: torch.relu(h) * 0.5)) == pair
+    # a softmax or a normalisation over the features needs them all: left replicated
+    assert plan_tensor_parallel(_Between(lambda h: torch.softmax(h, -1))) == {}
+    assert plan_tensor_parallel(_Residual(None)) == {}
+    seq = torch.nn.Sequential
+    assert plan_tensor_parallel(seq(torch.nn.Linear(8, 8), torch.nn.GELU(),
+                                    torch.nn.Dropout(0.1), torch.nn.Linear(8, 8))) == {
+        "0": "column", "3": "row"}
+    assert plan_tensor_parallel(seq(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                    torch.nn.Linear(8, 8))) == {}
+    with pytest.warns(UserWarning, match=r"the forward of <root> \(_Branching\) cannot be "
+                                         r"traced to see what lies between a and b"):
+        assert plan_tensor_parallel(_Branching(None)) == {}

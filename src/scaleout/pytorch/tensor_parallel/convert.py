@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.modules import broadcast_tensors
 from scaleout.pytorch.placement import Kind, placement_of
+from scaleout.pytorch.tensor_parallel.pairing import elementwise_between
 from scaleout.pytorch.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,8 +42,11 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
       parallel and the output projection (``out_proj``, ``o_proj``, ``out``, ``proj``, ...)
       row parallel;
     - otherwise consecutive children (registration order) are paired column then row when
-      the first's ``out_features`` equals the second's ``in_features`` (MLP stacks,
-      transformer MLPs); an unpaired layer stays replicated.
+      the first's ``out_features`` equals the second's ``in_features`` and only elementwise
+      steps lie between them in the forward (MLP stacks, transformer MLPs;
+      :mod:`~scaleout.pytorch.tensor_parallel.pairing`: an ``nn.Sequential``'s children, or
+      any other module's forward traced with ``torch.fx``); an unpaired layer stays
+      replicated (with a warning where the forward could not be traced).
     With ``embeddings``, every ``nn.Embedding`` becomes a VocabParallelEmbedding.
 
     Returns:
@@ -62,7 +67,7 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
         i = 0
         while i + 1 < len(linears):
             (a, first), (b, second) = linears[i], linears[i + 1]
-            if first.out_features == second.in_features:
+            if first.out_features == second.in_features and _pairs(parent, prefix, a, b):
                 plan[full(a)], plan[full(b)] = "column", "row"
                 i += 2
             else:
@@ -72,6 +77,16 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
                 if type(child) is nn.Embedding:
                     plan[full(n)] = "vocab"
     return plan
+
+
+def _pairs(parent: nn.Module, prefix: str, first: str, second: str) -> bool:
+    between = elementwise_between(parent, first, second)
+    if between is None:
+        warnings.warn(f"tensor_parallel: the forward of {prefix or '<root>'} "
+                      f"({type(parent).__name__}) cannot be traced to see what lies between "
+                      f"{first} and {second}, so they stay replicated; pass plan= to split "
+                      "them", stacklevel=4)
+    return bool(between)
 
 
 def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:

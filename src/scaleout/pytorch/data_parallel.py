@@ -11,6 +11,7 @@ forward starts while later layers' gradients are still on the wire.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from scaleout.compression import CompressionConfig, as_config
+from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
@@ -96,15 +98,34 @@ class DataParallel(BackwardSide, CheckpointSurface):
         if not isinstance(distribution, Distribution):
             raise TypeError(f"distribution must be a scaleout.Distribution, got "
                             f"{type(distribution).__name__}")
+        if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
+            raise TypeError(f"scheduler must be a scaleout.SchedulerConfig or None, got "
+                            f"{type(scheduler).__name__}")
+        for flag, value in (("distributed_update", distributed_update),
+                            ("broadcast_buffers", broadcast_buffers)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        if trace is not None and not isinstance(trace, (str, os.PathLike)):
+            raise TypeError(f"trace must be a folder (a str or path) or None, got {trace!r}")
         self.module = module
         self.distribution = distribution
         self.env = distribution.env
         self._scheduler = scheduler or SchedulerConfig()
-        self.distributed_update = bool(distributed_update)
+        self.distributed_update = distributed_update
         self._compression = None if compression is None else as_config(compression)  # errors now
         self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
-        self.replicas = ReplicaCheck(self.comm, module, replica_interval(verify_replicas))
+        interval = replica_interval(verify_replicas)
+        floats = [b for b in module.buffers() if b.is_floating_point()]
+        if self.comm.size > 1:  # before the options make groups and collectives of their own
+            changed = {f.name: getattr(self._scheduler, f.name)  # (the report is cut short)
+                       for f in dataclasses.fields(self._scheduler)
+                       if getattr(self._scheduler, f.name) != f.default}
+            verify_plan(self.comm, "DataParallel options", (
+                f"verify_replicas {interval}, distributed_update {distributed_update}, "
+                f"averaged buffers {broadcast_buffers and bool(floats)}, scheduler {changed}, "
+                f"tune {tune!r}, compression {self._compression!r}"))
+        self.replicas = ReplicaCheck(self.comm, module, interval)
         self._model_comm = distribution.communicator(GroupType.MODEL)
         self._layers = find_layers(module)
         for layer in self._layers:  # a shard on another model group: a ValueError now
@@ -130,7 +151,6 @@ class DataParallel(BackwardSide, CheckpointSurface):
                 *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
         broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
                                       *module.buffers()])
-        floats = [b for b in module.buffers() if b.is_floating_point()]
         self._buffer_average = (
             BufferAverage(floats, distribution.duplicate(GroupType.DATA, "buffers"))
             if broadcast_buffers and floats else None)

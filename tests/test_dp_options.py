@@ -1,0 +1,60 @@
+"""DataParallel's options: a wrong type is a TypeError at construction, and options that
+differ across ranks are a ValueError on every rank at construction, before they build
+groups and collectives of their own (a differing channel count or buffer averaging used to
+hang a rank in torch's group creation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout import SchedulerConfig
+from scaleout.pytorch import DataParallel
+
+
+def body_types() -> None:
+    env = scaleout.init(timeout=20)
+    net = nn.Linear(4, 2)
+    for kwargs, message in (
+            ({"scheduler": "fifo"}, "scheduler must be a scaleout.SchedulerConfig or None, got str"),
+            ({"distributed_update": "no"}, "distributed_update must be a bool, got 'no'"),
+            ({"broadcast_buffers": 0}, "broadcast_buffers must be a bool, got 0"),
+            ({"trace": 5}, "trace must be a folder \\(a str or path\\) or None, got 5")):
+        with pytest.raises(TypeError, match=message):
+            DataParallel(net, env.create_distribution(), **kwargs)
+    env.finalize()
+
+
+def test_option_types_are_checked_at_construction() -> None:
+    run_ranks(1, body_types, timeout=30)
+
+
+def body_differ(case: str) -> str:
+    env = scaleout.init(timeout=20)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    first = env.rank == 0
+    kwargs = {"channels": {"scheduler": SchedulerConfig(channels=2 if first else 1)},
+              "policy": {"scheduler": SchedulerConfig(policy="fifo" if first else "priority")},
+              "buffers": {"broadcast_buffers": first}}[case]
+    try:
+        DataParallel(net, env.create_distribution(), **kwargs)
+    except ValueError as err:
+        return str(err)
+    finally:
+        env.finalize()
+    return "no error"
+
+
+@pytest.mark.parametrize("case,rank0,rank1", [
+    ("channels", "scheduler {'channels': 2}", "scheduler {'channels': 1}"),
+    ("policy", "scheduler {'policy': 'fifo'}", "scheduler {'policy': 'priority'}"),
+    ("buffers", "averaged buffers True", "averaged buffers False")])
+def test_options_that_differ_across_ranks_are_named_on_every_rank(case: str, rank0: str,
+                                                                 rank1: str) -> None:
+    for message in run_ranks(2, body_differ, case, timeout=40):
+        assert "DataParallel options" in message, message
+        mine, theirs = message.split("; rank 1: ")
+        assert rank0 in mine and rank1 in theirs, message

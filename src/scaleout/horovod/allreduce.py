@@ -86,7 +86,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
         refused = err
     exchange_signature(comm, kind, name, None if refused else output, op=int(op),
                        wire=None if send is None else send.dtype, joinable=not codec,
-                       refused=refused)
+                       refused=refused, scales=None if refused else (prescale, postscale))
     assert send is not None  # (exchange_signature raised otherwise)
     if codec:
         return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)

@@ -40,11 +40,13 @@ JOINABLE = ("allreduce", "grouped_allreduce", "allgather")
 _MAX_DIMS = 8
 # columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
 # joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
-# were refused, it raises and sends nothing), count (a header's number of tensors, else -1)
+# were refused, it raises and sends nothing), count (a header's number of tensors, else -1),
+# scales (a hash of an allreduce's prescale and postscale factors, else 0)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
 _TAIL = _DIMS + _MAX_DIMS
 _WIRE, _JOINABLE, _REFUSED, _COUNT = _TAIL + 1, _TAIL + 2, _TAIL + 3, _TAIL + 4
-_WIDTH = _COUNT + 1
+_SCALES = _COUNT + 1
+_WIDTH = _SCALES + 1
 
 
 def _hash(text: str) -> int:
@@ -59,12 +61,13 @@ def _code(dtype: torch.dtype) -> int:
 
 
 def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: torch.dtype,
-         joinable: bool, count: int) -> list[int]:
+         joinable: bool, count: int, scales: tuple[float, float] | None) -> list[int]:
     dims = list(tensor.shape)
     shown = dims[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(dims), _MAX_DIMS))
     joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
     return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
-            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0, count]
+            _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0, count,
+            0 if scales is None else _hash(repr(tuple(map(float, scales))))]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -133,7 +136,8 @@ def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[li
 def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.Tensor | None, *,
                        op: int = -1, root: int = -1, rows_may_differ: bool = False,
                        wire: torch.dtype | None = None, joinable: bool = False,
-                       refused: Exception | None = None, count: int = -1) -> list[int]:
+                       refused: Exception | None = None, count: int = -1,
+                       scales: tuple[float, float] | None = None) -> list[int]:
     """Exchange this call's signature with the group and raise unless all agree.
 
     Args:
@@ -150,6 +154,7 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             exchange, and every other member raises too (nobody waits for this rank).
         count: for the header of a call of several tensors, how many this rank passes (see
             :func:`exchange_count`); ``-1`` for a tensor's own row.
+        scales: an allreduce's ``(prescale_factor, postscale_factor)``.
 
     Returns:
         Every member's dim-0 length, in group-rank order (0 for joined members).
@@ -168,7 +173,7 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         mine[_REFUSED] = 1
     else:
         mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable,
-                    count)
+                    count, scales)
     table = _gather(comm, mine, kind, name) if comm.size > 1 else [mine]
     if refused is not None:
         raise refused
@@ -206,7 +211,11 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             raise TensorMismatchError(f"{where}: mismatched data types: {_dtype(row[_DTYPE])} "
                                       f"there, {_dtype(mine[_DTYPE])} here (on the wire: "
                                       f"{_dtype(row[_WIRE])} there, {_dtype(mine[_WIRE])} here)")
-        same_tail = row[_NDIM] == mine[_NDIM] and row[_DIMS + 1:] == mine[_DIMS + 1:]
+        if row[_SCALES] != mine[_SCALES]:
+            factors = "" if scales is None else f" (this rank: {scales[0]:g} / {scales[1]:g})"
+            raise TensorMismatchError(f"{where}: mismatched prescale_factor / postscale_factor"
+                                      f"{factors}: every rank must scale alike")
+        same_tail = row[_NDIM] == mine[_NDIM] and row[_DIMS + 1:_SCALES] == mine[_DIMS + 1:_SCALES]
         if not (rows_may_differ and same_tail):
             what = "trailing shapes (dims after the first)" if rows_may_differ else "shapes"
             raise TensorMismatchError(f"{where}: mismatched {what}: {_shape(row)} there, "

@@ -113,6 +113,8 @@ def body_lifecycle() -> None:
         env.create_distribution(2, 1)
     with pytest.raises(ValueError, match="model_parts must be >= 1"):
         env.create_distribution(1, 0)
+    with pytest.raises(ValueError, match="model_parts must be >= 1, got 0"):  # not data_parts
+        env.create_distribution(None, 0)
     env.finalize()
     with pytest.raises(NotInitializedError, match="finalized"):
         d.allreduce(torch.ones(1), group=G)

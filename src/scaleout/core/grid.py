@@ -26,6 +26,13 @@ class GroupType(enum.Enum):
     GLOBAL = "global"
 
 
+def _check_degree(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def check_degrees(world_size: int, data_parts: object, model_parts: object) -> int:
     """``data_parts * model_parts`` after checking both are ints >= 1 that divide the world.
 
@@ -34,10 +41,7 @@ def check_degrees(world_size: int, data_parts: object, model_parts: object) -> i
         ValueError: a degree is < 1, or the grid does not divide the world size.
     """
     for name, value in (("data_parts", data_parts), ("model_parts", model_parts)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        _check_degree(name, value)
     grid = data_parts * model_parts  # type: ignore[operator]
     if world_size % grid != 0:
         raise ValueError(
@@ -99,8 +103,8 @@ class Grid:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) \
                 or self.world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
-        if self.data_parts in (None, -1) and isinstance(self.model_parts, int) \
-                and not isinstance(self.model_parts, bool) and self.model_parts >= 1:
+        if self.data_parts in (None, -1):  # derived: the model degree is checked first
+            _check_degree("model_parts", self.model_parts)
             object.__setattr__(self, "data_parts", max(self.world_size // self.model_parts, 1))
         check_degrees(self.world_size, self.data_parts, self.model_parts)  # O(1), not O(world)
 

@@ -108,6 +108,25 @@ def test_rowwise_adagrad_sparse_equals_dense() -> None:
     assert opts[0].state[sparse.weight]["sum"].numel() == 10  # one value per row
 
 
+def body_constructor_errors() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    spec = TableSpec(rows=3, dim=4)
+    with pytest.raises(TypeError, match="dtype must be a floating torch dtype, got torch.int64"):
+        EmbeddingCollection([spec], dist, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"tables must be a sequence of TableSpec, got TableSpec"):
+        EmbeddingCollection(spec, dist)
+    with pytest.raises(TypeError, match="distribution must be a scaleout.Distribution or None, "
+                                        "got str"):
+        EmbeddingCollection([spec], "data")
+    assert EmbeddingCollection([spec]).held() == [0]  # None: the job's ranks, like DataParallel
+    env.finalize()
+
+
+def test_constructor_errors_name_the_argument() -> None:
+    run_ranks(1, body_constructor_errors, timeout=30)
+
+
 def body_prefetch_errors() -> None:
     env = scaleout.init(timeout=60)
     dist = env.create_distribution()

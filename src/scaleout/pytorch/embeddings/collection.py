@@ -38,6 +38,7 @@ from torch import nn
 
 from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
+from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.embeddings.batched import TableBatch
 from scaleout.pytorch.embeddings.full_state import gather_full_state, part_of_full_state
@@ -80,7 +81,7 @@ class EmbeddingCollection(Lookahead):
     Args:
         tables: the tables (all with one ``dim``).
         distribution: the grid; tables are spread over its DATA group (each rank of a model
-            group holds the same ones).
+            group holds the same ones); ``None``: every rank of an initialised job.
         plan: who holds what; default :func:`plan_tables` (balanced, unlimited memory).
         dtype: weight dtype.
         init: ``init(table_index, weight, first_row, first_column)`` fills this rank's block
@@ -106,14 +107,26 @@ class EmbeddingCollection(Lookahead):
         torch.Size([6, 4, 8])
     """
 
-    def __init__(self, tables: Sequence[TableSpec], distribution: Distribution, *,
+    def __init__(self, tables: Sequence[TableSpec], distribution: Distribution | None = None, *,
                  plan: ShardingPlan | None = None, dtype: torch.dtype = torch.float32,
                  init: Any = None, max_batch: int | None = None,
                  ids_with_gradients: bool = False) -> None:
         super().__init__()
+        if distribution is None:
+            distribution = attach().create_distribution()
+        if not isinstance(distribution, Distribution):
+            raise TypeError(f"EmbeddingCollection: distribution must be a scaleout.Distribution "
+                            f"or None, got {type(distribution).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"EmbeddingCollection: dtype must be a floating torch dtype, got "
+                            f"{dtype!r}")
         check_max_batch(max_batch)
         check_ids_with_gradients(ids_with_gradients, max_batch)
-        tables = tuple(tables)
+        given = tables
+        tables = () if isinstance(given, TableSpec) else tuple(given)
+        if not all(isinstance(t, TableSpec) for t in tables) or isinstance(given, TableSpec):
+            raise TypeError(f"EmbeddingCollection: tables must be a sequence of TableSpec, got "
+                            f"{given!r}"[:200])
         if not tables:
             raise ValueError("EmbeddingCollection needs at least one table")
         dims = {t.dim for t in tables}
@@ -175,7 +188,8 @@ class EmbeddingCollection(Lookahead):
         self._mine: list[tuple[int, nn.Embedding]] = [(t, getattr(self, str(t))) for t in mine]
 
     @classmethod
-    def from_embeddings(cls, embeddings: Sequence[nn.Embedding], distribution: Distribution, *,
+    def from_embeddings(cls, embeddings: Sequence[nn.Embedding],
+                        distribution: Distribution | None = None, *,
                         plan: ShardingPlan | None = None, max_batch: int | None = None,
                         ids_with_gradients: bool = False) -> EmbeddingCollection:
         """Shard existing tables (every rank passes the same ones; each keeps its own;

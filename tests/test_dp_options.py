@@ -6,7 +6,6 @@ hang a rank in torch's group creation)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 import scaleout

@@ -112,11 +112,6 @@ class EmbeddingCollection(Lookahead):
                  init: Any = None, max_batch: int | None = None,
                  ids_with_gradients: bool = False) -> None:
         super().__init__()
-        if distribution is None:
-            distribution = attach().create_distribution()
-        if not isinstance(distribution, Distribution):
-            raise TypeError(f"EmbeddingCollection: distribution must be a scaleout.Distribution "
-                            f"or None, got {type(distribution).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"EmbeddingCollection: dtype must be a floating torch dtype, got "
                             f"{dtype!r}")
@@ -129,6 +124,11 @@ class EmbeddingCollection(Lookahead):
                             f"{given!r}"[:200])
         if not tables:
             raise ValueError("EmbeddingCollection needs at least one table")
+        if distribution is None:  # (after the checks that need no process group)
+            distribution = attach().create_distribution()
+        if not isinstance(distribution, Distribution):
+            raise TypeError(f"EmbeddingCollection: distribution must be a scaleout.Distribution "
+                            f"or None, got {type(distribution).__name__}")
         dims = {t.dim for t in tables}
         if len(dims) != 1:
             raise ValueError(f"EmbeddingCollection: every table must have one dim, got "

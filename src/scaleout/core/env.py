@@ -14,6 +14,7 @@ import torch.distributed as tdist
 from scaleout.core import watchdog
 from scaleout.core.checks import check_seconds
 from scaleout.core.collectives import CHECK_MODES
+from scaleout.core.communicator import release_groups
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
@@ -205,6 +206,7 @@ class Environment:
             if meet and self.world_size > 1:
                 tdist.barrier()
             tdist.destroy_process_group()
+            release_groups()
 
     def __enter__(self) -> Environment:
         return self

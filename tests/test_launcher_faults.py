@@ -135,6 +135,25 @@ def test_the_rank_that_failed_first_is_blamed(tmp_path: Path) -> None:
     assert "scaleout run: rank 2 failed first, with signal SIGKILL" in output
 
 
+def test_what_a_failed_rank_started_does_not_outlive_the_job(tmp_path: Path) -> None:
+    # each rank starts a child in its process group; rank 1 then exits with code 3 (its
+    # child used to be left running: only live ranks' groups were signalled)
+    run = start_run(tmp_path, 2, """
+        import os, subprocess, sys, time
+        rank = int(os.environ["RANK"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(child.pid))
+        time.sleep(1)
+        if rank == 1:
+            raise SystemExit(3)
+        time.sleep(120)
+    """)
+    children = rank_pids(tmp_path, 2)
+    output = run.communicate(timeout=40)[0]
+    assert run.returncode == 3, output
+    wait_gone(children, timeout=5)
+
+
 def test_missing_target_is_one_line() -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     for target, message in (("no_such_command", "no such command: no_such_command"),

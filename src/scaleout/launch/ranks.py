@@ -92,21 +92,26 @@ class Ranks:
         return failed[0] if failed and self.signal is None else None
 
     def stop(self, grace: float) -> None:
-        """SIGTERM to every live rank's process group, SIGKILL after ``grace`` seconds."""
+        """SIGTERM to every rank's process group, SIGKILL after ``grace`` seconds; then
+        SIGKILL to every group, so that nothing a rank started outlives the job (a rank that
+        exited first leaves its children in its group: they were orphans before)."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self.procs.values() if p.returncode is None]
-            for proc in alive:
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            self._signal_groups(sig)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and not self._all_exited():
                 time.sleep(0.02)
             if self._all_exited():
                 break
+        self._signal_groups(signal.SIGKILL)
         for thread in self.threads:
             thread.join(timeout=2.0)
+
+    def _signal_groups(self, sig: signal.Signals) -> None:
+        for proc in self.procs.values():  # (each rank leads its own group)
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group is empty
 
     def _all_exited(self) -> bool:
         with self.lock:

@@ -163,6 +163,7 @@ def test_heartbeat_setting(text: str) -> None:
 
     limit = accepted_or_refused(lambda: heartbeat_limit({"SCALEOUT_HEARTBEAT": text}))
     assert limit is None or isinstance(limit, (float, Exception))
+    assert not isinstance(limit, float) or limit >= 0.5  # (beats every limit / 5)
 
 
 @SETTINGS

@@ -14,8 +14,9 @@ import pytest
 from scaleout.launch.launcher import LaunchConfig, command_for
 
 
-def scaleout_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+def scaleout_run(*args: str, timeout: float = 60,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), **(env or {})}
     return subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -89,7 +90,7 @@ def test_a_launch_in_a_thread_stops_when_told(tmp_path: Path) -> None:
     assert "scaleout run: got SIGTERM; stopped every rank" in out.getvalue()
 
 
-def test_usage_errors() -> None:
+def test_usage_errors(tmp_path: Path) -> None:
     result = scaleout_run("-n", "0", "x.py")
     assert result.returncode == 2 and "nprocs must be an int >= 1" in result.stderr
     result = scaleout_run("-n", "2", "--nnodes", "2", "x.py")
@@ -98,6 +99,11 @@ def test_usage_errors() -> None:
         command_for([])
     with pytest.raises(ValueError, match="node_rank must be in"):
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    result = scaleout_run("-n", "1", str(script), env={"SCALEOUT_STATE_DIR": "/proc/no/such"})
+    assert result.returncode == 2 and result.stderr.startswith(
+        "scaleout run: error: SCALEOUT_STATE_DIR = '/proc/no/such' cannot be used"), result.stderr
 
 
 NODES = """

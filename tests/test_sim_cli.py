@@ -72,6 +72,15 @@ def test_collective_themis_and_errors(capsys) -> None:
     assert data["themis"]["gain"] > 1.0
     assert main(["sim", "collective", "--topology", "8x", "--bandwidth", "1Gbps"]) == 2
     assert "8x128" in capsys.readouterr().err
+    assert main(["sim", "collective", "--topology", "8", "--bandwidth", "1Gbps",
+                 "--size", "1e400"]) == 2  # was an OverflowError's traceback
+    assert "size must be finite, got '1e400'" in capsys.readouterr().err
+    base = ["sim", "run", "--model", "resnet50", "--device", "p100", "--preset", "goyal-bigbasin"]
+    for extra, message in ((["--batch", "0"], "batch_size must be an int >= 1, got 0"),
+                           (["--nodes", "0"], "npus must be an int >= 1, got 0"),
+                           (["--speed", "0"], "--speed must be a finite number > 0")):
+        assert main([*base, *extra]) == 2  # 0 was read as "not given": the defaults' answer
+        assert message in capsys.readouterr().err
 
 
 def test_run_writes_chrome_and_chakra_and_runs_chakra(tmp_path, capsys) -> None:

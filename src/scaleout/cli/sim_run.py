@@ -44,13 +44,15 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),
     )
+    if not args.speed > 0 or args.speed == float("inf"):  # (nan too)
+        raise ValueError(f"--speed must be a finite number > 0, got {args.speed}")
     if args.chakra:
         return None, config
     if args.trace:
         workload = read_trace(args.trace)
         return workload.scaled(
-            batch_size=args.batch or workload.batch_size, speed=args.speed
-        ), config
+            batch_size=workload.batch_size if args.batch is None else args.batch,
+            speed=args.speed), config
     if args.device in DEVICES:
         device = DEVICES[args.device]
     else:
@@ -61,7 +63,8 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
                 f"--device must be one of {', '.join(DEVICES)} or a FLOP/s rate like 5e12, "
                 f"got {args.device!r}"
             ) from None
-    return model_workload(args.model, device=device, batch_size=args.batch or 32), config
+    return model_workload(args.model, device=device,
+                          batch_size=32 if args.batch is None else args.batch), config
 
 
 def handle_run(args: argparse.Namespace) -> int:
@@ -77,7 +80,7 @@ def handle_run(args: argparse.Namespace) -> int:
             raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
         workload, config = _workload_and_config(args)
         topo = topology_from(args)
-        if args.nodes:
+        if args.nodes is not None:
             topo = topo.with_npus(args.nodes)
         started = time.perf_counter()
         if workload is None:  # a Chakra trace: execute its graph

@@ -39,6 +39,7 @@ __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start",
 
 HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
 DEFAULT_LIMIT = 15.0
+MIN_LIMIT = 0.5  # seconds: 0.1 s beats and slack for a loaded machine
 _SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
 
 
@@ -76,7 +77,13 @@ def heartbeat_limit(environ: Mapping[str, str]) -> float | None:
         value = float(text)
     except ValueError as err:
         raise ValueError(f"{HEARTBEAT_VAR} must be seconds (0 = off), got {text!r}") from err
-    return None if value == 0 else check_seconds(value, HEARTBEAT_VAR)
+    if value == 0:
+        return None
+    check_seconds(value, HEARTBEAT_VAR)
+    if value < MIN_LIMIT:  # (a heartbeat every limit / 5: below this a busy rank misses it)
+        raise ValueError(f"{HEARTBEAT_VAR} must be 0 (off) or at least {MIN_LIMIT:g} seconds, "
+                         f"got {text!r}")
+    return value
 
 
 def _process_state(pid: int) -> str | None:

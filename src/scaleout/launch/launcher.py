@@ -187,7 +187,11 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         with tempfile.TemporaryDirectory(prefix="scaleout-run-") as workdir:
             state = (config.env.get(STATE_DIR_VAR) or os.environ.get(STATE_DIR_VAR)
                      or os.path.join(workdir, "state"))
-            os.makedirs(state, exist_ok=True)
+            try:
+                os.makedirs(state, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"{STATE_DIR_VAR} = {state!r} cannot be used as the run's "
+                                 f"state folder: {err.strerror}") from None
             return _attempts(argv, config, wrapper, out, signals, workdir, state)
     finally:
         ended.set()

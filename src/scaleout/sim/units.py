@@ -12,6 +12,7 @@ Conventions (stated once, used everywhere):
 
 from __future__ import annotations
 
+import math
 import re
 
 __all__ = ["parse_bytes", "parse_bandwidth", "parse_time", "format_bytes", "format_time"]
@@ -65,6 +66,8 @@ def _parse(text: object, units: dict, what: str, example: str) -> float:
         value, scale = float(match.group(1)), units[match.group(2).lower()]
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {text!r}")
+    if not math.isfinite(value * scale):  # (1e400, or 1e300TB: no size a run can use)
+        raise ValueError(f"{what} must be finite, got {text!r}")
     return value * scale
 
 

@@ -34,3 +34,14 @@ def test_bus_factors_follow_nccl_tests() -> None:
     assert bus_factor("allreduce", 4) == 1.5
     assert bus_factor("allgather", 4) == 0.75
     assert bus_factor("bcast", 4) == 1.0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--budget", "nan"], "--budget must be > 0 seconds"),  # was a traceback on every rank
+    (["--budget=-1"], "--budget must be > 0 seconds"),  # was accepted
+    (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: no folder"),
+])
+def test_arguments_are_refused_before_any_rank_starts(extra: list[str], message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "collectives", "-n", "2", "--sizes", "1K", *extra]) == 2
+    assert message in capsys.readouterr().err

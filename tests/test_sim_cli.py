@@ -197,3 +197,15 @@ def test_validate_prints_sources_writes_json_and_exit_code_matches(tmp_path, cap
     text = capsys.readouterr().out
     assert "Horovod" in text and "Goyal" in text and "Themis" in text
     assert all(o["source"] and o["assumptions"] for o in report["outcomes"])
+
+
+def test_an_output_that_cannot_be_written_is_refused_first(tmp_path, capsys) -> None:
+    # (it used to be a traceback, after the run)
+    for option in ("--json", "--chrome"):
+        command = ["sim", "run", "--model", "resnet50", "--device", "p100", "--preset",
+                   "goyal-bigbasin", option, str(tmp_path / "no" / "out.json")]
+        assert main(command) == 2
+        assert f"{option} {tmp_path / 'no' / 'out.json'}: no folder" in capsys.readouterr().err
+    assert main(["sim", "collective", "--topology", "8", "--bandwidth", "1Gbps", "--json",
+                 str(tmp_path)]) == 2
+    assert "a folder, not a file" in capsys.readouterr().err

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core.checks import check_cuda_asked
 from scaleout.core.collectives import Communicator
 from scaleout.compression import CodecState, compressed_allreduce, make_codec
 from scaleout.compression.powersgd import PowerSGDCodec
@@ -82,8 +83,7 @@ class CodecBenchConfig:
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}") from err
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device here")
+        check_cuda_asked(self.device)
         if not self.sizes or any(not isinstance(n, int) or n < 1 for n in self.sizes):
             raise ValueError(f"sizes: expected positive value counts, got {self.sizes!r}")
         if not self.codecs:

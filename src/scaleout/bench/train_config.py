@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
+from scaleout.core.checks import check_cuda_asked
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
@@ -130,7 +132,8 @@ class TrainBenchConfig:
             TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
-        if self.timeout_s <= 0:
+        check_cuda_asked(self.device)
+        if not self.timeout_s > 0 or not math.isfinite(self.timeout_s):  # (nan too)
             raise ValueError(f"timeout_s: expected seconds > 0, got {self.timeout_s!r}")
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or not
                                                isinstance(self.memory_budget, int) or

@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 from scaleout.bench.stats import format_size, parse_sizes
+from scaleout.core.checks import check_cuda_asked, check_seconds
 from scaleout.table import format_table
 from scaleout.launch.launcher import LaunchConfig, launch
 
@@ -75,6 +76,8 @@ def handle_collectives(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown ops {unknown}; choose from {', '.join(OPS)}")
         if args.rounds < 1:
             raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        check_seconds(args.budget, "--budget")
+        check_cuda_asked(args.device)
         wrapper, master_addr = None, "127.0.0.1"
         if args.testbed is not None:
             from scaleout.testbed import attach_wrapper

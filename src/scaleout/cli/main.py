@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -67,7 +68,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    unwritable = _unwritable_outputs(args)
+    if unwritable:  # before the run, not after it
+        print(f"scaleout {argv[0]}: error: {unwritable}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
+
+
+def _unwritable_outputs(args: argparse.Namespace) -> str | None:
+    """Why a file the command will write (``--json``, ``--plot``, ``--chrome``, ``--output``)
+    cannot be written, or None."""
+    for option in ("json", "plot", "chrome", "output"):
+        path = getattr(args, option, None)
+        if not isinstance(path, str) or path in ("", "-"):
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            return f"--{option} {path}: a folder, not a file"
+        if not os.path.isdir(folder):
+            return f"--{option} {path}: no folder {folder}"
+        if not os.access(folder, os.W_OK):
+            return f"--{option} {path}: the folder {folder} is not writable"
+    return None
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_SECONDS", "check_tensor", "check_root", "check_counts",
-           "check_divisible", "check_seconds"]
+           "check_divisible", "check_seconds", "check_cuda_asked"]
 
 #: The longest timeout or period accepted (a year): longer ones overflow torch's timers.
 MAX_SECONDS = 365 * 86400.0
@@ -90,3 +90,10 @@ def check_seconds(value: object, name: str) -> float:
         raise ValueError(f"{name} must be > 0 seconds, finite and at most {MAX_SECONDS:g} (a "
                          f"year), got {value!r}")
     return float(value)
+
+
+def check_cuda_asked(device: str) -> None:
+    """Raise ValueError when ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``) asks for a GPU
+    that torch cannot see here (before any rank is started for it)."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here")

@@ -31,6 +31,8 @@ JOB = """
     last = time.monotonic()
     for step in range(100000):
         if env.rank == victim and step == 20:
+            if how == "exit":  # marks itself as left at exit, as a finished rank does
+                sys.exit(3)
             os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         try:
             d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
@@ -70,7 +72,7 @@ def detections(output: str) -> dict[int, tuple[int, float]]:
 
 
 @pytest.mark.parametrize("nprocs,victim,how", [
-    (2, 1, "stop"), (3, 2, "stop"), (3, 0, "stop"), (3, 1, "kill"),
+    (2, 1, "stop"), (3, 2, "stop"), (3, 0, "stop"), (3, 1, "kill"), (3, 1, "exit"),
 ])
 def test_survivors_name_the_failed_rank(tmp_path: Path, nprocs: int, victim: int,
                                         how: str) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from scaleout.core.checks import check_seconds
 from scaleout.core.errors import PeerFailedError
-from scaleout.launch.lifeline import REPORT_DIR_VAR
+from scaleout.launch.lifeline import REPORT_DIR_VAR, exit_of
 from scaleout.launch.environment import machine
 
 if TYPE_CHECKING:  # (a run-time import would make core and launch import each other)
@@ -195,6 +195,9 @@ class Watchdog:
             return None
         if self.rank == 0 and beats % 5 == 0:
             self._job.report_outsiders()
+        ended = exit_of(os.environ.get(REPORT_DIR_VAR), watch.rank)
+        if ended is not None:  # (it may have marked itself as left: sys.exit(3) does)
+            return ended
         if watch.left:
             return None
         now = time.monotonic()

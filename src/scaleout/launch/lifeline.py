@@ -18,7 +18,8 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["LAUNCHER_PID_VAR", "REPORT_DIR_VAR", "die_with_parent", "watch_parent", "blamed"]
+__all__ = ["LAUNCHER_PID_VAR", "REPORT_DIR_VAR", "die_with_parent", "watch_parent", "blamed",
+           "note_exit", "exit_of"]
 
 LAUNCHER_PID_VAR = "SCALEOUT_LAUNCHER_PID"
 #: A directory where a rank's watchdog writes ``failure-<rank>.json`` naming a failed peer.
@@ -86,3 +87,33 @@ def blamed(directory: str) -> dict[str, object] | None:
         except (OSError, ValueError):
             continue
     return min(reports, key=lambda item: item[0])[1] if reports else None
+
+
+def note_exit(directory: str | None, rank: int, code: int) -> None:
+    """The launcher saw ``rank`` end with ``code`` (not 0): its peers' watchdogs read it
+    (:func:`exit_of`). A rank that ends by ``sys.exit(3)`` marks itself as left on its way
+    out, as a finished rank does, so only the launcher can say it failed."""
+    if not directory or not os.path.isdir(directory):
+        return
+    try:
+        with open(os.path.join(directory, f"exited-{rank}.json"), "w") as note:
+            json.dump({"rank": rank, "code": code}, note)
+    except OSError:
+        pass  # (the attempt's folder is gone: the job is over)
+
+
+def exit_of(directory: str | None, rank: int) -> str | None:
+    """How ``rank`` failed, as its launcher saw it (:func:`note_exit`), or None."""
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, f"exited-{rank}.json")) as note:
+            code = int(json.load(note)["code"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -43,6 +43,14 @@ def main() -> int:
     dist = env.create_distribution()
     data = load_digits_data()
     shard = data.shard(env.rank, env.world_size)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    fewest = len(data.train_inputs) // env.world_size  # (the same verdict on every rank)
+    if args.batch < env.world_size or args.batch % env.world_size \
+            or args.batch // env.world_size > fewest:
+        parser.error(f"--batch must be a multiple of the {env.world_size} ranks, from "
+                     f"{env.world_size} to {env.world_size * fewest} (each rank has {fewest} "
+                     f"or more training images), got {args.batch}")
     workload = get_workload(f"digits-{args.model}")
     net = workload.build_model(seed=0)
     model = DataParallel(net, dist, compression=args.compression)

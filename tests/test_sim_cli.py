@@ -209,3 +209,12 @@ def test_an_output_that_cannot_be_written_is_refused_first(tmp_path, capsys) -> 
     assert main(["sim", "collective", "--topology", "8", "--bandwidth", "1Gbps", "--json",
                  str(tmp_path)]) == 2
     assert "a folder, not a file" in capsys.readouterr().err
+
+
+def test_a_broken_trace_is_named(tmp_path, capsys) -> None:
+    (tmp_path / "trace.0.json").write_text("{not json")
+    assert main(["sim", "chrome", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'trace.0.json'}: not a scaleout trace" in capsys.readouterr().err
+    assert main(["sim", "collective", "--topology", "8x16", "--bandwidth", "100Gbps,25Gbps",
+                 "--themis", "--chunks", "100000"]) == 2  # (took minutes)
+    assert "chunks must be an int from 1 to 4096" in capsys.readouterr().err

@@ -22,7 +22,10 @@ def parse_sizes(text: str, factor: int = 4) -> list[int]:
             sizes.append(size)
             size *= factor
         return sizes
-    return [parse_bytes(part) for part in text.split(",") if part.strip()]
+    sizes = [parse_bytes(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes must be positive, got {text!r}")
+    return sizes
 
 
 def format_size(size: float) -> str:

@@ -45,9 +45,12 @@ def handle_chrome(args: argparse.Namespace) -> int:
         for rank in range(max(by_rank) + 1):
             if rank not in by_rank:
                 raise ValueError(f"rank {rank}'s trace is missing from {args.folder!r}")
-            with open(by_rank[rank], encoding="utf-8") as f:
-                per_rank.append(recorded_spans(json.load(f)))
-    except (OSError, ValueError, KeyError) as err:
+            try:
+                with open(by_rank[rank], encoding="utf-8") as f:
+                    per_rank.append(recorded_spans(json.load(f)))
+            except (ValueError, KeyError) as err:  # (names the file, not only the position)
+                raise ValueError(f"{by_rank[rank]}: not a scaleout trace: {err}") from None
+    except (OSError, ValueError) as err:
         return fail(err)
     output = args.output or os.path.join(args.folder, "chrome.json")
     with open(output, "w", encoding="utf-8") as f:

@@ -101,6 +101,13 @@ def test_usage_errors(tmp_path: Path) -> None:
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
     script = tmp_path / "ok.py"
     script.write_text("print('ran')\n")
+    for name, value, message in (
+            ("SCALEOUT_HEARTBEAT", "abc", "SCALEOUT_HEARTBEAT must be seconds"),
+            ("SCALEOUT_CHECK", "maybe", "SCALEOUT_CHECK) must be one of"),
+            ("SCALEOUT_BACKEND", "foo", "unknown backend 'foo' (SCALEOUT_BACKEND)")):
+        result = scaleout_run("-n", "2", str(script), env={name: value})  # (was a traceback
+        assert result.returncode == 2 and message in result.stderr, result.stderr  # per rank)
+        assert "Traceback" not in result.stderr and "ran" not in result.stdout
     result = scaleout_run("-n", "1", str(script), env={"SCALEOUT_STATE_DIR": "/proc/no/such"})
     assert result.returncode == 2 and result.stderr.startswith(
         "scaleout run: error: SCALEOUT_STATE_DIR = '/proc/no/such' cannot be used"), result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from scaleout.launch.launcher import LaunchConfig, launch
@@ -70,11 +71,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=handler)
 
 
+#: what every rank reads at init: checked here when set
+_SETTINGS = ("SCALEOUT_CHECK", "SCALEOUT_HEARTBEAT", "SCALEOUT_BACKEND")
+
+
 def handler(args: argparse.Namespace) -> int:
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
     try:
+        if any(os.environ.get(name) for name in _SETTINGS):  # (else no torch import here)
+            from scaleout.core.env import check_settings
+
+            check_settings(os.environ)  # (each rank would raise the same, in a traceback)
         wrapper = None
         master_addr = args.master_addr
         if args.testbed is not None:

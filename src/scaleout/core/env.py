@@ -25,7 +25,8 @@ from scaleout.launch.secret import TOKEN_VAR, job_token
 if TYPE_CHECKING:
     from scaleout.launch.rendezvous import Rendezvous
 
-__all__ = ["Environment", "init", "attach", "choose_backend", "local_world_size", "DEFAULT_TIMEOUT"]
+__all__ = ["Environment", "init", "attach", "choose_backend", "check_settings", "local_world_size",
+           "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
@@ -82,13 +83,7 @@ def _choose_backend(backend: str | None, *, cuda_devices: int, local_world_size:
         if cuda_devices == 0:
             return "gloo", device
         return ("cpu:gloo,cuda:nccl" if local_world_size <= cuda_devices else "gloo"), device
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    names = [part.split(":")[-1].strip() for part in backend.split(",")]
-    unknown = [name for name in names if name not in _BACKENDS]
-    if unknown:
-        raise ValueError(f"unknown backend {backend!r} ({source}): expected one of {_BACKENDS} "
-                         "or a device map like 'cpu:gloo,cuda:nccl'")
+    names = _backend_names(backend, source)
     if "nccl" in names and cuda_devices == 0:
         raise ValueError(f"backend {backend!r} ({source}) needs NCCL, which needs CUDA, but this "
                          "process sees no GPU; use 'gloo'")
@@ -98,6 +93,32 @@ def _choose_backend(backend: str | None, *, cuda_devices: int, local_world_size:
             f"{local_world_size} processes on this node share {cuda_devices} GPU(s); use 'gloo' "
             "(it carries CUDA tensors too), or leave the backend to scaleout")
     return backend, device
+
+
+def _backend_names(backend: object, source: str) -> list[str]:
+    """The backends a ``backend`` setting names; TypeError / ValueError unless known."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    names = [part.split(":")[-1].strip() for part in backend.split(",")]
+    unknown = [name for name in names if name not in _BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend {backend!r} ({source}): expected one of {_BACKENDS} "
+                         "or a device map like 'cpu:gloo,cuda:nccl'")
+    return names
+
+
+def check_settings(environ: Mapping[str, str]) -> None:
+    """The settings every rank reads at :func:`init` (``SCALEOUT_CHECK``,
+    ``SCALEOUT_HEARTBEAT``, the names in ``SCALEOUT_BACKEND``), checked where the ranks are
+    launched, so that a bad one is one error there, not a traceback on every rank.
+
+    Raises:
+        ValueError: a setting that :func:`init` would refuse.
+    """
+    _check_mode(None, environ)
+    watchdog.heartbeat_limit(environ)
+    if environ.get("SCALEOUT_BACKEND", "").strip():
+        _backend_names(environ["SCALEOUT_BACKEND"].strip(), "SCALEOUT_BACKEND")
 
 
 def choose_backend(backend: str | None = None, *, environ: Mapping[str, str] | None = None,

@@ -109,6 +109,9 @@ def evaluate(model, loader, sampler):
 
 if __name__ == "__main__":
     args = parser.parse_args()
+    for option in ("batch_size", "test_batch_size", "epochs", "log_interval"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
     args.cuda = not args.no_cuda and torch.cuda.is_available()
 
     hvd.init()

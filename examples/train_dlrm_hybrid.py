@@ -43,6 +43,11 @@ def main() -> int:
     torch.set_num_threads(1)
     env = scaleout.init()
     dist = env.create_distribution()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch < env.world_size:
+        parser.error(f"--batch must be at least one sample per rank ({env.world_size}), got "
+                     f"{args.batch}")
     workload = get_workload(args.workload)
     net = workload.build_model(0)
     if args.parallel == "hybrid":

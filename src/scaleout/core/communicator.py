@@ -4,7 +4,6 @@ collective is started on it (with the one-member shortcut)."""
 from __future__ import annotations
 
 import enum
-import gc
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,9 +133,8 @@ def release_groups() -> None:
     shuts down: freed then, a gloo group made a rank abort after a correct run ("terminate
     called without an active exception", 2 of 30 two-rank runs under load)."""
     for comm in list(_LIVE.values()):
-        object.__setattr__(comm, "group", None)
+        object.__setattr__(comm, "group", None)  # (the last reference: freed here)
     _LIVE.clear()
-    gc.collect()
 
 
 class _LocalWork:

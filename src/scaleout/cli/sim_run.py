@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from scaleout.cli.sim_args import algorithm_from, emit, fail, topology_from
@@ -44,7 +45,7 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),
     )
-    if not args.speed > 0 or args.speed == float("inf"):  # (nan too)
+    if not 0 < args.speed < math.inf:  # (nan too)
         raise ValueError(f"--speed must be a finite number > 0, got {args.speed}")
     if args.chakra:
         return None, config

@@ -125,6 +125,7 @@ class Watchdog:
         self.rank, self.world, self.limit = rank, world, limit
         self.period = min(1.0, limit / 5)
         self._job = job
+        self._reports = os.environ.get(REPORT_DIR_VAR)  # the launcher's (scaleout run)
         self._store = job.connection(timeout=max(self.period, 0.5))
         self._failure: PeerFailure | None = None
         self._lock = threading.Lock()
@@ -195,7 +196,7 @@ class Watchdog:
             return None
         if self.rank == 0 and beats % 5 == 0:
             self._job.report_outsiders()
-        ended = exit_of(os.environ.get(REPORT_DIR_VAR), watch.rank)
+        ended = exit_of(self._reports, watch.rank)
         if ended is not None:  # (it may have marked itself as left: sys.exit(3) does)
             return ended
         if watch.left:
@@ -220,9 +221,8 @@ class Watchdog:
             self._failure = found
         sys.stderr.write(f"scaleout: rank {self.rank}: {found.describe()}\n")
         sys.stderr.flush()
-        directory = os.environ.get(REPORT_DIR_VAR)
-        if directory and os.path.isdir(directory):  # tell the launcher whom to blame
-            with open(os.path.join(directory, f"failure-{self.rank}.json"), "w") as report:
+        if self._reports and os.path.isdir(self._reports):  # tell the launcher whom to blame
+            with open(os.path.join(self._reports, f"failure-{self.rank}.json"), "w") as report:
                 json.dump(asdict(found), report)
 
 

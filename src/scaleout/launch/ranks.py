@@ -28,7 +28,7 @@ class Ranks:
         self.out = out
         self.lock = threading.Lock()
         self.procs: dict[int, subprocess.Popen[str]] = {}
-        self.reports: dict[int, str | None] = {}  # each rank's attempt's report folder
+        self.reports: str | None = None  # the attempt's report folder (every rank's env)
         self.tails: dict[int, collections.deque[str]] = {}
         self.threads: list[threading.Thread] = []
         self.exits: list[tuple[float, int, int]] = []  # (time, rank, code) in order of exit
@@ -44,7 +44,7 @@ class Ranks:
         except OSError as err:
             raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
         self.procs[rank] = proc
-        self.reports[rank] = env.get(REPORT_DIR_VAR)
+        self.reports = env.get(REPORT_DIR_VAR)
         self.tails[rank] = collections.deque(maxlen=30)
         for target in (self._pump, self._reap):
             thread = threading.Thread(target=target, args=(rank, proc, prefix), daemon=True)
@@ -63,7 +63,7 @@ class Ranks:
     def _reap(self, rank: int, proc: subprocess.Popen[str], _prefix: bool) -> None:
         code = proc.wait()  # the only waiter of this process: its exit time is exact
         if code != 0:  # its peers' watchdogs name it (lifeline.exit_of)
-            note_exit(self.reports.get(rank), rank, code)
+            note_exit(self.reports, rank, code)
         with self.lock:
             self.exits.append((time.monotonic(), rank, code))
         self.changed.set()

@@ -117,11 +117,10 @@ class EmbeddingCollection(Lookahead):
                             f"{dtype!r}")
         check_max_batch(max_batch)
         check_ids_with_gradients(ids_with_gradients, max_batch)
-        given = tables
-        tables = () if isinstance(given, TableSpec) else tuple(given)
-        if not all(isinstance(t, TableSpec) for t in tables) or isinstance(given, TableSpec):
+        tables = tables if isinstance(tables, TableSpec) else tuple(tables)
+        if isinstance(tables, TableSpec) or not all(isinstance(t, TableSpec) for t in tables):
             raise TypeError(f"EmbeddingCollection: tables must be a sequence of TableSpec, got "
-                            f"{given!r}"[:200])
+                            f"{tables!r}"[:200])
         if not tables:
             raise ValueError("EmbeddingCollection needs at least one table")
         if distribution is None:  # (after the checks that need no process group)

@@ -49,8 +49,8 @@ class SpatialPool(nn.Module):
 
     def __init__(self, pool: nn.Module, *, name: str = "") -> None:
         super().__init__()
-        self.window = check_pool(pool, name or type(pool).__name__)
         self.pool, self.name = pool, name or type(pool).__name__
+        self.window = check_pool(pool, self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[2]

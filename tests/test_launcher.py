@@ -97,6 +97,9 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert result.returncode == 2 and "needs --master-port" in result.stderr
     with pytest.raises(ValueError, match="nothing to run"):
         command_for([])
+    for target in (["-m"], ["-m", "-x"]):  # (was Python's own usage error on every rank)
+        with pytest.raises(ValueError, match="-m needs a module name"):
+            command_for(target)
     with pytest.raises(ValueError, match="node_rank must be in"):
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
     script = tmp_path / "ok.py"

@@ -58,6 +58,8 @@ def command_for(target: Sequence[str]) -> list[str]:
     if not target:
         raise ValueError("nothing to run: give a script (script.py [args]) or -m module [args]")
     if target[0] == "-m":
+        if len(target) < 2 or not target[1].strip() or target[1].startswith("-"):
+            raise ValueError("-m needs a module name: -m module [args]")
         return [sys.executable, "-u", *target]
     if target[0].endswith(".py"):
         if not os.path.isfile(target[0]):

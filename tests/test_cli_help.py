@@ -45,6 +45,15 @@ def test_help_has_no_rst_markup(argv: list[str]) -> None:
     assert not re.search(r"``|:(func|class|mod|meth):", out), out
 
 
+def test_version_is_the_package_metadata() -> None:
+    from importlib.metadata import version
+
+    import scaleout
+    out = _run(PROBE.format(argv=["--version"]))
+    assert out.splitlines() == [f"scaleout {scaleout.__version__}", "NO-TORCH"]
+    assert version("scaleout") == scaleout.__version__  # pyproject reads it from the package
+
+
 def test_run_refuses_a_missing_script_once() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", "/no/such.py"],

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from scaleout import __version__
+
 # Subcommand modules, imported lazily so that ``scaleout --help`` stays fast.
 _SUBCOMMANDS = ("run", "bench", "testbed", "sim", "tune")
 
@@ -38,6 +40,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Scale-out PyTorch training on torch.distributed.",
         epilog="example: scaleout run -n 2 examples/train_digits.py --epochs 5",
     )
+    parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         if command is not None and name != command and name in _SUMMARIES:

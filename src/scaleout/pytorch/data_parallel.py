@@ -31,6 +31,7 @@ from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
                                       register_layers)
 from scaleout.pytorch.placement import is_local, placement_of, registration
+from scaleout.pytorch.reads import find_early_reads
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
 from scaleout.pytorch.tied import EarlyShares, find_tied, splittable
 from scaleout.pytorch.tuning import tuner_for
@@ -253,7 +254,10 @@ class DataParallel(BackwardSide, CheckpointSurface):
         if self._alone is not None:
             return self.module(*args, **kwargs)
         self._before_forward(args)
-        output = self.module(*args, **kwargs)
+        if self._session is None:
+            output = self._first_forward(args, kwargs)
+        else:
+            output = self.module(*args, **kwargs)
         self._after_forward(output)
         return output
 
@@ -270,6 +274,15 @@ class DataParallel(BackwardSide, CheckpointSurface):
         self._stopwatch.begin()
         if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
             self._trace.batch_size = args[0].shape[0]
+
+    @torch.compiler.disable  # (a compiled module runs its first forward eagerly)
+    def _first_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first forward, watched for parameters read before their own module runs
+        (``scaleout.pytorch.reads``): the module that reads one completes its update first."""
+        output, early = find_early_reads(self.module, self._layers, lambda: self.module(*args, **kwargs))
+        for reader, layers in early:
+            self._handles.append(reader.register_forward_pre_hook(self._completes(layers)))
+        return output
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
@@ -383,6 +396,13 @@ class DataParallel(BackwardSide, CheckpointSurface):
                 return
             self.updates.complete(layer)
             self._stopwatch.restart()
+        return torch.compiler.disable(hook)
+
+    def _completes(self, layers: list[Layer]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            if self._session is not None:
+                for layer in layers:
+                    self.updates.complete(layer)
         return torch.compiler.disable(hook)
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:

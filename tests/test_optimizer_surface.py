@@ -5,6 +5,7 @@ with the sharded update as without it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,3 +77,157 @@ def test_an_optimizer_over_some_parameters_with_the_sharded_update(world: int) -
     for r, s in zip(replicated, sharded):
         for a, b in zip(r, s):
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+class Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.extra(h) if use else h)
+
+
+def data(step: int, rank: int, micro: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(3, 4, generator=g, dtype=torch.float64)
+
+
+def reference_run(world: int, plan: Any) -> nn.Module:
+    torch.manual_seed(0)
+    ref = Three().double()
+    plan(ref, world, None)
+    return ref
+
+
+def body_against_reference(case: str, mode: str) -> float:
+    """Runs ``CASES[case]`` on this rank's data and in one process on every rank's; the
+    largest difference of the weights."""
+    env = scaleout.init(timeout=30)
+    torch.manual_seed(0)
+    net = Three().double()
+    model = DataParallel(net, env.create_distribution())
+    CASES[case](net, env.world_size, (model, mode, env.rank))
+    model.synchronize()
+    ref = reference_run(env.world_size, CASES[case])
+    worst = max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
+    model.close()
+    env.finalize()
+    return worst
+
+
+def _steps(net: nn.Module, world: int, ddp: Any, *, make: Any, micro: Any, steps: int = 4,
+           set_to_none: bool = True, before_step: Any = None) -> None:
+    """``steps`` iterations of ``micro(step)`` micro-batches: ``micro`` gives (use extra?)
+    per micro-batch. ``ddp``: (model, mode, rank), or None for the single-process reference
+    (every rank's loss, divided by ``world``)."""
+    if ddp is None:
+        opt: Any = make(net.parameters())
+    else:
+        model, mode, rank = ddp
+        opt = DistributedOptimizer(make(net.parameters()), model, mode=mode)
+    for step in range(steps):
+        if before_step is not None:
+            before_step(net, opt, step, ddp)
+        uses = micro(step)
+        ranks = range(world) if ddp is None else [ddp[2]]
+        for rank in ranks:
+            for m, use in enumerate(uses):
+                runner = net if ddp is None else ddp[0]
+                loss = runner(data(step, rank, m), use).pow(2).mean() / len(uses)
+                if ddp is None:
+                    (loss / world).backward()
+                elif m < len(uses) - 1:
+                    with ddp[0].no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        if ddp is None:  # (DistributedOptimizer.zero_grad clears every layer's, in or out of it)
+            net.zero_grad(set_to_none=set_to_none)
+
+
+def _add_group(net: nn.Module, opt: Any, step: int, ddp: Any) -> None:
+    if step == 2:
+        opt.add_param_group({"params": [*net.extra.parameters(), *net.b.parameters()],
+                             "lr": 0.05})
+
+
+CASES: dict[str, Any] = {
+    # a parameter used only in a no_sync micro-batch keeps what it accumulated there
+    "no_sync_then_unused": lambda net, world, ddp: _steps(
+        net, world, ddp, make=lambda p: torch.optim.SGD(p, lr=0.1), micro=lambda s: (True, False)),
+    # zero_grad(set_to_none=False): a parameter nobody uses still has a zero gradient, so
+    # momentum and weight decay move it, as with a plain optimizer
+    "zeroed_then_unused": lambda net, world, ddp: _steps(
+        net, world, ddp, make=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9,
+                                                        weight_decay=0.1),
+        micro=lambda s: (s != 2,), set_to_none=False),
+    # a group added mid-training: the pending update is applied with the groups it was asked with
+    "add_param_group": lambda net, world, ddp: _steps(
+        net, world, ddp, make=lambda p: torch.optim.Adam(list(p)[:2], lr=0.01),
+        micro=lambda s: (True,), before_step=_add_group),
+}
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trains_like_a_plain_optimizer(case: str, mode: str) -> None:
+    assert max(run_ranks(2, body_against_reference, case, mode, timeout=60)) < 1e-12
+
+
+def body_grad_scaler(mode: str) -> str:
+    env = scaleout.init(timeout=30)
+    net = nn.Linear(4, 2)
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model, mode=mode)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    try:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(3, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        outcome = "ok"
+    except ValueError as err:
+        outcome = str(err)
+    model.close()
+    env.finalize()
+    return outcome
+
+
+def test_a_grad_scaler_is_refused_in_overlap_mode_and_works_in_sync() -> None:
+    """Overlap mode applied the averaged gradient still multiplied by the scale (the scaler
+    unscaled a local copy that had left), silently."""
+    refused = run_ranks(2, body_grad_scaler, "overlap", timeout=60)
+    assert all("GradScaler needs DistributedOptimizer(..., mode='sync')" in r for r in refused)
+    assert run_ranks(2, body_grad_scaler, "sync", timeout=60) == ["ok", "ok"]
+
+
+def test_add_param_group_is_refused_with_the_sharded_update() -> None:
+    def body() -> str:
+        env = scaleout.init(timeout=30)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model = DataParallel(net, env.create_distribution(), distributed_update=True)
+        opt = DistributedOptimizer(torch.optim.SGD(net[0].parameters(), lr=0.1), model)
+        try:
+            opt.add_param_group({"params": list(net[1].parameters())})
+            outcome = "added"
+        except ValueError as err:
+            outcome = str(err)
+        model.close()
+        env.finalize()
+        return outcome
+
+    assert all("distributed_update=True) is not supported" in r for r in run_ranks(2, body))
+
+
+def test_a_complex_parameter_is_named_at_construction() -> None:
+    net = nn.Linear(2, 2)
+    net.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="parameter w is torch.complex64"):
+        DataParallel(net, scaleout.init().create_distribution())

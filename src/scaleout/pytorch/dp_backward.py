@@ -45,11 +45,27 @@ class BackwardSide:
         def send(gradient: torch.Tensor) -> None:
             if ps.gradient_pending:
                 raise RuntimeError(
-                    f"rank {self.env.rank}: gradient of {ps.name} produced twice before its "
-                    "update (two backward passes without a forward between them?); wrap all "
-                    "but the last micro-batch in model.no_sync()")
+                    f"rank {self.env.rank}: gradient of {ps.name} produced again while the last "
+                    "one is still on its way to the update (two backward passes without "
+                    "optimizer.step() between them?); to accumulate micro-batches, run all but "
+                    "the last in model.no_sync(), or use DistributedOptimizer(..., mode='sync')")
             ps.start_gradient_comm(gradient)
         return send
+
+    def _send_unused(self, param: nn.Parameter, ps: Any) -> None:
+        """A parameter this backward did not reach: its ``.grad`` if it holds one (gradients
+        accumulated in ``no_sync()`` micro-batches, zeros left by ``zero_grad(set_to_none=
+        False)``), as DDP sends an unused parameter's defined gradient; else zeros."""
+        grad = param.grad
+        if grad is None:
+            ps.start_gradient_comm(self._zeros(ps))
+        else:
+            ps.start_gradient_comm(grad)
+            self._sent_version[id(param)] = grad._version
+
+    @staticmethod
+    def _zeros(ps: Any) -> torch.Tensor:
+        return torch.zeros(ps.local_count, dtype=ps.spec.dtype, device=ps.spec.device)
 
     def _end_backward(self) -> None:
         self._backward_queued = False
@@ -58,12 +74,15 @@ class BackwardSide:
             self._shares.end_backward()
         used = []
         for layer in self._forward_order:
-            for ps in layer.all_sets():
-                if not ps.gradient_pending:  # unused here: send zeros, keep the order
-                    ps.start_gradient_comm(torch.zeros(ps.local_count, dtype=ps.spec.dtype,
-                                                       device=ps.spec.device))
-            for param in layer.params:
-                used.append(1.0 if self._used[id(param)] else 0.0)
+            for param, ps in zip(layer.params, layer.sets):
+                if not ps.gradient_pending:  # unused in this backward: keep the order
+                    self._send_unused(param, ps)
+            for ps in layer.early.values():
+                if not ps.gradient_pending:
+                    ps.start_gradient_comm(self._zeros(ps))
+            for param in layer.params:  # a rank "has" a gradient if it used the parameter or
+                has = self._used[id(param)] or param.grad is not None  # holds a .grad
+                used.append(1.0 if has else 0.0)
                 self._used[id(param)] = False
         assert self._session is not None  # a gradient arrived, so the session exists
         usage = self._session.operations[0].parameter_sets[0]  # registered first

@@ -59,18 +59,22 @@ def find_layers(module: nn.Module) -> list[Layer]:
     marked local to this rank (``scaleout.pytorch.placement``) belongs to none.
 
     Raises:
-        TypeError: a trainable parameter is sparse (not supported).
+        TypeError: a trainable parameter is sparse or complex (not supported).
     """
     seen: set[int] = set()
     layers = []
     for name, mod in module.named_modules():
         params = []
-        for param in mod.parameters(recurse=False):
+        for own, param in mod.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen or is_local(param):
                 continue
             if param.is_sparse:
                 raise TypeError(f"parameter of {name or 'the root module'} is sparse; scaleout "
                                 "exchanges dense gradients (use sparse=False embeddings)")
+            if param.is_complex():
+                raise TypeError(f"parameter {name + '.' if name else ''}{own} is {param.dtype}: "
+                                "scaleout exchanges real floating-point gradients (keep it as "
+                                "a real tensor of pairs and use torch.view_as_complex in forward)")
             seen.add(id(param))
             params.append(param)
         if params:

@@ -26,6 +26,14 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def _check_params(model: DataParallel, params: Any) -> None:
+    trained = {id(p) for layer in model.layers for p in layer.params}
+    for param in [params] if isinstance(params, torch.Tensor) else params:
+        if param.requires_grad and id(param) not in trained:
+            raise ValueError("the optimizer holds a parameter that is not a trainable "
+                             "parameter of the DataParallel model")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer for a :class:`DataParallel` model.
 
@@ -65,12 +73,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if model.distributed_update:
                 raise ValueError("max_grad_norm with DataParallel(distributed_update=True) is "
                                  "not supported: the shards would need a global norm of their own")
-        model_params = {id(p) for layer in model.layers for p in layer.params}
         for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.requires_grad and id(param) not in model_params:
-                    raise ValueError("the optimizer holds a parameter that is not a trainable "
-                                     "parameter of the DataParallel model")
+            _check_params(model, group["params"])
         if model.compression is not None:  # codecs measured not to converge with it: say so now
             warn_unsuited(model.compression, optimizer)
         self.mode = mode
@@ -86,6 +90,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self.defaults = self.inner.defaults
         self._snapshot: list[dict[str, Any]] = []
+        self._consumed: list[nn.Parameter] = []  # .grad that step() took (overlap mode)
+        self._wrapping = True  # (add_param_group adds to the wrapped optimizer from now on)
         model.updates.attach(self)
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -123,6 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Request this iteration's update (applied lazily in overlap mode)."""
+        self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -144,6 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._snapshot = [{k: v for k, v in g.items() if k != "params"}
                               for g in self.param_groups]
+            self._consumed = [p for layer in pending for p in layer.params if p.grad is not None]
             self.model.updates.request(pending)
         return loss
 
@@ -160,7 +168,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "DistributedOptimizer(..., max_grad_norm=...) or use mode='sync'",
                 RuntimeWarning, stacklevel=3)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, after the pending updates (requested with the groups as they were).
+
+        Raises:
+            ValueError: with ``distributed_update=True`` (the shards are made at construction),
+                or a parameter that the model does not train.
+        """
+        if not self.__dict__.get("_wrapping", False):  # Optimizer.__init__'s placeholder
+            super().add_param_group(param_group)
+            return
+        if self.sharded:
+            raise ValueError("add_param_group with DataParallel(distributed_update=True) is not "
+                             "supported: give every group to the optimizer before wrapping it")
+        _check_params(self.model, param_group.get("params", []))
+        self.model.synchronize()
+        self.inner.add_param_group(param_group)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True in overlap mode, so that a ``GradScaler`` hands ``step()`` its scale (and
+        ``step()`` refuses it: see :meth:`_refuse_grad_scaler`); sync mode takes torch's path."""
+        return self.mode == "overlap"
+
+    def _refuse_grad_scaler(self) -> None:
+        if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):
+            raise ValueError(
+                "GradScaler needs DistributedOptimizer(..., mode='sync'): in overlap mode each "
+                "scaled gradient has left before the scaler can unscale it or look for infs, and "
+                "every rank would decide on its own gradients whether to skip the step")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's. With ``set_to_none=False`` in overlap mode, the gradients ``step()``
+        consumed come back as zeros, as a plain optimizer leaves them: a parameter no rank
+        uses next still has a (zero) gradient, so momentum and weight decay move it."""
         for layer in self.model.layers:
             for param in layer.params:
                 if param.grad is not None:
@@ -168,6 +209,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         param.grad = None
                     else:
                         param.grad.zero_()
+        if not set_to_none:
+            for param in self._consumed:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        self._consumed = []
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, after finishing pending updates."""
@@ -188,13 +234,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         saved = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         for group, options in zip(self.param_groups, self._snapshot):
             group.update(options)
+        held = [param.grad for param in params]  # (zeros from zero_grad(set_to_none=False))
         try:
             for param, grad, flag in zip(params, grads, used):
                 param.grad = grad.view_as(param) if flag else None
             self.inner.step()  # parameters without .grad are skipped by torch optimizers
         finally:
-            for param in params:
-                param.grad = None
+            for param, grad in zip(params, held):
+                param.grad = grad
             for group, options in zip(self.param_groups, saved):
                 group.update(options)
 

@@ -53,6 +53,7 @@ ADAMW_LR = 1e-3
 #: Codec specs; "+momentum" compresses the momentum (CompressionConfig(momentum=0.9)).
 CODECS = ("cast:fp16", "cast:bf16", "blockquant", "sign", "sign+momentum", "topk:ratio=0.05",
           "powersgd:rank=2", "rows")
+LOSSLESS = ("none", "rows")  # rows sends every non-zero row: dense gradients go whole
 
 
 def _codec(label: str) -> Codec:
@@ -120,6 +121,7 @@ def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...]
     local = GLOBAL_BATCH // ranks
     accs = {key: 0.0 for key in keys}
     first: list[torch.Tensor] = []
+    untouched: list[tuple] = []
     for epoch in range(epochs):
         order = torch.randperm(len(xtr), generator=shuffle)
         for start in range(0, len(order) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
@@ -133,6 +135,12 @@ def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...]
         model.synchronize()
         if epoch == 0:
             first = [p.detach().clone() for p in ensemble.parameters()]
+            # every codec was applied: its copy left the uncompressed one with the same seed
+            # and learning rate (they start equal and see the same batches)
+            nets = dict(zip(keys, ensemble.nets))
+            untouched = [key for key in keys if key[0] not in LOSSLESS and all(
+                torch.equal(a, b) for a, b in zip(nets[key].parameters(),
+                                                  nets[("none", *key[1:])].parameters()))]
         if epoch >= EPOCHS - LAST and epochs == EPOCHS:
             with torch.no_grad():
                 for net, key in zip(ensemble.nets, keys):
@@ -144,7 +152,7 @@ def _train(d: scaleout.Distribution, arch: str, opt: str, lrs: tuple[float, ...]
     # Against uncompressed training on the same seeds: the mean of the differences.
     mean = {cell: sum(accs[("none", cell[1], seed)] for seed in used) / len(used) + sum(diffs[cell]) / len(used)
             for cell, used in seeds.items()}
-    return mean, diffs, warned, first
+    return mean, diffs, warned, first, untouched
 
 
 def _grid(archs: tuple[str, ...], device: str = "cpu") -> dict:
@@ -160,8 +168,10 @@ def _grid(archs: tuple[str, ...], device: str = "cpu") -> dict:
     out: dict = {"acc": {}, "diffs": {}, "warned": {}, "sync_equal": {}, "seconds": {}}
     for arch, opt, lrs in jobs:
         started = time.perf_counter()
-        accs, diffs, warned, first = _train(d, arch, opt, lrs, "overlap", EPOCHS, device)
-        *_, first_sync = _train(d, arch, opt, lrs, "sync", 1, device)
+        accs, diffs, warned, first, untouched = _train(d, arch, opt, lrs, "overlap", EPOCHS,
+                                                       device)
+        *_, first_sync, _ = _train(d, arch, opt, lrs, "sync", 1, device)
+        out.setdefault("untouched", []).extend((arch, opt, *key) for key in untouched)
         out["seconds"][(arch, opt)] = time.perf_counter() - started
         out["sync_equal"][(arch, opt)] = all(torch.equal(a, b) for a, b in zip(first, first_sync))
         out["warned"][(arch, opt)] = warned
@@ -225,6 +235,7 @@ def _check(out: dict) -> None:
     print({k: round(v, 1) for k, v in out["seconds"].items()})
     for job, equal in out["sync_equal"].items():
         assert equal, f"{job}: sync mode gave other weights than overlap mode after one epoch"
+    assert not out.get("untouched"), f"copies no codec changed: {out['untouched']}"
     failures = []
     for arch in sorted({key[0] for key in out["acc"]}):
         for setting in SETTINGS:

@@ -12,7 +12,7 @@ from harness import run_ranks
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 
-def body(spec: object) -> list[float]:
+def body(spec: object, weights: bool = False) -> list[float]:
     env = scaleout.init(timeout=60)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -32,7 +32,7 @@ def body(spec: object) -> list[float]:
         torch.testing.assert_close(other, flat, rtol=0, atol=0)
     model.close()
     env.finalize()
-    return [total.raw_bytes / max(total.bytes, 1)]
+    return flat.tolist() if weights else [total.raw_bytes / max(total.bytes, 1)]
 
 
 @pytest.mark.parametrize("spec,min_ratio", [
@@ -42,6 +42,16 @@ def body(spec: object) -> list[float]:
 def test_codecs_through_data_parallel(spec: object, min_ratio: float) -> None:
     ratios = run_ranks(2, body, spec, timeout=120)
     assert ratios[0][0] >= min_ratio, ratios
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=1", {"0.*": "topk:ratio=1"}])
+def test_a_codec_that_keeps_everything_trains_like_exact(spec: object) -> None:
+    """The codec path's values, not only its replicas' agreement: top-k keeping every value
+    must train to the exact run's weights (a codec path that summed instead of averaging, or
+    scaled twice, kept the replicas identical and passed the test above)."""
+    exact = run_ranks(2, body, None, True, timeout=120)[0]
+    coded = run_ranks(2, body, spec, True, timeout=120)[0]
+    assert coded == pytest.approx(exact, rel=1e-5, abs=1e-6)
 
 
 def body_checkpoint() -> None:

@@ -49,8 +49,33 @@ def test_single_process_fallback() -> None:
     ({"RANK": "2", "WORLD_SIZE": "2"}, "rank must be in [0, 2)"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "master port"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "abc"},
+     "MPI_LOCALRANKID must be an integer, got 'abc'"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "1", "PMI_LOCAL_RANK": "x"},
+     "PMI_LOCAL_RANK must be an integer, got 'x'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "[1-2]"},
+     "SLURM_STEP_NODELIST must be a Slurm node list (like node[03-05,07]), got '[1-2]'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": ",a"},
+     "SLURM_NODELIST must be a Slurm node list"),
+    ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "WORLD_SIZE='2' is set but RANK is not"),
 ])
 def test_malformed(env: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as info:
         detect_launch(env)
     assert fragment in str(info.value)
+
+
+def test_a_lone_rank_variable_defers_to_another_launcher() -> None:
+    # RANK without WORLD_SIZE is an error only when nothing else says who this process is
+    info = detect_launch({"RANK": "7", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                          "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (info.rank, info.world_size, info.source) == (1, 2, "openmpi")
+    info = detect_launch({"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_LOCAL_RANK": "1",
+                          "MPI_LOCALNRANKS": "2"})
+    assert (info.local_rank, info.source) == (1, "mpich")
+
+
+def test_first_host_rejects_a_list_without_a_host() -> None:
+    with pytest.raises(ValueError, match=r"must start with a host name, got '\[1-2\]'"):
+        first_host("[1-2]")

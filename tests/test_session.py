@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -262,3 +264,83 @@ def body_mismatched_plans() -> str:
 def test_ranks_with_different_bucket_plans_fail_at_commit() -> None:
     for message in run_ranks(2, body_mismatched_plans, timeout=60):
         assert "bucket plan" in message and "rank 0" in message and "rank 1" in message, message
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    ({"count": 4, "name": 5}, TypeError, "ParameterSetSpec.name must be a str, got 5"),
+    ({"count": 6, "shape": (-2, -3)}, ValueError, "positive dimensions, got (-2, -3)"),
+    ({"count": 4, "shape": (2.0, 2.0)}, TypeError, "tuple of ints (a tensor's shape) or None, got (2.0, 2.0)"),
+    ({"count": 4, "shape": "ab"}, TypeError, "tuple of ints (a tensor's shape) or None, got 'ab'"),
+    ({"count": 4, "shape": 4}, TypeError, "tuple of ints (a tensor's shape) or None, got 4"),
+    ({"count": 4, "shape": (True, 4)}, TypeError, "got (True, 4)"),
+    ({"count": 4, "shape": (3,)}, ValueError, "shape (3,) has 3 elements, but count is 4"),
+])
+def test_parameter_set_spec_rejects_bad_name_and_shape(kwargs: dict, error: type,
+                                                       fragment: str) -> None:
+    with pytest.raises(error) as info:
+        ParameterSetSpec(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_parameter_set_spec_shape_is_a_tuple() -> None:
+    assert ParameterSetSpec(count=6, shape=[2, 3]).shape == (2, 3)
+    assert ParameterSetSpec(count=6, shape=torch.Size([3, 2])).shape == (3, 2)
+    assert ParameterSetSpec(count=1, shape=()).shape == ()  # a scalar parameter
+
+
+def body_error_paths() -> None:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    with pytest.raises(TypeError, match=r"trace must be a scaleout TraceRecorder or None, "
+                                        r"got 'dir'.*DataParallel\(trace=folder\)"):
+        Session(env, trace="dir")
+    # TEST phase: no gradients, and the message says so (not "commit first")
+    test = Session(env, Phase.TEST)
+    test_op = test.add_operation("t", dist, parameter_sets=[ParameterSetSpec(count=2)])
+    with pytest.raises(RuntimeError, match="commit"):
+        test_op.parameter_sets[0].start_gradient_comm(torch.ones(2))
+    test.commit()
+    with pytest.raises(RuntimeError, match="not exchanged in a TEST-phase session"):
+        test_op.parameter_sets[0].start_gradient_comm(torch.ones(2))
+    # a commit that fails (after building one distribution's plan) leaves nothing committed
+    failing = Session(env)
+    cpu = failing.add_operation("cpu", dist, parameter_sets=[ParameterSetSpec(count=2)])
+    two_gpus = env.create_distribution()
+    failing.add_operation("gpus", two_gpus, parameter_sets=[
+        ParameterSetSpec(count=2, device="cuda:0"), ParameterSetSpec(count=2, device="cuda:1")])
+    for _ in range(2):  # and a second try fails the same way, not "already committed"
+        with pytest.raises(ValueError, match="must live on one GPU"):
+            failing.commit()
+        assert not failing.committed and failing.buckets == []
+        assert cpu.parameter_sets[0].bucket is None
+    with pytest.raises(RuntimeError, match="call session.commit"):
+        cpu.parameter_sets[0].start_gradient_comm(torch.ones(2))
+    # a start that fails (the engine is closed) leaves nothing started, and a set already in
+    # the same bucket hears of the failure instead of waiting out its timeout
+    session = Session(env, scheduler=SchedulerConfig(policy="fifo"))
+    op = session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=2),
+                                                            ParameterSetSpec(count=3)])
+    session.commit()
+    first, last = op.parameter_sets
+    assert len(session.buckets) == 1 and {ps.name for ps in session.buckets[0].members} == {
+        first.name, last.name}  # one bucket: the last of its sets to start sends it
+    first.start_gradient_comm(torch.ones(2))
+    last.start_gradient_comm(torch.ones(3))
+    assert torch.equal(first.wait_gradient_comm(), torch.ones(2))
+    assert torch.equal(last.wait_gradient_comm(), torch.ones(3))
+    session.close()
+    first.start_gradient_comm(torch.ones(2))
+    with pytest.raises(scaleout.CommunicationError, match="progress engine is closed"):
+        last.start_gradient_comm(torch.ones(3))
+    assert not last.gradient_pending
+    with pytest.raises(RuntimeError, match="not called this iteration"):
+        last.wait_gradient_comm(timeout=5)
+    began = time.perf_counter()
+    with pytest.raises(scaleout.CommunicationError, match="progress engine is closed"):
+        first.wait_gradient_comm(timeout=5)
+    assert time.perf_counter() - began < 1
+    env.finalize()
+
+
+def test_bad_arguments_and_failed_steps_leave_a_consistent_session() -> None:
+    run_ranks(2, body_error_paths, timeout=60)

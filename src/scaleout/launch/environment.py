@@ -62,13 +62,14 @@ def first_host(nodelist: str) -> str:
     """The first host name of a Slurm node list such as ``node[03-05,07],gpu1``.
 
     Raises:
-        ValueError: for an empty list.
+        ValueError: for an empty list, or one that does not start with a host name.
     """
     nodelist = nodelist.strip()
     if not nodelist:
         raise ValueError("empty Slurm node list")
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    assert match is not None  # the pattern matches any non-empty string not starting with , or [
+    if match is None:  # it starts with "," or "["
+        raise ValueError(f"a Slurm node list must start with a host name, got {nodelist!r}")
     prefix, ranges = match.group(1), match.group(2)
     if ranges is None:
         return prefix
@@ -95,7 +96,9 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         The detected :class:`LaunchInfo`.
 
     Raises:
-        ValueError: a variable is malformed, or a multi-node MPI job has no ``MASTER_ADDR``.
+        ValueError: a variable is malformed, only one of ``RANK`` and ``WORLD_SIZE`` is set
+            (and no other launcher's variables are), or a multi-node MPI job has no
+            ``MASTER_ADDR``.
 
     Example:
         >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h0",
@@ -127,18 +130,23 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                     "export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) in the job script"
                 )
             addr, port = _rendezvous(environ, "127.0.0.1")
-            local = environ.get(local_var, environ.get("PMI_LOCAL_RANK", "0"))
+            local = next((var for var in (local_var, "PMI_LOCAL_RANK") if var in environ), None)
             return LaunchInfo(
                 rank=_int(environ, rank_var),
                 world_size=size,
-                local_rank=int(local),
+                local_rank=_int(environ, local) if local else 0,
                 master_addr=addr,
                 master_port=port,
                 source=source,
             )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_NODELIST", ""))
-        default_addr = first_host(nodelist) if nodelist else "127.0.0.1"
+        name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
+        nodelist = environ.get(name, "")
+        try:
+            default_addr = first_host(nodelist) if nodelist else "127.0.0.1"
+        except ValueError as err:
+            raise ValueError(f"environment variable {name} must be a Slurm node list "
+                             f"(like node[03-05,07]), got {nodelist!r}") from err
         addr, port = _rendezvous(environ, default_addr)
         return LaunchInfo(
             rank=_int(environ, "SLURM_PROCID"),
@@ -148,6 +156,11 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_port=port,
             source="slurm",
         )
+    for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if have in environ:  # a torchrun-style launch with one of its pair lost
+            raise ValueError(f"environment variable {have}={environ[have]!r} is set but {lack} "
+                             f"is not: set both RANK and WORLD_SIZE (as torchrun and scaleout "
+                             f"run do), or neither for a single process")
     return LaunchInfo(
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
         source="single",

@@ -173,7 +173,14 @@ class GradBucket:
                 self.job.complete()
                 return
             assert self.engine is not None, "the session binds every bucket to an engine"
-            self.engine.submit(self.job)
+            try:
+                self.engine.submit(self.job)
+            except BaseException as err:
+                # the members that started before this one would wait for a job that never
+                # runs (or see the last iteration's result): their waits raise this instead
+                self.job.reset()
+                self.job.complete(err)
+                raise
 
     def wait(self, timeout: float | None = None) -> None:
         """Block the host until the engine finished the bucket; on a GPU the current stream

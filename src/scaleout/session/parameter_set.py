@@ -70,9 +70,24 @@ class ParameterSetSpec:
             raise ValueError(f"ParameterSetSpec.count must be an int >= 1, got {self.count!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"ParameterSetSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if self.shape is not None and math.prod(self.shape) != self.count:
-            raise ValueError(f"ParameterSetSpec.shape {self.shape} has {math.prod(self.shape)} "
-                             f"elements, but count is {self.count}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"ParameterSetSpec.name must be a str, got {self.name!r}")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", _checked_shape(self.shape, self.count))
+
+
+def _checked_shape(shape: object, count: int) -> tuple[int, ...]:
+    """``shape`` as a tuple of positive ints whose product is ``count`` (``()``: a scalar)."""
+    if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(dim, int) and not isinstance(dim, bool) for dim in shape):
+        raise TypeError(f"ParameterSetSpec.shape must be a tuple of ints (a tensor's shape) "
+                        f"or None, got {shape!r}")
+    if any(dim < 1 for dim in shape):
+        raise ValueError(f"ParameterSetSpec.shape must have positive dimensions, got {shape!r}")
+    if math.prod(shape) != count:
+        raise ValueError(f"ParameterSetSpec.shape {tuple(shape)} has {math.prod(shape)} "
+                         f"elements, but count is {count}")
+    return tuple(shape)
 
 
 class ParameterSet:
@@ -113,6 +128,7 @@ class ParameterSet:
             self.owned_count, self.owned_offset = self.local_count, 0
         self.bucket: Any = None  # its GradBucket, bound by Session.commit()
         self.increment_comm: Communicator | None = None
+        self.test_phase = False  # set by a TEST-phase Session.commit(): no gradients to send
         self._started = False
         self._increment: Request | None = None
 
@@ -129,6 +145,10 @@ class ParameterSet:
         return max(min(self.owned_count, self.local_count - self.owned_offset), 0)
 
     def _require_committed(self, what: str) -> Any:
+        if self.bucket is None and self.test_phase:
+            raise RuntimeError(f"{what} on {self.name}: gradients are not exchanged in a "
+                               "TEST-phase session; register the operation with a "
+                               "Phase.TRAIN session to communicate its gradients")
         if self.bucket is None:
             raise RuntimeError(f"{what} on {self.name}: call session.commit() first")
         return self.bucket
@@ -151,15 +171,18 @@ class ParameterSet:
 
         Raises:
             TypeError/ValueError: wrong type, dtype or element count.
-            RuntimeError: started twice without a wait, or before ``commit()``.
+            RuntimeError: started twice without a wait, before ``commit()``, or in a
+                TEST-phase session.
+            CommunicationError: the progress engine is closed or stopped (the set is then
+                not started).
         """
         bucket = self._require_committed("start_gradient_comm")
         self._check(gradient, self.local_count, "start_gradient_comm")
         if self._started:
             raise RuntimeError(f"start_gradient_comm on {self.name}: already started this "
                                "iteration; call wait_gradient_comm() first")
-        self._started = True
         bucket.fill(self, gradient)
+        self._started = True  # only now: a failed start leaves nothing to wait for
 
     def wait_gradient_comm(self, timeout: float | None = None) -> torch.Tensor:
         """Block until the gradient is averaged over the data group; return it.

@@ -39,8 +39,12 @@ class Session:
         env: the Environment.
         phase: TRAIN (gradients are communicated) or TEST.
         scheduler: how gradients are fused, split and prioritised.
-        trace: record a timeline of compute, communication and waits (see
-            :mod:`scaleout.session.trace`).
+        trace: a :class:`~scaleout.session.trace.TraceRecorder` that records a timeline of
+            compute, communication and waits; ``None``: none (``DataParallel(trace=folder)``
+            records into a folder).
+
+    Raises:
+        TypeError: ``phase``, ``scheduler`` or ``trace`` of the wrong type.
 
     Example (every rank):
         >>> session = Session(env, Phase.TRAIN)
@@ -58,6 +62,9 @@ class Session:
             raise TypeError(f"phase must be a scaleout Phase, got {phase!r}")
         if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
             raise TypeError(f"scheduler must be a SchedulerConfig, got {type(scheduler).__name__}")
+        if trace is not None and not isinstance(trace, TraceRecorder):
+            raise TypeError(f"trace must be a scaleout TraceRecorder or None, got {trace!r}; "
+                            "to write a trace into a folder, use DataParallel(trace=folder)")
         self.env = env
         self.phase = phase
         self.scheduler = scheduler or SchedulerConfig()
@@ -154,12 +161,21 @@ class Session:
         """Build the communication plan once: buckets, lanes, buffers and the engines.
 
         Every rank must call it after registering the same operations in the same order.
+        A commit that raises leaves the session uncommitted (nothing of it is kept).
+
+        Raises:
+            RuntimeError: already committed.
+            ValueError: one distribution's parameter sets live on different GPUs, or the
+                ranks registered different bucket plans.
         """
         if self._committed:
             raise RuntimeError("the session is already committed")
         self.env.require_alive()
-        self._committed = True
+        all_sets = [ps for op in self._operations for ps in op.parameter_sets]
         if self.phase is not Phase.TRAIN:
+            for ps in all_sets:
+                ps.test_phase = True
+            self._committed = True
             return
         by_dist: dict[int, list[ParameterSet]] = {}
         dists: dict[int, Distribution] = {}
@@ -167,8 +183,16 @@ class Session:
             for ps in op.parameter_sets:
                 by_dist.setdefault(id(op.distribution), []).append(ps)
                 dists[id(op.distribution)] = op.distribution
-        for key, sets in by_dist.items():
-            self._commit_distribution(dists[key], sets)
+        try:
+            for key, sets in by_dist.items():
+                self._commit_distribution(dists[key], sets)
+        except BaseException:
+            self.close()  # the engines of the distributions already built
+            self.buckets.clear()
+            for ps in all_sets:
+                ps.bucket = ps.increment_comm = None
+            raise
+        self._committed = True
 
     def _commit_distribution(self, dist: Distribution, sets: list[ParameterSet]) -> None:
         devices = {ps.spec.device for ps in sets if ps.spec.device.type == "cuda"}

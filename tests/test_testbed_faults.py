@@ -328,7 +328,7 @@ def _iptables(namespace: str, *rule: str) -> None:
 @pytest.mark.testbed
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_packet_loss_slows_training_but_it_stays_exact(cluster, tmp_path: Path) -> None:
+def test_packet_loss_leaves_training_exact(cluster, tmp_path: Path) -> None:
     import shutil
 
     if shutil.which("iptables") is None:  # an extra package, like Open MPI: .ci/run installs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("google.protobuf")
@@ -137,3 +139,100 @@ def test_corrupt_and_cyclic_traces_are_reported(tmp_path) -> None:
         run_graph([a, b], parse_topology("2", bandwidths=[1.0]))
     with pytest.raises(ValueError, match="missing"):
         run_graph([schema.Node(id=1, data_deps=[7])], parse_topology("2", bandwidths=[1.0]))
+
+
+# Malformed nodes: each is refused by the reader in one line that names the file, the node, the
+# attribute and the value (the CLI prints it as a usage error, exit code 2).
+def _bad_trace(tmp_path, nodes) -> str:
+    schema = load_schema()
+    path = tmp_path / "bad.0.et"
+    write_et(path, schema.GlobalMetadata(version="0.0.4"), nodes)
+    return str(path)
+
+
+def _n(node_id: int, *, kind: str = "COMP_NODE", deps=(), **attrs):
+    from scaleout.sim.chakra import make_attr
+
+    schema = load_schema()
+    node = schema.Node(id=node_id, name=f"n{node_id}", type=schema.NodeType.Value(kind),
+                       data_deps=list(deps), duration_micros=1000)
+    for key, value in attrs.items():
+        node.attr.append(make_attr(key, value))
+    return node
+
+
+def _coll(node_id: int, **attrs):
+    return _n(node_id, kind="COMM_COLL_NODE", deps=[0], **{"comm_type": 0, "comm_size": 100,
+                                                            **attrs})
+
+
+MALFORMED = {  # case -> (nodes, the message after the path)
+    "nan duration": (lambda: [_n(0, duration_s=float("nan"))],
+                     r"node 0 \('n0'\): duration_s must be a finite number of seconds >= 0, "
+                     r"got nan"),
+    "inf duration": (lambda: [_n(0, duration_s=float("inf"))],
+                     r"node 0 \('n0'\): duration_s .* got inf"),
+    "negative duration": (lambda: [_n(0, duration_s=-5.0)],
+                          r"node 0 \('n0'\): duration_s .* got -5.0"),
+    "string comm_size": (lambda: [_n(0), _coll(1, comm_size="big")],
+                         r"node 1 \('n1'\): comm_size must be a finite number of bytes >= 0, "
+                         r"got 'big'"),
+    "negative comm_size": (lambda: [_n(0), _coll(1, comm_size=-10)],
+                           r"node 1 \('n1'\): comm_size .* got -10$"),
+    "string comm_type": (lambda: [_n(0), _coll(1, comm_type="ALL_REDUCE")],
+                         r"node 1 \('n1'\): comm_type must be a CollectiveCommType "
+                         r"\(0 ALL_REDUCE, .*9 BARRIER\), got 'ALL_REDUCE'"),
+    "unknown comm_type": (lambda: [_n(0), _coll(1, comm_type=99)],
+                          r"node 1 \('n1'\): comm_type must be a CollectiveCommType .*got 99$"),
+    "float comm_priority": (lambda: [_n(0), _coll(1, comm_priority=1.5)],
+                            r"node 1 \('n1'\): comm_priority must be an integer, got 1.5"),
+    "nan codec_s": (lambda: [_n(0), _coll(1, codec_s=float("nan"))],
+                    r"node 1 \('n1'\): codec_s must be a finite number of seconds >= 0, got nan"),
+    "string send size": (lambda: [_n(0, kind="COMM_SEND_NODE", comm_size="big")],
+                         r"node 0 \('n0'\): comm_size .* got 'big'"),
+    "duplicate id": (lambda: [_n(3), _n(3)],
+                     r"node id 3 appears twice \('n3' and 'n3'\): Chakra node ids must be unique"),
+    "no nodes": (lambda: [], r"the Chakra trace has no nodes"),
+    "missing dependency": (lambda: [_n(0), _n(1, deps=[7])],
+                           r"node 1 \('n1'\) depends on missing nodes \[7\]"),
+    "cycle": (lambda: [_n(0, deps=[1]), _n(1, deps=[0]), _n(2, deps=[1])],
+              r"3 Chakra nodes can never run: the dependencies form a cycle: "
+              r"(node 0 \('n0'\) -> node 1 \('n1'\) -> node 0|"
+              r"node 1 \('n1'\) -> node 0 \('n0'\) -> node 1)$"),
+    "self dependency": (lambda: [_n(0, deps=[0])],
+                        r"1 Chakra nodes can never run: .* cycle: node 0 \('n0'\) -> node 0$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_nodes_are_refused_by_the_reader_naming_file_node_and_value(tmp_path,
+                                                                              case) -> None:
+    make, message = MALFORMED[case]
+    nodes = make()
+    path = _bad_trace(tmp_path, nodes)
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: {message}") as err:
+        read_et(path)
+    assert "\n" not in str(err.value)
+    if nodes:  # the executor refuses them too (without a file to name)
+        with pytest.raises(ValueError, match=f"^{message}"):
+            run_graph(nodes, parse_topology("4", bandwidths=["100Gbps"]))
+
+
+def test_the_cli_reports_a_malformed_node_as_a_usage_error(tmp_path, capsys) -> None:
+    from scaleout.cli.main import main
+
+    path = _bad_trace(tmp_path, [_n(0, duration_s=float("nan"))])
+    argv = ["sim", "run", "--chakra", path, "--topology", "4", "--bandwidth", "100Gbps"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"scaleout sim: error: {path}: node 0 ('n0'): duration_s must be a finite "
+                   "number of seconds >= 0, got nan")
+
+
+def test_sound_edge_values_still_run(tmp_path) -> None:
+    # zero durations and sizes, an integer duration_s, a negative priority, a BARRIER
+    nodes = [_n(0, duration_s=0), _coll(1, comm_size=0, comm_priority=-1),
+             _coll(2, comm_type=load_schema().CollectiveCommType.Value("BARRIER"))]
+    _, back = read_et(_bad_trace(tmp_path, nodes))
+    result = run_graph(back, parse_topology("4", bandwidths=["100Gbps"], latencies=["1us"]))
+    assert result.nodes == 3 and result.compute_s == 0.0 and result.comm_s > 0

@@ -83,6 +83,17 @@ def test_collective_themis_and_errors(capsys) -> None:
         assert message in capsys.readouterr().err
 
 
+def test_collective_of_nothing_prints_zero_bandwidth_and_valid_json(capsys) -> None:
+    for size, topology in (("0", "4"), ("1MB", "1")):
+        argv = ["sim", "collective", "--size", size, "--topology", topology, "--bandwidth",
+                "100Gbps"]
+        assert main(argv) == 0
+        assert "0.0ns, algbw 0.000 GB/s, busbw 0.000 GB/s" in capsys.readouterr().out
+        assert main([*argv, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out, parse_constant=pytest.fail)  # no Infinity
+        assert (data["time_s"], data["algbw_GBps"], data["busbw_GBps"]) == (0.0, 0.0, 0.0)
+
+
 def test_run_writes_chrome_and_chakra_and_runs_chakra(tmp_path, capsys) -> None:
     chrome, prefix = tmp_path / "it.json", tmp_path / "rn"
     assert (

@@ -56,6 +56,21 @@ def _one(p: int, kind: str, a: float = 0.0, bw: float = 1.0):
     return parse_topology(str(p), bandwidths=[bw], latencies=[a], kinds=[kind])
 
 
+def test_empty_and_one_npu_collectives_cost_nothing_and_report_no_bandwidth() -> None:
+    # 0 bytes: skipped, 0 s; 1 byte pays every step's latency; one NPU: nothing crosses a link.
+    # A collective that takes no time reports algbw and busbw 0 (not inf, which JSON lacks).
+    empty = collective_cost(_one(4, "ring", 0.5), op="allreduce", algorithm="ring", nbytes=0)
+    assert (empty.time, empty.algbw, empty.busbw) == (0.0, 0.0, 0.0)
+    one_byte = collective_cost(_one(4, "ring", 0.5), op="allreduce", algorithm="ring", nbytes=1)
+    assert one_byte.time == pytest.approx(6 * (0.5 + 1 / 4)) and one_byte.algbw > 0
+    for op in ("allreduce", "allgather", "broadcast", "alltoall"):
+        alone = collective_cost(_one(1, "ring", 0.5), op=op, algorithm="ring", nbytes=1 << 20)
+        assert (alone.time, alone.algbw, alone.busbw) == (0.0, 0.0, 0.0), op
+    for bad in (-1, float("nan"), float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="nbytes must be a finite number >= 0"):
+            collective_cost(_one(4, "ring"), op="allreduce", algorithm="ring", nbytes=bad)
+
+
 def test_ring_allreduce_golden() -> None:
     # 2(p-1) steps of n/p, one hop each: 6 x (0.5 + 8/4) = 15
     cost = collective_cost(_one(4, "ring", 0.5), op="allreduce", algorithm="ring", nbytes=8)

@@ -9,6 +9,12 @@ the simulator's trace format (``scaleout.sim.trace``: per-layer ``forward_s`` /
 --trace``) plus every span under ``"events"`` (``scaleout sim chrome`` turns a folder of them
 into one Chrome / Perfetto trace, a track per rank).
 
+A layer's sample is its whole forward (or backward) of one iteration: the sum of its spans of
+that phase in the iteration. DataParallel laps the stopwatch once per parameter gradient, so a
+layer with a weight and a bias logs two backward spans per iteration; each span is an event,
+but together they are one sample (version 1 files, written before, kept one sample per span:
+``scaleout.sim.trace`` re-derives their samples from the events).
+
 Timestamps are host clock seconds since the recorder started; on a GPU they are the times the
 work was issued (the Statistics from CUDA events hold the kernel times).
 """
@@ -24,7 +30,7 @@ from typing import Any
 __all__ = ["TraceRecorder", "LANES", "trace_path"]
 
 LANES = ("compute", "comm", "wait")
-FORMAT, VERSION = "scaleout-trace", 1
+FORMAT, VERSION = "scaleout-trace", 2
 
 
 def trace_path(folder: str | os.PathLike, rank: int) -> str:
@@ -45,7 +51,8 @@ class TraceRecorder:
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
         self._iteration = 0
-        self._layers: dict[str, dict[str, Any]] = {}  # forward order of first appearance
+        # forward order of first appearance; forward_s / backward_s: iteration -> summed seconds
+        self._layers: dict[str, dict[str, Any]] = {}
         self.batch_size = 1  # samples per rank and iteration (the front end sets it)
 
     def now(self) -> float:
@@ -65,7 +72,8 @@ class TraceRecorder:
             self._events.append(event)
             phase = args.get("phase")
             if lane == "compute" and phase in ("forward", "backward"):
-                self._layer(name)[f"{phase}_s"].append(end - start)
+                sums = self._layer(name)[f"{phase}_s"]  # one sample per iteration: the sum
+                sums[self._iteration] = sums.get(self._iteration, 0.0) + (end - start)
 
     def set_grad_bytes(self, layer: str, nbytes: int) -> None:
         """The bytes of ``layer``'s gradients (its parameters' sizes)."""
@@ -74,7 +82,7 @@ class TraceRecorder:
 
     def _layer(self, name: str) -> dict[str, Any]:
         """``name``'s per-layer record (made on first sight: forward order)."""
-        return self._layers.setdefault(name, {"name": name, "forward_s": [], "backward_s": [],
+        return self._layers.setdefault(name, {"name": name, "forward_s": {}, "backward_s": {},
                                               "grad_bytes": 0})
 
     def end_iteration(self) -> None:
@@ -85,7 +93,9 @@ class TraceRecorder:
                 device: str = "cpu", command: str = "") -> dict[str, Any]:
         """The trace (simulator format, plus ``rank`` and ``events``)."""
         with self._lock:
-            layers = [dict(layer) for layer in self._layers.values()
+            layers = [{**layer, "forward_s": list(layer["forward_s"].values()),
+                       "backward_s": list(layer["backward_s"].values())}
+                      for layer in self._layers.values()
                       if layer["forward_s"] and layer["backward_s"]]
             events = list(self._events)
         return {"format": FORMAT, "version": VERSION, "workload": workload,

@@ -19,8 +19,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "load_schema",
     "read_et",
     "write_et",
+    "check_nodes",
     "attributes",
     "make_attr",
     "et_path",
@@ -226,6 +228,110 @@ def attributes(node: Any) -> dict[str, Any]:
     return out
 
 
+def _node_label(node: Any) -> str:
+    return f"node {node.id} ({node.name!r})"
+
+
+def _bad(node: Any, key: str, expected: str, value: object) -> ValueError:
+    return ValueError(f"{_node_label(node)}: {key} must be {expected}, got {value!r}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_seconds_or_bytes(node: Any, attrs: dict, key: str, unit: str) -> None:
+    """``attrs[key]``, when present: a finite number >= 0."""
+    if key in attrs:
+        value = attrs[key]
+        if not _number(value) or not 0 <= value < math.inf:
+            raise _bad(node, key, f"a finite number of {unit} >= 0", value)
+
+
+def _check_node(node: Any, attrs: dict, schema: ChakraSchema) -> None:
+    """The attributes the executor (``scaleout.sim.graph``) reads from ``node``."""
+    if node.type not in schema.NodeType.values():
+        raise _bad(node, "type", f"a NodeType ({', '.join(NODE_TYPES)})", node.type)
+    kind = schema.NodeType.Name(node.type)
+    if kind not in ("COMM_COLL_NODE", "COMM_SEND_NODE", "COMM_RECV_NODE"):
+        _check_seconds_or_bytes(node, attrs, "duration_s", "seconds")
+        return
+    _check_seconds_or_bytes(node, attrs, "comm_size", "bytes")
+    priority = attrs.get("comm_priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise _bad(node, "comm_priority", "an integer", priority)
+    if kind == "COMM_COLL_NODE":
+        ctype = attrs.get("comm_type", 0)
+        if (not isinstance(ctype, int) or isinstance(ctype, bool)
+                or ctype not in schema.CollectiveCommType.values()):
+            names = ", ".join(f"{i} {name}" for i, name in enumerate(COMM_TYPES))
+            raise _bad(node, "comm_type", f"a CollectiveCommType ({names})", ctype)
+        _check_seconds_or_bytes(node, attrs, "codec_s", "seconds")
+
+
+def _cycle(left: dict[int, Any]) -> str:
+    """A cycle among ``left`` (nodes that never became ready), as ``node a -> node b -> a``."""
+    node = next(iter(left.values()))
+    seen: list[int] = []
+    while node.id not in seen:  # follow dependencies that never ran: they end in a cycle
+        seen.append(node.id)
+        node = left[next(d for d in (*node.data_deps, *node.ctrl_deps) if d in left)]
+    loop = seen[seen.index(node.id):]
+    return " -> ".join([_node_label(left[i]) for i in loop] + [f"node {node.id}"])
+
+
+def check_nodes(nodes: Sequence[Any], source: str = "") -> None:
+    """Check one rank's nodes before they run: at least one node, unique ids, dependencies on
+    nodes that exist and no cycle, a known node type, and the attributes that are read sound:
+    ``duration_s`` of a compute node, ``comm_size`` (bytes) and ``comm_priority`` (an integer)
+    of a communication node, ``comm_type`` (a CollectiveCommType) and ``codec_s`` of a
+    collective; times and sizes finite and >= 0.
+
+    Args:
+        nodes: ``Node`` messages.
+        source: a prefix for the errors (the file's path).
+
+    Raises:
+        ValueError: the first problem, naming the node, the attribute and the value.
+    """
+    where = f"{source}: " if source else ""
+    if not nodes:
+        raise ValueError(f"{where}the Chakra trace has no nodes (only its GlobalMetadata)")
+    schema = load_schema()
+    by_id: dict[int, Any] = {}
+    for node in nodes:
+        if node.id in by_id:
+            raise ValueError(f"{where}node id {node.id} appears twice ({by_id[node.id].name!r} and "
+                             f"{node.name!r}): Chakra node ids must be unique")
+        by_id[node.id] = node
+    waiting: dict[int, int] = {}
+    children: dict[int, list[int]] = {i: [] for i in by_id}
+    for node in nodes:
+        try:
+            _check_node(node, attributes(node), schema)
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None
+        deps = set(node.data_deps) | set(node.ctrl_deps)
+        missing = deps - by_id.keys()
+        if missing:
+            raise ValueError(
+                f"{where}{_node_label(node)} depends on missing nodes {sorted(missing)}"
+            )
+        waiting[node.id] = len(deps)
+        for dep in deps:
+            children[dep].append(node.id)
+    ready = [i for i, count in waiting.items() if not count]
+    while ready:
+        for child in children[ready.pop()]:
+            waiting[child] -= 1
+            if not waiting[child]:
+                ready.append(child)
+    left = {i: by_id[i] for i, count in waiting.items() if count}
+    if left:
+        raise ValueError(f"{where}{len(left)} Chakra nodes can never run: the dependencies form "
+                         f"a cycle: {_cycle(left)}")
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -269,10 +375,11 @@ def write_et(path: str | os.PathLike, metadata: Any, nodes: Iterable[Any]) -> No
 
 
 def read_et(path: str | os.PathLike) -> tuple[Any, list[Any]]:
-    """Read one rank's file: ``(GlobalMetadata, [Node, ...])``.
+    """Read one rank's file: ``(GlobalMetadata, [Node, ...])``, checked (:func:`check_nodes`).
 
     Raises:
-        ValueError: an empty, truncated or unparsable file (the path is named).
+        ValueError: an empty, truncated or unparsable file, or nodes that cannot run as they
+            are (the path is named).
     """
     schema = load_schema()
     from google.protobuf.message import DecodeError
@@ -287,4 +394,5 @@ def read_et(path: str | os.PathLike) -> tuple[Any, list[Any]]:
         nodes = [schema.Node.FromString(chunk) for chunk in chunks[1:]]
     except DecodeError as err:
         raise ValueError(f"{os.fspath(path)}: not a Chakra trace: {err}") from err
+    check_nodes(nodes, os.fspath(path))
     return metadata, nodes

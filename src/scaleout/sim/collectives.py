@@ -109,13 +109,14 @@ class CollectiveCost:
 
     @property
     def algbw(self) -> float:
-        """Bytes per second, nccl-tests' algorithm bandwidth (size / time)."""
-        return self.nbytes / self.time if self.time > 0 else math.inf
+        """Bytes per second, nccl-tests' algorithm bandwidth (size / time); 0 when the
+        collective takes no time (0 bytes, or one NPU: nothing crosses a link), never inf."""
+        return self.nbytes / self.time if self.time > 0 else 0.0
 
     @property
     def busbw(self) -> float:
-        """nccl-tests' bus bandwidth (algbw x the op's correction factor)."""
-        return self.algbw * bus_factor(self.op, self.npus) if self.npus > 1 else math.inf
+        """nccl-tests' bus bandwidth (algbw x the op's correction factor; 0 when algbw is)."""
+        return self.algbw * bus_factor(self.op, self.npus)
 
     def utilisation(self) -> tuple[float, ...]:
         """Per dimension, the fraction of the collective's time its links were busy."""
@@ -229,7 +230,9 @@ def collective_cost(
         topology: the network.
         op: one of :data:`OPS`.
         algorithm: one of :data:`ALGORITHMS`, or one per dimension.
-        nbytes: bytes per NPU (see :func:`phase_time`).
+        nbytes: bytes per NPU (see :func:`phase_time`); 0 means nothing to move, a collective
+            that is skipped and costs 0 s (the smallest that runs, 1 byte, pays every step's
+            latency). Its :attr:`~CollectiveCost.algbw` is then 0, as on one NPU.
         flat: one ring over all NPUs at the slowest dimension's speed instead of the
             hierarchical decomposition (``algorithm`` must then be ``"ring"``).
 
@@ -239,8 +242,10 @@ def collective_cost(
     Raises:
         ValueError: a bad op, algorithm or size.
     """
-    if not isinstance(nbytes, (int, float)) or nbytes < 0:
-        raise ValueError(f"nbytes must be a number >= 0, got {nbytes!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not (
+        0 <= nbytes < math.inf
+    ):
+        raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
     dims = topology.dims
     algos = _algorithms(algorithm, len(dims))
     for name in algos:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaleout.scheduler.plan import build_plan
-from scaleout.sim.chakra import attributes, load_schema, make_attr
+from scaleout.sim.chakra import attributes, check_nodes, load_schema, make_attr
 from scaleout.sim.collectives import collective_cost
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
@@ -140,21 +140,17 @@ def run_graph(
     """Execute one rank's Chakra nodes on ``topology``.
 
     Raises:
-        ValueError: a dependency on a missing node, a cycle, or an unpriced collective type.
+        ValueError: nodes that :func:`~scaleout.sim.chakra.check_nodes` refuses (none, a
+            repeated id, a dependency on a missing node, a cycle, an unsound attribute), or an
+            unpriced collective type.
     """
     schema = load_schema()
+    check_nodes(nodes)
     by_id = {node.id: node for node in nodes}
-    if len(by_id) != len(nodes):
-        raise ValueError("Chakra node ids must be unique")
     waiting_on: dict[int, int] = {}
     children: dict[int, list[int]] = {i: [] for i in by_id}
     for node in nodes:
         deps = set(node.data_deps) | set(node.ctrl_deps)
-        missing = deps - by_id.keys()
-        if missing:
-            raise ValueError(
-                f"node {node.id} ({node.name!r}) depends on missing nodes {sorted(missing)}"
-            )
         waiting_on[node.id] = len(deps)
         for dep in deps:
             children[dep].append(node.id)
@@ -226,9 +222,7 @@ def run_graph(
             release(node_id)
     end = q.run()
     if finished[0] != len(nodes):
-        raise ValueError(
-            f"{len(nodes) - finished[0]} Chakra nodes never ran: the dependencies form a cycle"
-        )
+        raise RuntimeError(f"{len(nodes) - finished[0]} checked Chakra nodes never ran")
     return GraphResult(
         time=end,
         compute_s=totals["compute"],

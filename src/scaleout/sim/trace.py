@@ -2,11 +2,11 @@
 
 A trace is what one rank measured, per layer, in a run with nothing to wait for; the
 simulator re-scales it to other node counts (through the topology), per-rank batch sizes and
-device speeds (:meth:`~scaleout.sim.workload.Workload.scaled`). The format, version 1::
+device speeds (:meth:`~scaleout.sim.workload.Workload.scaled`). The format, version 2::
 
     {
       "format": "scaleout-trace",
-      "version": 1,
+      "version": 2,
       "workload": "resnet18",          # a name for reports
       "batch_size": 32,                # samples per rank in the recorded run
       "device": "cpu",                 # optional, free text
@@ -20,11 +20,18 @@ device speeds (:meth:`~scaleout.sim.workload.Workload.scaled`). The format, vers
       ]
     }
 
-Recording such a file from ``DataParallel`` is the runtime's business; anything that writes
-this JSON feeds the simulator.
+A sample is a layer's whole forward (or backward) in one iteration. Recording such a file
+from ``DataParallel`` is the runtime's business (``scaleout.session.trace``, which adds the
+spans it timed under ``"events"``); anything that writes this JSON feeds the simulator.
+
+Version 1 has the same layout and is still read. The runtime's recorder wrote version 1 with
+one sample per timed span, that is one per parameter gradient in backward (a weight and a bias:
+two samples per iteration, whose median was about half the layer's backward); a version 1 file
+that carries ``"events"`` therefore gets its ``forward_s`` / ``backward_s`` samples re-derived
+from its events, summed per layer, phase and iteration.
 
 Example:
-    >>> w = workload_from_dict({"format": "scaleout-trace", "version": 1, "workload": "t",
+    >>> w = workload_from_dict({"format": "scaleout-trace", "version": 2, "workload": "t",
     ...     "batch_size": 4, "layers": [{"name": "a", "forward_s": [1.0, 3.0, 2.0],
     ...     "backward_s": 4.0, "grad_bytes": 16}]})
     >>> w.layers[0].forward_s
@@ -50,7 +57,8 @@ __all__ = [
 ]
 
 FORMAT = "scaleout-trace"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # versions read (1: see the module docstring)
 
 
 def _seconds(layer: Mapping, key: str, default: float | None = None) -> float:
@@ -67,6 +75,42 @@ def _seconds(layer: Mapping, key: str, default: float | None = None) -> float:
     return float(value)
 
 
+def _recorded_samples(events: list) -> dict[tuple[str, str], list[float]]:
+    """(layer, phase) -> per-iteration sums of the compute spans of ``events`` (a recorded
+    trace's), in iteration order."""
+    sums: dict[tuple[str, str], dict[int, float]] = {}
+    for i, event in enumerate(events):
+        if not isinstance(event, Mapping) or event.get("lane") != "compute":
+            continue
+        phase = event.get("phase")
+        if phase not in ("forward", "backward"):
+            continue
+        start, end = event.get("start"), event.get("end")
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in (start, end)):
+            raise ValueError(f"event {i} ({event.get('name')!r}): start and end must be "
+                             f"seconds, got {start!r} and {end!r}")
+        iteration = event.get("iteration")
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise ValueError(f"event {i} ({event.get('name')!r}): iteration must be an "
+                             f"integer, got {iteration!r}")
+        per = sums.setdefault((str(event.get("name")), phase), {})
+        per[iteration] = per.get(iteration, 0.0) + (end - start)
+    return {key: list(per.values()) for key, per in sums.items()}
+
+
+def _v1_recorded(layers: list, events: list) -> list:
+    """``layers`` of a version 1 recorded trace with samples re-derived from ``events``."""
+    samples = _recorded_samples(events)
+    fixed = []
+    for layer in layers:
+        if isinstance(layer, Mapping):
+            name = str(layer.get("name"))
+            layer = {**layer, **{f"{phase}_s": samples[(name, phase)]
+                                 for phase in ("forward", "backward") if (name, phase) in samples}}
+        fixed.append(layer)
+    return fixed
+
+
 def workload_from_dict(data: Mapping) -> Workload:
     """A :class:`Workload` from a parsed trace.
 
@@ -78,13 +122,16 @@ def workload_from_dict(data: Mapping) -> Workload:
             f"not a scaleout trace: expected format {FORMAT!r}, got "
             f"{data.get('format') if isinstance(data, Mapping) else type(data).__name__!r}"
         )
-    if data.get("version") != VERSION:
+    version = data.get("version")
+    if isinstance(version, bool) or version not in READABLE:
         raise ValueError(
-            f"trace version {data.get('version')!r} not supported (expected {VERSION})"
+            f"trace version {version!r} not supported (expected one of {READABLE})"
         )
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ValueError("trace needs a non-empty 'layers' list")
+    if version == 1 and isinstance(data.get("events"), list):
+        layers = _v1_recorded(layers, data["events"])
     return Workload(
         name=str(data.get("workload", "trace")),
         batch_size=int(data.get("batch_size", 1)),

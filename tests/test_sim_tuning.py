@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from scaleout.scheduler.config import SchedulerConfig
@@ -65,6 +69,35 @@ def test_the_choice_is_a_pure_function_of_the_measurements() -> None:
     w = _resnet()
     a, b = choose(w, SLOW, codecs=_codecs(w)), choose(w, SLOW, codecs=_codecs(w))
     assert a.key() == b.key() and a.summary() == b.summary()
+
+
+CHOOSE_IN_A_FRESH_INTERPRETER = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_sim_tuning import SLOW, _codecs, _resnet
+from scaleout.sim.tuning import choose
+w = _resnet()
+choice = choose(w, SLOW, codecs=_codecs(w))
+print(repr(choice.key()))
+print(choice.summary())
+"""
+
+
+def test_the_choice_does_not_depend_on_the_hash_seed() -> None:
+    """Ranks launched by torchrun or mpirun are fresh interpreters, each with its own string
+    hash seed: a choice that depended on a set's order would differ between them (the forked
+    ranks of the multi-rank tests share one seed and would not show it)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(tests), "src"), os.environ.get("PYTHONPATH", "")])}
+    outputs = set()
+    for seed in ("1", "2", "3"):
+        done = subprocess.run([sys.executable, "-c", CHOOSE_IN_A_FRESH_INTERPRETER.format(
+            tests=tests)], env={**env, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
+            timeout=120)
+        assert done.returncode == 0, done.stderr
+        outputs.add(done.stdout)
+    assert len(outputs) == 1, outputs
 
 
 def test_one_rank_has_nothing_to_tune() -> None:

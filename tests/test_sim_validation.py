@@ -127,3 +127,38 @@ def test_themis_systems_are_the_artifacts() -> None:
     assert len(THEMIS_SYSTEMS) == 6
     with pytest.raises(ValueError, match="unknown Themis system"):
         themis_topology("5d")
+
+
+#: The scenarios `scaleout sim validate` fails today, each with its reason in
+#: docs/simulator.md ("Validation"). A change that makes another fail, or the median worse,
+#: is a regression; one that makes one of these pass updates this list and the docs.
+KNOWN_FAILURES = {
+    "published": {"horovod inception_v3 512 GPUs", "horovod vgg16 512 GPUs",
+                  "goyal resnet50 8->256 GPUs", "mlsl marenostrum4 resnet50 4->256"},
+    "testbed": {"resnet18 1gbit scaleout+blockquant", "dlrm 1gbit scaleout+blockquant",
+                "dlrm 10gbit scaleout", "dlrm 10gbit ddp"},
+    "collectives": {f"{op} {size} {ranks} ranks 1gbit" for op, size in (
+        ("reduce_scatter", "64MB"), ("allgather", "64MB"), ("alltoall", "1MB"))
+        for ranks in (2, 3)},
+}
+MEDIAN_BOUND = {"testbed": 4.95, "collectives": 2.95}  # percent: 4.9 and 2.9 today
+
+
+@pytest.mark.timeout(120)
+def test_validation_holds_its_ground(tmp_path, capsys) -> None:
+    """Every prediction group against its documented state (the exit code alone is not a
+    check: it is 1 while any bound is exceeded, whatever the predictions are)."""
+    out = tmp_path / "v.json"
+    assert main(["sim", "validate", "--json", str(out)]) == 1
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    for group, known in KNOWN_FAILURES.items():
+        outcomes = [o for o in report["outcomes"] if o["group"] == group]
+        failing = {o["scenario"] for o in outcomes if not o["ok"]}
+        assert failing == known, (group, failing ^ known)
+        if group in MEDIAN_BOUND:
+            errors = sorted(abs(o["error"]) for o in outcomes)
+            middle = len(errors) // 2
+            median = (errors[middle] if len(errors) % 2
+                      else (errors[middle - 1] + errors[middle]) / 2)
+            assert median <= MEDIAN_BOUND[group], (group, median)

@@ -8,6 +8,12 @@ Conventions (stated once, used everywhere):
   are sold); in bytes per second ``GB/s`` follows ASTRA-sim's analytical backend
   (1 GB = 2**30 B);
 * times: ``ns``, ``us``, ``ms``, ``s``.
+
+Example:
+    >>> parse_bytes("64MB"), parse_bandwidth("100Gbps"), parse_time("5us")
+    (67108864, 12500000000.0, 5e-06)
+    >>> format_bytes(67108864), format_time(0.0123)
+    ('64.0MB', '12.300ms')
 """
 
 from __future__ import annotations

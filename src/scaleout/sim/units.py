@@ -10,8 +10,8 @@ Conventions (stated once, used everywhere):
 * times: ``ns``, ``us``, ``ms``, ``s``.
 
 Example:
-    >>> parse_bytes("64MB"), parse_bandwidth("100Gbps"), parse_time("5us")
-    (67108864, 12500000000.0, 5e-06)
+    >>> parse_bytes("64MB"), parse_bandwidth("100Gbps"), parse_time("2ms")
+    (67108864, 12500000000.0, 0.002)
     >>> format_bytes(67108864), format_time(0.0123)
     ('64.0MB', '12.300ms')
 """

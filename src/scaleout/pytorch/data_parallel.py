@@ -279,7 +279,8 @@ class DataParallel(BackwardSide, CheckpointSurface):
     def _first_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first forward, watched for parameters read before their own module runs
         (``scaleout.pytorch.reads``): the module that reads one completes its update first."""
-        output, early = find_early_reads(self.module, self._layers, lambda: self.module(*args, **kwargs))
+        output, early = find_early_reads(self.module, self._layers,
+                                         lambda: self.module(*args, **kwargs))
         for reader, layers in early:
             self._handles.append(reader.register_forward_pre_hook(self._completes(layers)))
         return output

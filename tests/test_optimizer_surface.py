@@ -229,5 +229,9 @@ def test_add_param_group_is_refused_with_the_sharded_update() -> None:
 def test_a_complex_parameter_is_named_at_construction() -> None:
     net = nn.Linear(2, 2)
     net.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(TypeError, match="parameter w is torch.complex64"):
-        DataParallel(net, scaleout.init().create_distribution())
+    env = scaleout.init()
+    try:
+        with pytest.raises(TypeError, match="parameter w is torch.complex64"):
+            DataParallel(net, env.create_distribution())
+    finally:
+        env.finalize()  # (the forked ranks of later tests must not inherit a live group)

@@ -39,3 +39,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if os.environ.get("SCALEOUT_REQUIRE_GPU", "0") not in ("", "0"):
         pytest.fail(f"SCALEOUT_REQUIRE_GPU=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind(request: pytest.FixtureRequest):
+    """A test module that initialises torch.distributed in this process must finalize it:
+    the ranks later tests fork would inherit the group and refuse to initialise their own.
+    (Per module: a module-scoped fixture may keep one group for its tests.)"""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left torch.distributed initialised in the test "
+                    "process (call env.finalize())", pytrace=False)

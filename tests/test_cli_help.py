@@ -61,3 +61,14 @@ def test_run_refuses_a_missing_script_once() -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         "scaleout run: error: no such script: /no/such.py"]
+
+
+def test_bench_help_names_every_workload_and_the_auto_warmup() -> None:
+    from scaleout.bench.train_config import AUTO_WARMUP
+    from scaleout.cli.bench_train import WORKLOADS_HELP
+    from scaleout.workloads.registry import workload_names
+
+    assert [w.strip() for w in WORKLOADS_HELP.replace(" or ", ", ").split(",")] == list(
+        workload_names())
+    out = _run(PROBE.format(argv=["bench", "train", "--help"]))
+    assert f"{AUTO_WARMUP}, the least it takes" in " ".join(out.split())

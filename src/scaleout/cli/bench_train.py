@@ -47,11 +47,15 @@ fails is reported with its reason and not run again; the others go on (exit code
 """
 
 
+# (written out: the registry imports torch, and --help should not)
+WORKLOADS_HELP = "resnet18, resnet50, transformer, dlrm, dlrm-large, digits-mlp or digits-cnn"
+
+
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """``--workload``, ``--ranks`` and ``--rate``: what trains, on how many hosts, how linked
     (``bench train`` and ``tune``)."""
     parser.add_argument("--workload", required=True,
-                        help="resnet18, resnet50, transformer, dlrm, digits-mlp or digits-cnn")
+                        help=WORKLOADS_HELP)
     parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
     parser.add_argument("--rate", default="1gbit",
                         help="link rate per direction of each host (default 1gbit)")
@@ -74,8 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed iterations before them (default 2; 6 with --compression "
-                             "auto, which tunes and checks its choice during them)")
+                        help="untimed iterations before them (default 2; 9, the least it takes, "
+                             "with --compression auto, which tunes and checks its choice "
+                             "during them)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",

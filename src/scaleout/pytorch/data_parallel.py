@@ -212,37 +212,6 @@ class DataParallel(BackwardSide, CheckpointSurface):
         finally:
             self._no_sync = previous
 
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Send gradient buckets with ``hook(state, bucket)`` (DDP's comm-hook contract).
-
-        ``bucket`` is a :class:`~scaleout.session.GradBucket` (``buffer()``, ``index()``,
-        ``gradients()``, ``parameters()``, ``is_last()``); the hook returns a scaleout
-        Request or a ``torch.futures.Future`` whose result is the flat gradient averaged
-        over the data group. torch's own hooks run unchanged, e.g.
-        ``model.register_comm_hook(None, default_hooks.fp16_compress_hook)``.
-
-        Raises:
-            RuntimeError: after the first forward, or with ``compression=`` (one or the other).
-        """
-        if self._session is not None or self._alone is not None:
-            raise RuntimeError("register_comm_hook must be called before the first forward")
-        if self._compression is not None or self._tuner is not None:
-            raise RuntimeError("register_comm_hook replaces compression= and tune=: pass one "
-                               "or the other")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
-        self._comm_hook = (state, hook)
-
-    def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
-        """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
-        changed = [p for layer in layers for p in layer.params
-                   if p.grad is not None and id(p) in self._sent_version
-                   and p.grad._version != self._sent_version[id(p)]]
-        if not changed:  # (every step in overlap mode: no walk over the module's names)
-            return []
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [names.get(id(p), "?") for p in changed]
-
     def synchronize(self) -> None:
         """Finish every pending communication and update; afterwards all ranks agree."""
         if self._session is None:

@@ -1,10 +1,12 @@
-"""DataParallel's backward side: each gradient leaves the moment it exists, and the end of
-backward sends what did not (zeros for parameters unused here, a tied parameter's early share
-that no hook took) and the flags saying who used what.
+"""DataParallel's backward side: each gradient leaves the moment it exists (through a comm
+hook, when one is registered), and the end of backward sends what did not (a parameter's
+``.grad`` or zeros for parameters unused here, a tied parameter's early share that no hook
+took) and the flags saying who has a gradient.
 
-A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``_session``,
-``_set_of``, ``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_sent_version``,
-``_stopwatch``, ``updates``, ``replicas``, ``distributed_update`` and ``env``).
+A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``module``,
+``_session``, ``_alone``, ``_compression``, ``_tuner``, ``_comm_hook``, ``_set_of``,
+``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_sent_version``, ``_stopwatch``,
+``updates``, ``replicas``, ``distributed_update`` and ``env``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,45 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaleout.pytorch.modules import Layer
+from scaleout.session.bucket import CommHook
+
 __all__ = ["BackwardSide"]
 
 
 class BackwardSide:
     """The autograd-side callbacks of DataParallel (see the module docstring)."""
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Send gradient buckets with ``hook(state, bucket)`` (DDP's comm-hook contract).
+
+        ``bucket`` is a :class:`~scaleout.session.GradBucket` (``buffer()``, ``index()``,
+        ``gradients()``, ``parameters()``, ``is_last()``); the hook returns a scaleout
+        Request or a ``torch.futures.Future`` whose result is the flat gradient averaged
+        over the data group. torch's own hooks run unchanged, e.g.
+        ``model.register_comm_hook(None, default_hooks.fp16_compress_hook)``.
+
+        Raises:
+            RuntimeError: after the first forward, or with ``compression=`` (one or the other).
+        """
+        if self._session is not None or self._alone is not None:
+            raise RuntimeError("register_comm_hook must be called before the first forward")
+        if self._compression is not None or self._tuner is not None:
+            raise RuntimeError("register_comm_hook replaces compression= and tune=: pass one "
+                               "or the other")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self._comm_hook = (state, hook)
+
+    def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
+        """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
+        changed = [p for layer in layers for p in layer.params
+                   if p.grad is not None and id(p) in self._sent_version
+                   and p.grad._version != self._sent_version[id(p)]]
+        if not changed:  # (every step in overlap mode: no walk over the module's names)
+            return []
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [names.get(id(p), "?") for p in changed]
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._used[id(param)] = True

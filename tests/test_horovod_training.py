@@ -203,6 +203,59 @@ def test_sync_batch_norm_in_half_precision(dtype: torch.dtype) -> None:
         assert torch.allclose(running_mean, torch.full((3,), 2.0), atol=0.02)
 
 
+OFFSETS = [0.0, 1e3, 1e4]
+SPLITS = [(8, 8), (3, 13), (0, 16)]  # rows per rank (a rank may have none)
+
+
+def _off_centre(offset: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(16, 3, 4, generator=g) + offset
+
+
+def body_sync_batch_norm_off_centre() -> list[tuple[torch.Tensor, ...]]:
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    out = []
+    for offset in OFFSETS:
+        for split in SPLITS:
+            start = sum(split[:r])
+            mine = _off_centre(offset)[start:start + split[r]].clone().requires_grad_()
+            bn = hvd.SyncBatchNorm(3)
+            y = bn(mine)
+            (y * _loss_weights(16)[start:start + split[r]]).sum().backward()
+            out.append((y.detach(), mine.grad, bn.running_mean, bn.running_var))
+    hvd.shutdown()
+    return out
+
+
+def _loss_weights(rows: int) -> torch.Tensor:
+    return torch.arange(rows * 3 * 4).reshape(rows, 3, 4).float().sin()
+
+
+def test_sync_batch_norm_far_from_zero() -> None:
+    """Inputs whose mean is large against their spread (offset 1e3 and 1e4, std 1, float32):
+    the variance as E[x^2] - E[x]^2 of float32 sums lost it (errors of 0.7 at 1e3, NaN at
+    1e4); each rank's centred moments, combined exactly, match BatchNorm1d on the whole batch,
+    with uneven batches and a rank without rows."""
+    got = run_ranks(2, body_sync_batch_norm_off_centre, timeout=120)
+    cases = [(offset, split) for offset in OFFSETS for split in SPLITS]
+    for i, (offset, split) in enumerate(cases):
+        x = _off_centre(offset).requires_grad_()
+        bn = nn.BatchNorm1d(3)
+        y = bn(x)
+        (y * _loss_weights(16)).sum().backward()
+        # both sides round the mean to float32: an ulp of it over the std (1), and some
+        tolerance = 2 * torch.finfo(torch.float32).eps * (offset + 4.0)
+        for r in range(2):
+            start = sum(split[:r])
+            rows = slice(start, start + split[r])
+            got_y, got_grad, got_mean, got_var = got[r][i]
+            assert torch.allclose(got_y, y[rows].detach(), rtol=0, atol=tolerance), (offset, split)
+            assert torch.allclose(got_grad, x.grad[rows], rtol=0, atol=tolerance), (offset, split)
+            assert torch.allclose(got_mean, bn.running_mean, rtol=1e-6, atol=1e-6), (offset, split)
+            assert torch.allclose(got_var, bn.running_var, rtol=1e-5), (offset, split)
+
+
 def body_mismatched_models() -> list[str]:
     hvd.init(timeout=30)
     r = hvd.rank()

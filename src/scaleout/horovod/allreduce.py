@@ -70,7 +70,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
         ValueError: a scaleout codec with an op other than Average/Sum or a process set.
     """
     comm = process_set.communicator(kind)
-    name = rt.auto_name(kind, name)
+    name = rt.auto_name(kind, name, process_set)
     codec = isinstance(compression, CodecCompression)
     send, ctx, refused = None, None, None
     try:  # every check first: a rank whose arguments fail tells the others, nobody waits

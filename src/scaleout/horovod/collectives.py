@@ -54,7 +54,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     kind = "allgather"
     rt = runtime()
     comm = process_set.communicator(kind)
-    name = rt.auto_name(kind, name)
+    name = rt.auto_name(kind, name, process_set)
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True,
                                 refused=refused)
@@ -74,7 +74,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     kind = "broadcast"
     rt = runtime()
     comm = process_set.communicator(kind)
-    name = rt.auto_name(kind, name)
+    name = rt.auto_name(kind, name, process_set)
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     root, refused_root = attempt(lambda: root_index(comm, root_rank, kind))
     exchange_signature(comm, kind, name, tensor, root=root if root is not None else -1,
@@ -120,7 +120,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     kind = "alltoall"
     rt = runtime()
     comm = process_set.communicator(kind)
-    name = rt.auto_name(kind, name)
+    name = rt.auto_name(kind, name, process_set)
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     send_counts, refused_splits = attempt(lambda: _splits(splits, comm, tensor)) \
         if refused is None else (None, None)
@@ -156,7 +156,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     kind = "reducescatter"
     rt = runtime()
     comm = process_set.communicator(kind)
-    name = rt.auto_name(kind, name)
+    name = rt.auto_name(kind, name, process_set)
 
     def check() -> tuple[torch.Tensor, ReduceOp]:
         chosen = resolve_op(op, None, kind)
@@ -204,4 +204,4 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     comm = process_set.communicator(kind)
     # the signature exchange is the barrier (no member leaves an allgather before every
     # member entered it), and a joined rank reads it and refuses, as for other collectives
-    exchange_signature(comm, kind, runtime().auto_name(kind, None), torch.empty(0))
+    exchange_signature(comm, kind, runtime().auto_name(kind, None, process_set), torch.empty(0))

@@ -47,7 +47,7 @@ class Runtime:
         homogeneous: every node runs the same number of ranks.
         owns_env: ``shutdown()`` finalizes ``env`` (False when attached to a running job).
         process_sets: the registered sets by id (0: the global set).
-        names: per-collective counters of unnamed calls.
+        names: counters of unnamed calls, per (process set id, collective).
         extras: state other modules keep per job: ``"handles"`` (pending operations),
             ``"timeline"`` (the recording), ``"on_shutdown"`` (callbacks run by shutdown).
     """
@@ -62,7 +62,7 @@ class Runtime:
     owns_env: bool
     process_sets: dict[int, ProcessSet] = field(default_factory=dict)
     next_set_id: int = 1
-    names: dict[str, itertools.count] = field(default_factory=dict)
+    names: dict[tuple[int | None, str], itertools.count] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # handles, timeline: owned by them
 
     @property
@@ -70,13 +70,17 @@ class Runtime:
         """The communicator over every rank."""
         return self.distribution.communicator(GroupType.GLOBAL)
 
-    def auto_name(self, kind: str, name: str | None) -> str:
-        """``name``, or Horovod's ``<kind>.noname.<n>`` for unnamed calls (n counts per kind)."""
+    def auto_name(self, kind: str, name: str | None, process_set: ProcessSet) -> str:
+        """``name``, or Horovod's ``<kind>.noname.<n>`` for unnamed calls.
+
+        ``n`` counts the unnamed calls of ``kind`` on ``process_set``: only its members run
+        them, so a count shared with other sets would drift apart between ranks.
+        """
         if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"{kind}: name must be a string, got {type(name).__name__}")
             return name
-        counter = self.names.setdefault(kind, itertools.count())
+        counter = self.names.setdefault((process_set.process_set_id, kind), itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
 

@@ -64,6 +64,9 @@ def join(device: int = -1) -> int:
     Returns:
         The global rank that joined last (by wall clock).
 
+    Afterwards every rank numbers its unnamed collectives from 0 again (``allreduce.noname.0``
+    ...), so that calls after the join match whatever each rank ran before it.
+
     Example:
         >>> for batch in my_batches:        # ranks may have different numbers of batches
         ...     train_step(batch)
@@ -81,6 +84,13 @@ def join(device: int = -1) -> int:
         if call is not None:
             _stand_in(comm, call, counts, place)
     stamps = coll.allgather(comm, torch.tensor([joined_at], dtype=torch.float64)).wait()
+    # The ranks that stood in for the others' unnamed calls did not count them, so the
+    # counters behind automatic names (``allreduce.noname.<n>``) now differ between ranks.
+    # Every rank leaves the join at this same point, so each restarts every count from 0:
+    # aligned without another exchange (agreeing on the counts would need one, of a set of
+    # (process set, collective) keys that may differ between ranks). Names serve only to
+    # match calls (and label the timeline), so reusing one after the join is harmless.
+    rt.names.clear()
     return int(torch.argmax(stamps).item())
 
 

@@ -72,7 +72,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """
     kind = "broadcast_object"
     comm = process_set.communicator(kind)
-    name = runtime().auto_name(kind, name)
+    name = runtime().auto_name(kind, name, process_set)
 
     def check() -> int:
         if root_rank not in comm.ranks:
@@ -123,7 +123,7 @@ def allgather_object(obj: Any, name: str | None = None,
     """
     kind = "allgather_object"
     comm = process_set.communicator(kind)
-    exchange_signature(comm, kind, runtime().auto_name(kind, name), torch.empty(0))
+    exchange_signature(comm, kind, runtime().auto_name(kind, name, process_set), torch.empty(0))
     payload, failure = None, None
     try:
         payload = encode_object(obj, "allgather_object")

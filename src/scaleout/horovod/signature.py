@@ -41,12 +41,39 @@ _MAX_DIMS = 8
 # columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
 # joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
 # were refused, it raises and sends nothing), count (a header's number of tensors, else -1),
-# scales (a hash of an allreduce's prescale and postscale factors, else 0)
+# scales (a hash of an allreduce's prescale and postscale factors, else 0), auto (n of an
+# automatic name <kind>.noname.<n>, else -1: told in the error when names differ)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
 _TAIL = _DIMS + _MAX_DIMS
 _WIRE, _JOINABLE, _REFUSED, _COUNT = _TAIL + 1, _TAIL + 2, _TAIL + 3, _TAIL + 4
-_SCALES = _COUNT + 1
-_WIDTH = _SCALES + 1
+_SCALES, _AUTO = _COUNT + 1, _COUNT + 2
+_WIDTH = _AUTO + 1
+
+
+def _auto_number(name: str, kind: str) -> int:
+    """n of Horovod's automatic name ``<kind>.noname.<n>``, or -1 for another name."""
+    prefix = f"{kind}.noname."
+    number = name.removeprefix(prefix)
+    automatic = name.startswith(prefix) and number.isdecimal() and len(number) < 18
+    return int(number) if automatic else -1
+
+
+def _names_differ(where: str, kind: str, name: str, mine: int, theirs: int) -> str:
+    """The message when two members' names differ, with the likely cause for automatic ones."""
+    text = f"{where} named its tensor differently (this rank: {name!r}"
+    if mine < 0 and theirs < 0:
+        return f"{text}): ranks must submit the same names in the same order"
+    if mine >= 0 and theirs >= 0:
+        return (f"{text}, that rank: '{kind}.noname.{theirs}'): both names are automatic "
+                "(unnamed calls are numbered in order, per process set and collective), so "
+                f"the ranks have run different numbers of unnamed {kind} calls on this process "
+                "set before this one (or, under DistributedOptimizer without named_parameters, "
+                "sent different parameters); issue the same unnamed collectives on every "
+                "member, or pass name=")
+    which = "this rank's" if mine >= 0 else "that rank's"
+    return (f"{text}): {which} name is automatic (an unnamed call) and the other's is not: "
+            "the ranks disagree on which calls are named, or ran different numbers of unnamed "
+            f"{kind} calls on this process set; pass the same name= on every member")
 
 
 def _hash(text: str) -> int:
@@ -67,7 +94,8 @@ def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: t
     joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
     return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
             _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0, count,
-            0 if scales is None else _hash(repr(tuple(map(float, scales))))]
+            0 if scales is None else _hash(repr(tuple(map(float, scales)))),
+            _auto_number(name, kind)]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -196,8 +224,7 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             raise TensorMismatchError(f"{where} called a different collective at the same "
                                       f"point (this rank: {kind})")
         if row[_NAME] != mine[_NAME]:
-            raise TensorMismatchError(f"{where} named its tensor differently (this rank: "
-                                      f"{name!r}): ranks must submit the same names in the same order")
+            raise TensorMismatchError(_names_differ(where, kind, name, mine[_AUTO], row[_AUTO]))
         if row[_COUNT] != mine[_COUNT]:
             raise TensorMismatchError(f"{where} passed {row[_COUNT]} tensors to this call, this "
                                       f"rank {count}: every rank must pass the same number")

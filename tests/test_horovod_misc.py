@@ -236,3 +236,13 @@ def body_attach() -> tuple[float, bool]:
 
 def test_init_joins_a_job_scaleout_started() -> None:
     assert run_ranks(2, body_attach, timeout=90) == [(2.0, True), (2.0, True)]
+
+
+@pytest.mark.parametrize("name", ["HOROVOD_GLOO_TIMEOUT_SECONDS", "SCALEOUT_TIMEOUT"])
+@pytest.mark.parametrize("text", ["0", "-5", "inf", "nan", "soon"])
+def test_a_bad_timeout_variable_is_named(name: str, text: str) -> None:
+    from scaleout.horovod.context import _timeout
+
+    with pytest.raises(ValueError, match=f"environment variable {name} must be seconds"):
+        _timeout({name: text}, None)
+    assert _timeout({name: "30"}, None) == 30.0

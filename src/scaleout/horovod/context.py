@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
+from scaleout.core.checks import check_seconds
 from scaleout.core.collectives import Communicator
 from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
@@ -101,13 +102,16 @@ def runtime() -> Runtime:
 def _timeout(environ: Mapping[str, str], timeout: float | None) -> float:
     if timeout is not None:
         return timeout
-    text = environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", environ.get("SCALEOUT_TIMEOUT"))
-    if text is None:
+    name = next((n for n in ("HOROVOD_GLOO_TIMEOUT_SECONDS", "SCALEOUT_TIMEOUT")
+                 if n in environ), None)
+    if name is None:
         return DEFAULT_TIMEOUT
+    text = environ[name]
     try:
-        return float(text)
+        return check_seconds(float(text), f"environment variable {name}")
     except ValueError as err:
-        raise ValueError(f"HOROVOD_GLOO_TIMEOUT_SECONDS must be seconds, got {text!r}") from err
+        raise ValueError(f"environment variable {name} must be seconds (> 0, finite, at most "
+                         f"a year), got {text!r}") from err
 
 
 def _node_layout(comm: Communicator, local_rank: int, key: int) -> tuple[int, int, int, int, bool]:

@@ -178,13 +178,23 @@ def test_trains_like_a_plain_optimizer(case: str, mode: str) -> None:
     assert max(run_ranks(2, body_against_reference, case, mode, timeout=60)) < 1e-12
 
 
+def ok_or_refused(call: Any) -> str:
+    """``"ok"``, or the message of the ValueError ``call()`` raised."""
+    try:
+        call()
+    except ValueError as err:
+        return str(err)
+    return "ok"
+
+
 def body_grad_scaler(mode: str) -> str:
     env = scaleout.init(timeout=30)
     net = nn.Linear(4, 2)
     model = DataParallel(net, env.create_distribution())
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model, mode=mode)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    try:
+
+    def train() -> None:
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(3, 4)).float().pow(2).mean()
@@ -192,9 +202,8 @@ def body_grad_scaler(mode: str) -> str:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-        outcome = "ok"
-    except ValueError as err:
-        outcome = str(err)
+
+    outcome = ok_or_refused(train)
     model.close()
     env.finalize()
     return outcome
@@ -214,11 +223,7 @@ def test_add_param_group_is_refused_with_the_sharded_update() -> None:
         net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         model = DataParallel(net, env.create_distribution(), distributed_update=True)
         opt = DistributedOptimizer(torch.optim.SGD(net[0].parameters(), lr=0.1), model)
-        try:
-            opt.add_param_group({"params": list(net[1].parameters())})
-            outcome = "added"
-        except ValueError as err:
-            outcome = str(err)
+        outcome = ok_or_refused(lambda: opt.add_param_group({"params": list(net[1].parameters())}))
         model.close()
         env.finalize()
         return outcome

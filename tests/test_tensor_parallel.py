@@ -24,6 +24,7 @@ from scaleout.pytorch import (
     load_full_state_dict,
     tensor_parallel,
 )
+from scaleout.pytorch.tensor_parallel import plan_tensor_parallel
 from tp_models import MODELS, batch
 
 PER_RANK, STEPS = 3, 4
@@ -242,8 +243,6 @@ class _Residual(_Between):
 
 
 def test_default_plan_pairs_only_across_elementwise_steps() -> None:
-    from scaleout.pytorch.tensor_parallel import plan_tensor_parallel
-
     pair = {"a": "column", "b": "row"}
     assert plan_tensor_parallel(_Between(F.gelu)) == pair
     assert plan_tensor_parallel(_Between(lambda h: torch.relu(h) * 0.5)) == pair
@@ -259,3 +258,80 @@ def test_default_plan_pairs_only_across_elementwise_steps() -> None:
     with pytest.warns(UserWarning, match=r"the forward of <root> \(_Branching\) cannot be "
                                          r"traced to see what lies between a and b"):
         assert plan_tensor_parallel(_Branching(None)) == {}
+
+
+CLIP, CLIP_STEPS, CLIP_PER = 0.05, 3, 4
+
+
+def _clip_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 4)).double()
+
+
+def _clip_data(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(n, 8, generator=g, dtype=torch.float64),
+            torch.randn(n, 4, generator=g, dtype=torch.float64))
+
+
+def body_clip(data_parts: int, model_parts: int, mode: str) -> float:
+    env = scaleout.init(timeout=60)
+    dist = env.create_distribution(data_parts, model_parts)
+    d = dist.rank(GroupType.DATA)
+    net = tensor_parallel(_clip_net(), dist)
+    model = DataParallel(net, dist)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), model, mode=mode,
+                               max_grad_norm=CLIP)
+    for step in range(CLIP_STEPS):
+        x, y = _clip_data(step, CLIP_PER * data_parts)
+        mine = slice(d * CLIP_PER, (d + 1) * CLIP_PER)
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    got = full_state_dict(net)
+    ref = _clip_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(CLIP_STEPS):
+        x, y = _clip_data(step, CLIP_PER * data_parts)
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    worst = max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    model.close()
+    env.finalize()
+    return worst
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+@pytest.mark.parametrize("grid", [(1, 2), (2, 2)])
+def test_gradient_clipping_uses_the_whole_models_norm(grid: tuple[int, int], mode: str) -> None:
+    """Each model rank clipped by the norm of its own shard and the replicated parameters:
+    weights 1e-3..7e-3 off, and the replicated bias different on each model rank."""
+    assert max(run_ranks(grid[0] * grid[1], body_clip, *grid, mode, timeout=90)) < 1e-12
+
+
+class _SingleHead(torch.nn.Module):
+    """Attention-named projections but no head count: splitting q/k/v would give each rank
+    half of every q.k product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(8, 8) for _ in range(4))
+
+
+class _HFAttention(_SingleHead):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_attention_heads = 4
+        self.query, self.key, self.value, self.dense = self.q, self.k, self.v, self.out
+        del self.q, self.k, self.v, self.out
+
+
+def test_attention_is_split_only_with_a_head_count() -> None:
+    with pytest.warns(UserWarning, match="no head count"):
+        assert plan_tensor_parallel(_SingleHead()) == {}
+    assert plan_tensor_parallel(_HFAttention()) == {
+        "query": "column", "key": "column", "value": "column", "dense": "row"}

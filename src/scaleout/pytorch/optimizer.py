@@ -11,8 +11,12 @@ import torch
 from torch import nn
 
 from scaleout.compression.advice import warn_unsuited
+from scaleout.core import collectives
+from scaleout.core.collectives import Communicator
+from scaleout.core.grid import GroupType
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.modules import Layer
+from scaleout.pytorch.placement import is_sharded
 from scaleout.session.parameter_set import owned_range
 
 __all__ = ["DistributedOptimizer", "MODES", "optimizer_state_bytes"]
@@ -32,6 +36,37 @@ def _check_params(model: DataParallel, params: Any) -> None:
         if param.requires_grad and id(param) not in trained:
             raise ValueError("the optimizer holds a parameter that is not a trainable "
                              "parameter of the DataParallel model")
+
+
+def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
+                     model_comm: Communicator) -> None:
+    """``clip_grad_norm_`` over the whole model: a shard's gradient (a tensor-parallel layer's
+    slice) counts once in the norm through a sum over the model group; a replicated
+    parameter's, the same on every rank of it, once as it is. Every rank of the model group
+    then scales by the same factor (a per-rank norm clipped each by its own and let the
+    replicated parameters drift apart)."""
+    if model_comm.size == 1:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    sharded = [p.grad for p in params if p.grad is not None and is_sharded(p)]
+    whole = [p.grad for p in params if p.grad is not None and not is_sharded(p)]
+    device = grads[0].device
+
+    def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in tensors:
+            total += grad.detach().double().pow(2).sum()
+        return total
+
+    parts = squares(sharded).reshape(1)
+    collectives.allreduce(model_comm, parts).wait()
+    norm = (parts[0] + squares(whole)).sqrt()
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ rule
+    for grad in grads:
+        grad.mul_(factor.to(grad.dtype))
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -144,7 +179,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if pending:
                 self.model.updates.gradients_to_grad()
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            clip_global_norm(params, self.max_grad_norm,
+                             self.model.distribution.communicator(GroupType.MODEL))
             self.inner.step()
         elif self.mode == "sync" or not pending:
             self.inner.step()

@@ -17,7 +17,7 @@ import torch
 
 from scaleout.core.collectives import Communicator
 
-__all__ = ["Kind", "Placement", "place", "placement_of", "is_local", "registration"]
+__all__ = ["Kind", "Placement", "place", "placement_of", "is_local", "is_sharded", "registration"]
 
 _ATTRIBUTE = "_scaleout_placement"
 
@@ -75,6 +75,12 @@ def is_local(param: torch.Tensor) -> bool:
     """True for a parameter held by this rank alone (DataParallel leaves it alone)."""
     mark = placement_of(param)
     return mark is not None and mark.kind is Kind.LOCAL
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard (a slice of a parameter split across the model group)."""
+    mark = placement_of(param)
+    return mark is not None and mark.kind is Kind.SHARDED
 
 
 def registration(param: torch.Tensor, model_comm: Communicator) -> tuple[int, tuple[int, ...], bool]:

@@ -27,7 +27,7 @@ __all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_t
 STYLES = ("column", "row", "vocab", "replicate")
 _QKV = ({"q", "query", "q_proj"}, {"k", "key", "k_proj"}, {"v", "value", "v_proj"})
 _OUT = ("out_proj", "o_proj", "out", "o", "proj", "c_proj", "dense")
-_HEADS = ("num_heads", "n_heads", "n_head", "heads")
+_HEADS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "nhead")
 
 
 def _linears(parent: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -61,8 +61,14 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
         qkv = [next((n for n in group if n in names), None) for group in _QKV]
         out = next((n for n in _OUT if n in names), None)
         if all(qkv) and out is not None:
-            plan.update({full(n): "column" for n in qkv if n is not None})
-            plan[full(out)] = "row"
+            if _heads_of(parent) is None:  # splitting q/k/v needs whole heads per rank
+                warnings.warn(f"tensor_parallel: {prefix or '<root>'} ({type(parent).__name__}) "
+                              f"has q/k/v and output projections but no head count (an int "
+                              f"attribute {', '.join(_HEADS)}), so they stay replicated; "
+                              "pass plan= to split them", stacklevel=2)
+            else:
+                plan.update({full(n): "column" for n in qkv if n is not None})
+                plan[full(out)] = "row"
             linears = [(n, m) for n, m in linears if n not in {*qkv, out}]
         i = 0
         while i + 1 < len(linears):
@@ -87,6 +93,12 @@ def _pairs(parent: nn.Module, prefix: str, first: str, second: str) -> bool:
                       f"{first} and {second}, so they stay replicated; pass plan= to split "
                       "them", stacklevel=4)
     return bool(between)
+
+
+def _heads_of(parent: nn.Module) -> str | None:
+    """The name of ``parent``'s head-count attribute (an int), or None."""
+    return next((attr for attr in _HEADS if isinstance(getattr(parent, attr, None), int)
+                 and not isinstance(getattr(parent, attr), bool)), None)
 
 
 def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:

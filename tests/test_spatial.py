@@ -229,3 +229,46 @@ def test_fixed_pools_split_when_their_windows_tile_the_blocks() -> None:
     # left as they were, a window straddling two ranks' blocks pooled each part alone
     for errors in run_ranks(2, body_fixed_pools, timeout=30):
         assert max(errors) < 1e-6, errors
+
+
+def body_rows_mixers() -> None:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    for layer in (nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, affine=True),
+                  nn.ConvTranspose2d(4, 4, 3, padding=1), nn.Upsample(scale_factor=2,
+                                                                      mode="bilinear")):
+        net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), layer)
+        with pytest.raises(ValueError, match=rf"spatial_parallel: layer 1 \({type(layer).__name__}"
+                                             r"\) mixes rows"):
+            spatial_parallel(net, dist)
+        assert type(net[0]) is nn.Conv2d  # nothing converted
+    nearest = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Upsample(scale_factor=2))
+    spatial_parallel(nearest, dist)  # copies each row: works on each block unchanged
+    with pytest.warns(UserWarning, match=r"leaves 1 \(PReLU\) as it is"):
+        spatial_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.PReLU(4)), dist)
+    env.finalize()
+
+
+def test_layers_that_mix_rows_are_refused_and_unknown_ones_named() -> None:
+    # left as they were, each computed on its rank's block alone: wrong, silently
+    run_ranks(2, body_rows_mixers, timeout=30)
+
+
+def body_uneven_blocks() -> float:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten()).double()
+    split = spatial_parallel(copy.deepcopy(plain), dist)
+    x = torch.randn(2, 2, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    block = torch.tensor_split(x, 2, dim=2)[env.rank]  # 3 rows and 2
+    worst = (split(block) - plain(x)).abs().max().item()
+    worst = max(worst, (split[1].running_var - plain[1].running_var).abs().max().item())
+    env.finalize()
+    return worst
+
+
+def test_blocks_of_different_heights_count_their_own_rows() -> None:
+    """Batch norm and the global pool counted every rank's rows as its own (0.1 off)."""
+    assert max(run_ranks(2, body_uneven_blocks, timeout=30)) < 1e-12

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from scaleout.core.distribution import Distribution
@@ -24,6 +26,27 @@ def _pools_rows(module: nn.Module) -> bool:
     return (size[0] if isinstance(size, tuple) else size) is not None
 
 
+#: Layers whose output rows depend on their neighbours' or on the whole sample's, and which
+#: have no split form here: on a block they compute something else.
+MIXES_ROWS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.GroupNorm,
+              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+              nn.LayerNorm, nn.Fold, nn.Unfold)
+
+
+def _mixes_rows(module: nn.Module) -> bool:
+    if isinstance(module, nn.Upsample):  # nearest copies each row: block-local
+        return module.mode != "nearest"
+    return isinstance(module, MIXES_ROWS)
+
+
+def _unknown_with_parameters(module: nn.Module) -> bool:
+    """Parameters of its own and none of the layers a CNN's head is made of after its global
+    pool (linears, a tensor-parallel layer's shards): a PReLU, a custom layer."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and not isinstance(module, nn.Linear) and all(
+        placement_of(p) is None for p in own)
+
+
 def _global_pool(module: nn.Module) -> bool:
     if not isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return False
@@ -39,7 +62,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     tile each rank's block), keeping the weights
     (broadcast from model-group rank 0 first; a tensor-parallel layer's shards stay as they
     are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
-    each block unchanged (activations, pools of one row at a time) are left as they are.
+    each block unchanged (activations, pools of one row at a time, nearest upsampling) are
+    left as they are; a layer with parameters it does not know is left with a warning (right
+    only where its input is whole, after the global pool). A pool written functionally in a
+    forward is not seen (docs/hybrid.md, Limits).
 
     Args:
         module: the plain model (changed in place and returned).
@@ -51,8 +77,9 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     Raises:
         ValueError: a convolution that cannot be split (stride, dilation, even kernel,
             padding), a max or average pool whose windows do not tile dim 2 (stride =
-            kernel, no padding), or an adaptive pool across dim 2 other than a global
-            average, named; nothing is converted then. At a forward: a fixed pool whose
+            kernel, no padding), an adaptive pool across dim 2 other than a global
+            average, or a layer that mixes rows (:data:`MIXES_ROWS`, non-nearest
+            upsampling), named; nothing is converted then. At a forward: a fixed pool whose
             window does not divide a rank's block of rows.
     """
     comm = distribution.communicator(GroupType.MODEL)
@@ -60,6 +87,7 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
         broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
                                  *module.buffers()])
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    unknown: list[str] = []  # layers with parameters it does not know
     for parent_name, parent in module.named_modules():
         for child_name, child in parent.named_children():
             name = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -75,9 +103,20 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
                 raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) pools "
                                  "across the split rows; only a global average pool "
                                  "(output size 1) can be split")
+            elif _mixes_rows(child):
+                raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) "
+                                 "mixes rows (or normalises over the sample) and has no split "
+                                 "form; it would compute on each rank's block alone")
             else:
+                if _unknown_with_parameters(child):
+                    unknown.append(f"{name} ({type(child).__name__})")
                 continue
             replacements.append((parent, child_name, new))
+    if unknown:  # right after the global pool (whole rows on every rank), wrong before it
+        warnings.warn(
+            f"spatial_parallel leaves {', '.join(unknown)} as it is: its parameters' gradients "
+            "are right only where its input is whole on every model rank (after a global "
+            "pool); on a block of rows each rank would hold its block's share", stacklevel=2)
     for parent, child_name, new in replacements:
         setattr(parent, child_name, new)
     return module

@@ -32,9 +32,16 @@ class SpatialGlobalAvgPool(nn.Module):
         self.exchange_recorder = ExchangeRecorder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dims = tuple(range(2, x.dim()))
-        total = math.prod(x.shape[2:]) * self.comm.size  # (x[0, 0]: none in an empty batch)
-        return reduce_from_model(x.sum(dim=dims), self.comm, self.exchange_recorder) / total
+        sums = x.sum(dim=tuple(range(2, x.dim())))
+        # the positions of every rank's block travel with the sums (blocks may differ)
+        total = reduce_from_model(_with_count(sums, math.prod(x.shape[2:])), self.comm,
+                                  self.exchange_recorder)
+        return total[:-1].view_as(sums) / total[-1]
+
+
+def _with_count(sums: torch.Tensor, count: int) -> torch.Tensor:
+    """``sums`` flat, then ``count``: one allreduce adds both over the model group."""
+    return torch.cat([sums.reshape(-1), sums.new_full((1,), float(count))])
 
 
 class SpatialBatchNorm(nn.Module):
@@ -69,10 +76,10 @@ class SpatialBatchNorm(nn.Module):
         for buffer in ("running_mean", "running_var", "num_batches_tracked"):
             self.register_buffer(buffer, getattr(norm, buffer))
 
-    def _sum(self, x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
         # the total feeds every rank's own rows: its gradient must be summed too
         rec = self.exchange_recorder
-        return copy_to_model(reduce_from_model(x.sum(dim=dims), self.comm, rec), self.comm, rec)
+        return copy_to_model(reduce_from_model(x, self.comm, rec), self.comm, rec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -80,16 +87,20 @@ class SpatialBatchNorm(nn.Module):
                                 False, 0.0, self.eps)
         dims = (0, *range(2, x.dim()))
         shape = (1, -1, *(1,) * (x.dim() - 2))
-        count = x.numel() // x.shape[1] * self.comm.size
-        mean = self._sum(x, dims) / count
+        # every rank's count of positions travels with the sums (blocks may differ in height)
+        totals = self._sum(_with_count(x.sum(dim=dims), x.numel() // x.shape[1]))
+        count = totals[-1].detach()  # (a tensor: no host synchronisation on a GPU)
+        mean = totals[:-1] / count
         centred = x - mean.view(shape)
-        var = self._sum(centred * centred, dims) / count
+        var = self._sum((centred * centred).sum(dim=dims)) / count
         with torch.no_grad():
-            if count:  # (an empty batch's statistics are 0 / 0: BatchNorm keeps the old ones)
-                self.running_mean.mul_(1 - self.momentum).add_(mean.detach(),
-                                                               alpha=self.momentum)
-                unbiased = var.detach() * count / max(count - 1, 1)
-                self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+            # (an empty batch's statistics are 0 / 0: BatchNorm keeps the old ones)
+            seen = count > 0
+            new_mean = self.running_mean * (1 - self.momentum) + mean.detach() * self.momentum
+            unbiased = var.detach() * count / (count - 1).clamp(min=1)
+            new_var = self.running_var * (1 - self.momentum) + unbiased * self.momentum
+            self.running_mean.copy_(torch.where(seen, new_mean, self.running_mean))
+            self.running_var.copy_(torch.where(seen, new_var, self.running_var))
             self.num_batches_tracked.add_(1)
         out = centred / torch.sqrt(var.view(shape) + self.eps)
         if self.affine:

@@ -14,6 +14,7 @@ from torch import nn
 import scaleout
 from harness import run_ranks
 from scaleout import checkpoint
+from scaleout.pytorch import DataParallel, DistributedOptimizer
 from scaleout.pytorch.resharding import consolidate_optimizer_state, split_optimizer_state
 
 BATCH = 12  # the global batch: 6 per rank at 2 ranks, 4 at 3
@@ -146,3 +147,40 @@ def test_what_cannot_be_repartitioned_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rank-local parameters"):
         checkpoint.consolidate(tmp_path / "local")
     assert checkpoint.load(tmp_path / "local", model, opt) == (1, {})  # same world size: fine
+
+
+def body_tensor_parallel(path: str, grid: tuple[int, int], save_it: bool) -> str:
+    from scaleout.pytorch import tensor_parallel
+
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution(*grid)
+    torch.manual_seed(0)
+    net = tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), dist)
+    model = DataParallel(net, dist)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model)
+    try:
+        if save_it:
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            checkpoint.save(path, model, opt, step=1)
+            outcome = "saved"
+        else:
+            checkpoint.load(path, model, opt)
+            outcome = "loaded"
+    except ValueError as err:
+        outcome = str(err)
+    model.close()
+    env.finalize()
+    return outcome
+
+
+def test_a_tensor_parallel_checkpoint_names_the_grid_it_needs(tmp_path: Path) -> None:
+    """Saved on a 1x2 grid: it loads there; on 2x1 (same world size) it was torch's raw
+    "size mismatch"."""
+    path = str(tmp_path / "tp")
+    assert run_ranks(2, body_tensor_parallel, path, (1, 2), True) == ["saved"] * 2
+    assert run_ranks(2, body_tensor_parallel, path, (1, 2), False) == ["loaded"] * 2
+    for world, grid in ((2, (2, 1)), (1, (1, 1))):
+        for outcome in run_ranks(world, body_tensor_parallel, path, grid, False):
+            assert "split over model groups of 2: it loads only on such a grid, not on model " \
+                   "groups of 1" in outcome, outcome

@@ -49,6 +49,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from scaleout.core.consistency import exchange_device
+from scaleout.core.grid import GroupType
 from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.resharding import (
     consolidate_optimizer_state,
@@ -147,6 +148,12 @@ def _current(path: Path) -> Path | None:
     return None
 
 
+def _model_parts(model: nn.Module) -> int:
+    """The size of ``model``'s model group (1 for anything but a DataParallel on a grid)."""
+    distribution = getattr(model, "distribution", None)
+    return 1 if distribution is None else distribution.size(GroupType.MODEL)
+
+
 def _synchronize(model: nn.Module) -> None:
     sync = getattr(model, "synchronize", None)
     if callable(sync):
@@ -196,6 +203,7 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     payload = {
         "format": 1, "rank": rank, "world_size": world, "step": step,
         "layout": {"replicated": all(placement_of(p) is None for p in model.parameters()),
+                   "model_parts": _model_parts(model),
                    "shards": shards[0] if shards else None,
                    "shapes": optimizer_shapes(optimizer) if optimizer is not None else None},
         "model": model.state_dict(),
@@ -250,6 +258,11 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     shards = shard_group(optimizer)
     own = _read(current, rank, saved_world, map_location) if rank < saved_world else None
     layout = own.get("layout") if own is not None else None  # None: written before layouts
+    if layout is not None and not layout["replicated"] and \
+            layout.get("model_parts", 1) != _model_parts(model):
+        raise ValueError(f"checkpoint {path} holds tensor-parallel or rank-local parameters "
+                         f"split over model groups of {layout.get('model_parts', 1)}: it loads "
+                         f"only on such a grid, not on model groups of {_model_parts(model)}")
     if saved_world == world and own is not None and (
             layout is None or layout["shards"] == (shards[0] if shards else None)):
         payload = own

@@ -234,7 +234,7 @@ def test_fixed_pools_split_when_their_windows_tile_the_blocks() -> None:
 def body_rows_mixers() -> None:
     env = scaleout.init(timeout=20)
     dist = env.create_distribution(1, 2)
-    for layer in (nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, affine=True),
+    for layer in (nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, affine=True), nn.LayerNorm([6, 6]),
                   nn.ConvTranspose2d(4, 4, 3, padding=1), nn.Upsample(scale_factor=2,
                                                                       mode="bilinear")):
         net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), layer)
@@ -242,8 +242,9 @@ def body_rows_mixers() -> None:
                                              r"\) mixes rows"):
             spatial_parallel(net, dist)
         assert type(net[0]) is nn.Conv2d  # nothing converted
-    nearest = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Upsample(scale_factor=2))
-    spatial_parallel(nearest, dist)  # copies each row: works on each block unchanged
+    nearest = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Upsample(scale_factor=2),
+                            nn.LayerNorm(6, elementwise_affine=False))
+    spatial_parallel(nearest, dist)  # each row on its own: works on each block unchanged
     with pytest.warns(UserWarning, match=r"leaves 1 \(PReLU\) as it is"):
         spatial_parallel(nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.PReLU(4)), dist)
     env.finalize()

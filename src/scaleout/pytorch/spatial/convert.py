@@ -30,12 +30,14 @@ def _pools_rows(module: nn.Module) -> bool:
 #: have no split form here: on a block they compute something else.
 MIXES_ROWS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.GroupNorm,
               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
-              nn.LayerNorm, nn.Fold, nn.Unfold)
+              nn.Fold, nn.Unfold)
 
 
 def _mixes_rows(module: nn.Module) -> bool:
     if isinstance(module, nn.Upsample):  # nearest copies each row: block-local
         return module.mode != "nearest"
+    if isinstance(module, nn.LayerNorm):  # over the last dim alone (W, or channels-last C,
+        return len(module.normalized_shape) >= 2  # or features): each row on its own
     return isinstance(module, MIXES_ROWS)
 
 
@@ -79,8 +81,9 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
             padding), a max or average pool whose windows do not tile dim 2 (stride =
             kernel, no padding), an adaptive pool across dim 2 other than a global
             average, or a layer that mixes rows (:data:`MIXES_ROWS`, non-nearest
-            upsampling), named; nothing is converted then. At a forward: a fixed pool whose
-            window does not divide a rank's block of rows.
+            upsampling, a LayerNorm over two or more dims), named; nothing is converted
+            then. At a forward: a fixed pool whose window does not divide a rank's block
+            of rows.
     """
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)

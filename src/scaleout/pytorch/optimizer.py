@@ -48,11 +48,14 @@ def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
     if model_comm.size == 1:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    sharded: list[torch.Tensor] = []
+    whole: list[torch.Tensor] = []
+    for param in params:
+        if param.grad is not None:
+            (sharded if is_sharded(param) else whole).append(param.grad)
+    grads = sharded + whole
     if not grads:
         return
-    sharded = [p.grad for p in params if p.grad is not None and is_sharded(p)]
-    whole = [p.grad for p in params if p.grad is not None and not is_sharded(p)]
     device = grads[0].device
 
     def squares(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -95,21 +95,25 @@ def _pairs(parent: nn.Module, prefix: str, first: str, second: str) -> bool:
     return bool(between)
 
 
+def _head_counts(parent: nn.Module) -> list[str]:
+    """The names of ``parent``'s head-count attributes (ints, among :data:`_HEADS`)."""
+    return [attr for attr in _HEADS if isinstance(getattr(parent, attr, None), int)
+            and not isinstance(getattr(parent, attr), bool)]
+
+
 def _heads_of(parent: nn.Module) -> str | None:
-    """The name of ``parent``'s head-count attribute (an int), or None."""
-    return next((attr for attr in _HEADS if isinstance(getattr(parent, attr, None), int)
-                 and not isinstance(getattr(parent, attr), bool)), None)
+    """The name of ``parent``'s (first) head-count attribute, or None."""
+    return next(iter(_head_counts(parent)), None)
 
 
 def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:
-    for attr in _HEADS:
-        heads = getattr(parent, attr, None)
-        if isinstance(heads, int) and not isinstance(heads, bool):
-            if heads % parts:
-                raise ValueError(f"attention {name or '<root>'}: {attr} = {heads} must be "
-                                 f"divisible by the model group size {parts}")
-            if apply:
-                setattr(parent, attr, heads // parts)
+    for attr in _head_counts(parent):
+        heads = getattr(parent, attr)
+        if heads % parts:
+            raise ValueError(f"attention {name or '<root>'}: {attr} = {heads} must be "
+                             f"divisible by the model group size {parts}")
+        if apply:
+            setattr(parent, attr, heads // parts)
 
 
 def tensor_parallel(module: nn.Module, distribution: Distribution, *,

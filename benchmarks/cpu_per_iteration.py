@@ -64,12 +64,12 @@ def thread_cpu() -> dict[str, list[float]]:
 
 
 def _budget(text: str | None) -> int | None:
-    """The ``BUDGET`` variable in bytes (``4m``, ``1048576``: ``bench.stats.parse_size``), or
-    none."""
+    """The ``BUDGET`` variable in bytes (``4m``, ``1048576``: read as ``bench train
+    --memory-budget`` reads it), or none."""
     if not text:
         return None
-    from scaleout.bench.stats import parse_size
-    return parse_size(text)
+    from scaleout.cli.bench_train import _memory_budget
+    return _memory_budget(text)
 
 
 def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:

@@ -278,7 +278,8 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             ``SCALEOUT_CHECK=1``) before every call, ``"off"`` (or ``False``;
             ``SCALEOUT_CHECK=0``). A mismatch is a ValueError naming every rank's call.
             Checked calls wait for every rank. Duplicated communicators (scheduler lanes)
-            check only in ``"full"`` mode.
+            check only in ``"full"`` mode. The same schedule checks that tensor-parallel
+            layers see the same input on every rank of their model group.
         environ: the environment to read the launch from (default ``os.environ``).
 
     Returns:

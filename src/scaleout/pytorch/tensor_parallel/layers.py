@@ -25,6 +25,7 @@ from scaleout.core.grid import GroupType
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.modules import broadcast_tensors
 from scaleout.pytorch.placement import Kind, Placement, place
+from scaleout.pytorch.tensor_parallel.agreement import check_replicated
 from scaleout.pytorch.tensor_parallel.exchanges import (
     copy_to_model,
     gather_from_model,
@@ -68,6 +69,12 @@ class ModelParallelLayer(nn.Module):
     def _shard(self, param: nn.Parameter, dim: int) -> nn.Parameter:
         return place(param, Placement(kind=Kind.SHARDED, layer=self.layer_name, comm=self.comm,
                                       dim=dim))
+
+    def _check_replicated(self, tensor: torch.Tensor, what: str) -> None:
+        """A ValueError unless ``tensor`` is equal on every rank of the model group (on the
+        consistency check's schedule: ``tensor_parallel/agreement.py``)."""
+        name = f"{type(self).__name__} {self.layer_name or '(unnamed)'}"
+        check_replicated(tensor, self.comm, name, what, id(self))
 
     def _uniform(self, *shape: int, bound: float, dtype: torch.dtype | None) -> nn.Parameter:
         return nn.Parameter(torch.empty(*shape, dtype=dtype).uniform_(-bound, bound))
@@ -124,6 +131,7 @@ class ColumnParallelLinear(ModelParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rec = self.exchange_recorder
+        self._check_replicated(x, "input")
         out = F.linear(copy_to_model(x, self.comm, rec), self.weight, self.bias)
         return gather_from_model(out, self.comm, rec) if self.gather_output else out
 
@@ -179,6 +187,7 @@ class RowParallelLinear(ModelParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
+            self._check_replicated(x, "input")
             x = scatter_to_model(x, self.comm, self.exchange_recorder)
         elif x.shape[-1] != self.local_in:
             raise ValueError(f"RowParallelLinear {self.layer_name}: expected this rank's block of "
@@ -247,6 +256,7 @@ class VocabParallelEmbedding(ModelParallelLayer):
         elif bool(wrong.any()):
             raise ValueError(f"VocabParallelEmbedding {self.layer_name}: ids must be in [0, "
                              f"{self.num_embeddings}), got {ids[wrong][0].item()}")
+        self._check_replicated(ids, "ids")
         outside = (ids < self.start) | (ids >= self.start + self.local_rows)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
         out = F.embedding(local, self.weight)

@@ -49,8 +49,9 @@ class BackwardSide:
 
     def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
         """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
+        outside = self.updates.outside  # (their .grad is replaced by the average: no change)
         changed = [p for layer in layers for p in layer.params
-                   if p.grad is not None and id(p) in self._sent_version
+                   if p.grad is not None and id(p) in self._sent_version and id(p) not in outside
                    and p.grad._version != self._sent_version[id(p)]]
         if not changed:  # (every step in overlap mode: no walk over the module's names)
             return []
@@ -133,3 +134,5 @@ class BackwardSide:
                                    "DistributedOptimizer to apply the sharded update")
         elif self.updates.mode == "sync":
             self.updates.gradients_to_grad()
+        else:  # overlap: the parameters the optimizer does not hold get DDP's .grad now
+            self.updates.outside_to_grad()

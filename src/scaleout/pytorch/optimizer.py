@@ -16,6 +16,7 @@ from scaleout.core.collectives import Communicator
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.modules import Layer
+from scaleout.pytorch.outside_steps import watch_outside_steps
 from scaleout.pytorch.placement import is_sharded
 from scaleout.session.parameter_set import owned_range
 
@@ -83,7 +84,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             when its gradient communication completes, at the latest in that layer's forward
             pre-hook of the next iteration (``.grad`` is consumed: it is ``None`` after
             ``step()``); ``"sync"`` — like DDP, averaged gradients are in ``.grad`` when
-            ``backward()`` returns and ``step()`` updates everything.
+            ``backward()`` returns and ``step()`` updates everything. Trainable parameters
+            that ``optimizer`` does not hold get DDP's ``.grad`` in both modes (for another
+            optimizer: docs/scheduling.md).
         max_grad_norm: clip the averaged gradients to this global norm (over every layer)
             before the update, like ``clip_grad_norm_`` after DDP's backward; in overlap mode
             that step then waits for all gradients (the norm needs them all). Clipping
@@ -131,6 +134,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._consumed: list[nn.Parameter] = []  # .grad that step() took (overlap mode)
         self._wrapping = True  # (add_param_group adds to the wrapped optimizer from now on)
         model.updates.attach(self)
+        self._hold()
+
+    def _held(self) -> list[nn.Parameter]:
+        """The model's parameters this optimizer steps (the wrapped optimizer's groups)."""
+        return [p for group in self._user_optimizer.param_groups for p in group["params"]]
+
+    def _hold(self) -> None:
+        """Tell the model which of its trainable parameters are outside this optimizer: they
+        keep torch's semantics (``.grad`` averaged when backward returns, accumulating until
+        something zeroes it). With the sharded update their gradient exists only in slices,
+        so another optimizer stepping one is refused (``outside_steps``)."""
+        trainable = [p for layer in self.model.layers for p in layer.params]
+        self.model.updates.hold(self._held(), trainable)
+        if self.sharded and self.model.updates.outside:
+            watch_outside_steps(self)
 
     def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         groups = []
@@ -190,7 +208,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._snapshot = [{k: v for k, v in g.items() if k != "params"}
                               for g in self.param_groups]
-            self._consumed = [p for layer in pending for p in layer.params if p.grad is not None]
+            outside = self.model.updates.outside
+            self._consumed = [p for layer in pending for p in layer.params
+                              if p.grad is not None and id(p) not in outside]
             self.model.updates.request(pending)
         return loss
 
@@ -223,6 +243,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _check_params(self.model, param_group.get("params", []))
         self.model.synchronize()
         self.inner.add_param_group(param_group)
+        self._hold()
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -238,16 +259,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "every rank would decide on its own gradients whether to skip the step")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's. With ``set_to_none=False`` in overlap mode, the gradients ``step()``
-        consumed come back as zeros, as a plain optimizer leaves them: a parameter no rank
-        uses next still has a (zero) gradient, so momentum and weight decay move it."""
-        for layer in self.model.layers:
-            for param in layer.params:
-                if param.grad is not None:
-                    if set_to_none:
-                        param.grad = None
-                    else:
-                        param.grad.zero_()
+        """As torch's: this optimizer's parameters only. With ``set_to_none=False`` in overlap
+        mode, the gradients ``step()`` consumed come back as zeros, as a plain optimizer
+        leaves them: a parameter no rank uses next still has a (zero) gradient, so momentum
+        and weight decay move it."""
+        for param in self._held():
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
         if not set_to_none:
             for param in self._consumed:
                 if param.grad is None:

@@ -11,7 +11,7 @@ arrived: one optimizer step instead of one per layer).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -54,6 +54,9 @@ class LazyUpdates:
         self._globally_used: dict[int, bool] = {}
         self._trace: TraceRecorder | None = None
         self.all_used_here = False  # this rank used every parameter in the last backward
+        #: ids of trainable parameters the updater does not hold: they get DDP's semantics
+        #: (their averaged gradient in ``.grad`` when backward returns, for another optimizer)
+        self.outside: frozenset[int] = frozenset()
 
     def attach(self, updater: Updater) -> None:
         """Make ``updater`` the one that applies this model's updates.
@@ -101,18 +104,34 @@ class LazyUpdates:
                                        for p, share in zip(self._params, shares.tolist())}
         return self._globally_used
 
+    def hold(self, held: Sequence[nn.Parameter], trainable: Sequence[nn.Parameter]) -> None:
+        """The updater holds ``held``; the other ``trainable`` parameters are outside it."""
+        ids = {id(p) for p in held}
+        self.outside = frozenset(id(p) for p in trainable if id(p) not in ids)
+
     def request(self, layers: Sequence[Layer]) -> None:
         """Apply these layers' updates once their gradients arrive (overlap mode)."""
         for layer in layers:
             for param in layer.params:
-                param.grad = None  # the averaged gradient arrives with the update
+                if id(param) not in self.outside:
+                    param.grad = None  # the averaged gradient arrives with the update
             layer.update_requested = True
 
     def gradients_to_grad(self) -> None:
         """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
+        self._to_grad(lambda param: True)
+
+    def outside_to_grad(self) -> None:
+        """Overlap mode, at the end of backward: the averaged gradients of the parameters the
+        updater does not hold go to ``.grad`` now, as DDP leaves them, for whatever steps
+        them (another optimizer; the updater's own wait in their next forward)."""
+        if self.outside:
+            self._to_grad(lambda param: id(param) in self.outside)
+
+    def _to_grad(self, which: Callable[[nn.Parameter], bool]) -> None:
         pending = [(param, layer, i) for layer in self.forward_order
                    for i, (param, ps) in enumerate(zip(layer.params, layer.sets))
-                   if ps.gradient_pending]
+                   if ps.gradient_pending and which(param)]
         arrived = [averaged(layer, i) for _, layer, i in pending]
         used = self.used_globally()  # after the gradients: waits count against their layers
         for (param, _, _), averaged_grad in zip(pending, arrived):
@@ -153,7 +172,8 @@ class LazyUpdates:
         for later in self.forward_order[self._position[id(layer)] + 1:]:
             if not later.update_requested:
                 continue
-            if not all(ps.test_gradient_comm() for ps in later.all_sets()):
+            if not all(ps.test_gradient_comm() for ps in later.all_sets()
+                       if ps.gradient_pending):  # (not pending: an outside one, delivered)
                 break
             batch.append(later)
         return batch
@@ -170,13 +190,16 @@ class LazyUpdates:
         def take(one: Layer) -> None:
             one.update_requested = False
             for i, param in enumerate(one.params):
-                params.append(param)
-                grads.append(averaged(one, i))
+                if id(param) not in self.outside:  # (delivered to .grad in backward)
+                    params.append(param)
+                    grads.append(averaged(one, i))
 
         take(layer)
         for later in self._arrived_after(layer):
             take(later)
             layers.append(later)
+        if not params:
+            return
         used = self.used_globally()  # after the gradients: waits count against their layers
         began = time.perf_counter()
         self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])

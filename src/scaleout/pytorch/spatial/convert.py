@@ -13,6 +13,7 @@ from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 from scaleout.pytorch.spatial.pool import FIXED_POOLS, SpatialPool
+from scaleout.pytorch.spatial.watch import watch_first_forward
 
 __all__ = ["spatial_parallel"]
 
@@ -66,8 +67,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
     each block unchanged (activations, pools of one row at a time, nearest upsampling) are
     left as they are; a layer with parameters it does not know is left with a warning (right
-    only where its input is whole, after the global pool). A pool written functionally in a
-    forward is not seen (docs/hybrid.md, Limits).
+    only where its input is whole, after the global pool). Calls in a forward that mix the
+    split rows (``x.mean((2, 3))``, ``F.adaptive_avg_pool2d``, ``F.interpolate`` other than
+    nearest, ...) are a ValueError at the first forward (``spatial/watch.py``; not under
+    ``SCALEOUT_CHECK=0``).
 
     Args:
         module: the plain model (changed in place and returned).
@@ -83,7 +86,7 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
             average, or a layer that mixes rows (:data:`MIXES_ROWS`, non-nearest
             upsampling, a LayerNorm over two or more dims), named; nothing is converted
             then. At a forward: a fixed pool whose window does not divide a rank's block
-            of rows.
+            of rows; at the first forward, a call in a forward that mixes the split rows.
     """
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
@@ -122,4 +125,6 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
             "pool); on a block of rows each rank would hold its block's share", stacklevel=2)
     for parent, child_name, new in replacements:
         setattr(parent, child_name, new)
+    if comm.size > 1 and comm.check_consistency != "off":
+        watch_first_forward(module)  # row-mixing calls written in a forward: a ValueError
     return module

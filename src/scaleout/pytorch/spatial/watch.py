@@ -1,0 +1,205 @@
+"""Row-mixing torch calls on a spatially split activation, found in the first forward.
+
+``spatial_parallel`` converts the layers it knows; a forward can still mix rows itself:
+``x.mean((2, 3))`` or ``F.adaptive_avg_pool2d(x, 1)`` for the global pool, ``F.interpolate``
+with a smooth mode, ``F.group_norm``, a functional convolution or a softmax along the split
+dimension. On a block of rows each of these computes something else than on the whole
+sample, and nothing fails. :func:`watch_first_forward` runs the model's first forward under
+a torch function mode that follows which tensors are split (the model's inputs of three or
+more dimensions, whatever is computed from them, the spatial layers' outputs; a global
+pool's output is whole) and raises ``ValueError`` at the first row-mixing call on one,
+naming the call and the module it ran in. The spatial layers' own calls are theirs to get
+right and are not looked at. A reduction over every dimension (a loss) is not a row-mixing
+call here: docs/hybrid.md says how to scale a loss per position.
+
+Only the first forward is watched, and not at all under ``SCALEOUT_CHECK=0``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from scaleout.pytorch.spatial.conv import SpatialConv
+from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
+from scaleout.pytorch.spatial.pool import SpatialPool
+
+__all__ = ["watch_first_forward", "row_mixing"]
+
+_SPATIAL = (SpatialConv, SpatialBatchNorm, SpatialGlobalAvgPool, SpatialPool)
+
+#: fixed-window pools: parameter names after the input, in order
+_POOL_ARGS = {
+    "max_pool2d": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    "max_pool3d": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    "max_pool2d_with_indices": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    "max_pool3d_with_indices": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    "avg_pool2d": ("kernel_size", "stride", "padding", "ceil_mode"),
+    "avg_pool3d": ("kernel_size", "stride", "padding", "ceil_mode"),
+}
+_POOLS_ACROSS = frozenset({"adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+                           "adaptive_max_pool3d", "lp_pool2d", "lp_pool3d",
+                           "fractional_max_pool2d", "fractional_max_pool3d"})
+_MIXING = frozenset({"group_norm", "instance_norm", "local_response_norm", "fold", "unfold",
+                     "conv_transpose2d", "conv_transpose3d"})
+#: calls along one dimension: (position of ``dim`` counting the input, its default)
+_ALONG = {name: (1, None) for name in (
+    "mean", "sum", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "argmax",
+    "argmin", "median", "std", "var", "std_mean", "var_mean", "logsumexp", "all", "any",
+    "count_nonzero", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin")}
+_ALONG.update({"sort": (1, -1), "argsort": (1, -1), "topk": (2, -1)})
+
+
+def _arg(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str,
+         default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _pool_tiles(name: str, x: torch.Tensor, args: Sequence[Any],
+                kwargs: dict[str, Any]) -> bool:
+    """Whether a functional fixed-window pool's windows tile this block (as SpatialPool's)."""
+    names = _POOL_ARGS[name]
+    get = {n: _arg(args, kwargs, i + 1, n, None) for i, n in enumerate(names)}
+    kernel = _first(get["kernel_size"])
+    stride = _first(get["stride"]) or kernel
+    padding, dilation = _first(get["padding"] or 0), _first(get.get("dilation") or 1)
+    return ((stride, padding, dilation) == (kernel, 0, 1) and not get["ceil_mode"]
+            and x.shape[2] % kernel == 0)
+
+
+def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
+               kwargs: dict[str, Any]) -> str | None:
+    """Why the call ``name(*args, **kwargs)`` mixes the rows of ``x`` (split along dim 2),
+    or ``None`` when it computes each row, or each tiled window, on its own."""
+    if name in _POOL_ARGS:
+        return None if _pool_tiles(name, x, args, kwargs) else (
+            "pools windows that do not tile this rank's block of rows")
+    if name in _POOLS_ACROSS:
+        return "pools across the split rows"
+    if name in _MIXING:
+        return "mixes neighbouring rows or normalises over the sample"
+    if name == "interpolate":
+        mode = _arg(args, kwargs, 3, "mode", "nearest")
+        return None if mode == "nearest" else f"interpolates ({mode}) across rows"
+    if name == "layer_norm":
+        shape = _arg(args, kwargs, 1, "normalized_shape", ())
+        return "normalises over two or more dims" if len(tuple(
+            shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))) >= 2 else None
+    if name in ("conv2d", "conv3d"):
+        weight = _arg(args, kwargs, 1, "weight", None)
+        return ("convolves with a kernel of more than one row" if isinstance(
+            weight, torch.Tensor) and weight.dim() >= 3 and weight.shape[2] > 1 else None)
+    if name in _ALONG:
+        position, default = _ALONG[name]
+        dim = _arg(args, kwargs, position, "dim", default)
+        if dim is None or isinstance(dim, torch.Tensor):  # every dim (a loss), elementwise
+            return None
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if not all(isinstance(d, int) for d in dims):  # (named dims: not ours to judge)
+            return None
+        if any(d % x.dim() == 2 for d in dims):
+            return "reduces or orders along dim 2"
+    return None
+
+
+_ADVICE = ("use the layer form that spatial_parallel converts (nn.AdaptiveAvgPool2d(1) for a "
+           "global pool, nn.MaxPool2d/AvgPool2d with windows that tile, nn.Conv2d, "
+           "nn.BatchNorm2d), or move the call after the global pool")
+
+
+class _Watch(TorchFunctionMode):
+    def __init__(self, stack: list[str], inside: list[int]) -> None:
+        super().__init__()
+        self._split: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._stack, self._inside = stack, inside
+
+    def mark(self, value: Any) -> None:
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                self._split[id(leaf)] = weakref.ref(leaf)
+
+    def unmark(self, value: Any) -> None:
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                self._split.pop(id(leaf), None)
+
+    def is_split(self, leaf: Any) -> bool:
+        ref = self._split.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        return ref is not None and ref() is leaf
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self._inside[0]:  # a spatial layer's own calls
+            return result
+        split = [leaf for leaf in tree_leaves((args, kwargs)) if self.is_split(leaf)]
+        if split:
+            name = getattr(func, "__name__", "")
+            x = args[0] if args and self.is_split(args[0]) else split[0]
+            reason = row_mixing(name, x, args, kwargs) if x.dim() >= 3 else None
+            if reason is not None:
+                raise ValueError(
+                    f"spatial_parallel: {name}() in {self._stack[-1]} {reason}, on a tensor "
+                    f"split along dim 2 across the model group (shape {tuple(x.shape)} here): "
+                    f"it would "
+                    f"compute on each rank's block alone, a different result; {_ADVICE}. "
+                    "SCALEOUT_CHECK=0 turns this check off.")
+            self.mark(result)
+        return result
+
+
+def watch_first_forward(module: nn.Module) -> None:
+    """Run ``module``'s next forward under the watch (see the module docstring), then stop."""
+    original: Callable[..., Any] = module.forward
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        del module.forward  # (the instance attribute: later forwards are the class's)
+        stack = [type(module).__name__]  # (this is its forward: its own hooks have run)
+        inside = [0]
+        mode = _Watch(stack, inside)
+        handles = []
+        for name, sub in module.named_modules():
+            if sub is module:
+                continue
+            label = f"{name} ({type(sub).__name__})"
+            spatial = isinstance(sub, _SPATIAL)
+            handles.append(sub.register_forward_pre_hook(
+                lambda m, a, label=label, spatial=spatial: _enter(stack, inside, label, spatial)))
+            handles.append(sub.register_forward_hook(
+                lambda m, a, out, spatial=spatial: _leave(mode, stack, inside, m, out, spatial)))
+        mode.mark([leaf for leaf in tree_leaves((args, kwargs))  # (samples: N, C, H, ...)
+                   if isinstance(leaf, torch.Tensor) and leaf.dim() >= 3])
+        try:
+            with mode:
+                return original(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    module.forward = watched  # type: ignore[method-assign]
+
+
+def _enter(stack: list[str], inside: list[int], label: str, spatial: bool) -> None:
+    stack.append(label)
+    inside[0] += spatial
+
+
+def _leave(mode: _Watch, stack: list[str], inside: list[int], sub: nn.Module, out: Any,
+           spatial: bool) -> None:
+    stack.pop()
+    if spatial:
+        inside[0] -= 1
+        if not inside[0]:
+            (mode.unmark if isinstance(sub, SpatialGlobalAvgPool) else mode.mark)(out)

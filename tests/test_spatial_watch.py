@@ -1,0 +1,149 @@
+"""A forward that mixes the split rows itself is named at the first forward, not trained wrong.
+
+``spatial_parallel`` converts layers; a call written in a forward (``x.mean((2, 3))``,
+``F.adaptive_avg_pool2d``, a smooth ``F.interpolate``, a softmax along the rows, a functional
+3x3 convolution) computed on each rank's block alone, silently, before stop 23.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import scaleout
+from harness import run_ranks
+from scaleout.pytorch import DataParallel
+from scaleout.pytorch.spatial import spatial_parallel, split_rows
+
+#: what the forward does after a converted 3x3 convolution: (call, refused?)
+CALLS = {
+    "mean over rows": (lambda h: h.mean((2, 3)), True),
+    "adaptive pool": (lambda h: F.adaptive_avg_pool2d(h, 1).flatten(1), True),
+    "bilinear": (lambda h: F.interpolate(h, scale_factor=2, mode="bilinear"), True),
+    "softmax rows": (lambda h: h.softmax(dim=-2), True),
+    "functional 3x3": (lambda h: F.conv2d(h, torch.ones(4, 4, 3, 3), padding=1), True),
+    "overlapping pool": (lambda h: F.max_pool2d(h, 3, stride=1), True),
+    "group norm": (lambda h: F.group_norm(h, 2), True),
+    "nearest": (lambda h: F.interpolate(h, scale_factor=2), False),
+    "tiled pool": (lambda h: F.max_pool2d(h, 2), False),
+    "softmax channels": (lambda h: h.softmax(dim=1), False),
+    "functional 1x1": (lambda h: F.conv2d(h, torch.ones(4, 4, 1, 1)), False),
+    "mean over width": (lambda h: h.mean(3), False),
+}
+
+
+class Functional(nn.Module):
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = CALLS[self.call][0](torch.relu(self.conv(x)))
+        whole = self.pool(self.conv(x)).flatten(1)  # after the global pool: rows are whole
+        return h.sum() + whole.softmax(-1).mean(1).sum()  # a loss over everything: not refused
+
+
+def body_calls(check: str) -> dict[str, str]:
+    env = scaleout.init(timeout=20, check_consistency=check)
+    dist = env.create_distribution(1, 2)
+    x = torch.randn(2, 2, 8, 6, generator=torch.Generator().manual_seed(0))
+    outcome = {}
+    for call, (_, refused) in CALLS.items():
+        net = spatial_parallel(Functional(call), dist)
+        try:
+            net(split_rows(x, dist))
+            outcome[call] = "ok"
+        except ValueError as err:
+            outcome[call] = str(err)
+        assert "forward" not in net.__dict__  # watched once: later forwards are the class's
+    env.finalize()
+    return outcome
+
+
+def test_row_mixing_calls_in_a_forward_are_named_at_the_first_forward() -> None:
+    for outcome in run_ranks(2, body_calls, "first", timeout=60):
+        for call, (_, refused) in CALLS.items():
+            if refused:
+                assert outcome[call].startswith("spatial_parallel: ") and \
+                    "in Functional" in outcome[call] and "split along dim 2" in outcome[call], \
+                    (call, outcome[call])
+            else:
+                assert outcome[call] == "ok", (call, outcome[call])
+        assert "mean() in Functional reduces or orders along dim 2, on a tensor split" in \
+            outcome["mean over rows"]
+        assert "adaptive_avg_pool2d() in Functional pools across the split rows" in \
+            outcome["adaptive pool"]
+
+
+def test_the_watch_is_off_under_scaleout_check_0() -> None:
+    for outcome in run_ranks(2, body_calls, "off", timeout=60):
+        assert set(outcome.values()) == {"ok"}, outcome
+
+
+class Pooling(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_avg_pool2d(x, 1).flatten(1)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU())
+        self.pool = Pooling()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.body(x)))
+
+
+def body_through_data_parallel() -> str:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    model = DataParallel(spatial_parallel(Blocks(), dist), dist)
+    try:
+        model(split_rows(torch.randn(2, 2, 8, 6), dist))
+        return "ok"
+    except ValueError as err:
+        return str(err)
+    finally:
+        model.close()
+        env.finalize()
+
+
+def test_the_watch_names_a_call_under_data_parallel() -> None:
+    """DataParallel's own first-forward watch (overlap mode) runs around this one."""
+    for message in run_ranks(2, body_through_data_parallel, timeout=60):
+        assert "adaptive_avg_pool2d() in pool (Pooling) pools across the split rows" in message
+
+
+def body_tiled_pool_equals_plain() -> float:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    plain = Functional("tiled pool").double()
+    net = spatial_parallel(copy.deepcopy(plain), dist)
+    x = torch.randn(2, 2, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    h = net.conv(split_rows(x, dist))  # (the forward's first half, checked against plain)
+    worst = (F.max_pool2d(h, 2) - split_rows(F.max_pool2d(plain.conv(x), 2), dist)).abs().max()
+    env.finalize()
+    return worst.item()
+
+
+def test_a_functional_pool_whose_windows_tile_is_left_alone() -> None:
+    assert max(run_ranks(2, body_tiled_pool_equals_plain, timeout=60)) < 1e-12
+
+
+@pytest.mark.parametrize("dim,refused", [(2, True), (-2, True), ((1, 2), True), (1, False),
+                                         (None, False)])
+def test_reductions_are_judged_by_their_dims(dim, refused) -> None:
+    from scaleout.pytorch.spatial.watch import row_mixing
+    x = torch.zeros(2, 3, 4, 5)
+    args = (x,) if dim is None else (x, dim)
+    assert (row_mixing("sum", x, args, {}) is not None) == refused

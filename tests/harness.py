@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["run_ranks", "free_port", "RankFailure", "cuda_available"]
+__all__ = ["run_ranks", "free_port", "RankFailure", "cuda_available", "scaleout_run"]
 
 
 class RankFailure(AssertionError):
@@ -156,3 +156,14 @@ def require_testbed() -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true but the testbed cannot run here: {err}")
         pytest.skip(str(err))
+
+
+def scaleout_run(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    """``python -m scaleout run ARGS`` with this checkout's ``src`` first on the path, its
+    output captured; a non-zero exit fails the test with the output's tail."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done

@@ -3,25 +3,19 @@ shards scores what the grid scores."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import scaleout_run
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits_tp.py"
 
 
 def test_example_trains_on_a_one_by_two_grid() -> None:
     pytest.importorskip("sklearn")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "scaleout", "run", "-n", "2", str(EXAMPLE), "--model-parts", "2",
-         "--epochs", "4"], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = scaleout_run("-n", "2", str(EXAMPLE), "--model-parts", "2", "--epochs", "4")
     assert "8970 of its 17226 parameters on each rank" in done.stdout, done.stdout[-2000:]
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)", done.stdout)]
     assert len(accuracies) == 5 and accuracies[-2] > 0.85, done.stdout[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port
+from harness import free_port, scaleout_run
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "horovod_digits.py"
 
@@ -26,12 +26,7 @@ def test_only_the_import_line_names_scaleout() -> None:
 
 def test_example_trains_on_two_ranks() -> None:
     pytest.importorskip("sklearn")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "scaleout", "run", "-n", "2", str(EXAMPLE), "--epochs", "3",
-         "--log-interval", "1000"], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = scaleout_run("-n", "2", str(EXAMPLE), "--epochs", "3", "--log-interval", "1000")
     accuracies = [float(m) for m in re.findall(r"accuracy ([\d.]+)%", done.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 80.0, done.stdout[-2000:]
 

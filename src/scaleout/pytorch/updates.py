@@ -21,7 +21,7 @@ from scaleout.pytorch.modules import Layer
 from scaleout.session import ParameterSet
 from scaleout.session.trace import TraceRecorder
 
-__all__ = ["LazyUpdates", "Updater", "averaged"]
+__all__ = ["LazyUpdates", "Updater", "averaged", "applied_flags"]
 
 
 class Updater(Protocol):
@@ -134,8 +134,9 @@ class LazyUpdates:
                    if ps.gradient_pending and which(param)]
         arrived = [averaged(layer, i) for _, layer, i in pending]
         used = self.used_globally()  # after the gradients: waits count against their layers
-        for (param, _, _), averaged_grad in zip(pending, arrived):
-            if not used.get(id(param), True):
+        applied = applied_flags([param for param, _, _ in pending], arrived, used)
+        for (param, _, _), averaged_grad, flag in zip(pending, arrived, applied):
+            if not flag:
                 param.grad = None
             elif self.distributed_update:
                 raise RuntimeError("distributed_update needs a DistributedOptimizer to "
@@ -202,10 +203,27 @@ class LazyUpdates:
             return
         used = self.used_globally()  # after the gradients: waits count against their layers
         began = time.perf_counter()
-        self.updater.apply_update(params, grads, [used.get(id(p), True) for p in params])
+        self.updater.apply_update(params, grads, applied_flags(params, grads, used))
         if self._trace is not None:
             self._trace.span("compute", "update " + "+".join(l.name for l in layers), began,
                              time.perf_counter(), phase="update")
+
+
+def applied_flags(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
+                  used: dict[int, bool]) -> list[bool]:
+    """Whether each parameter's averaged gradient is applied: a parameter some rank used,
+    and one no rank used whose average is not zero all the same (a codec delivering part of
+    its error-feedback residual: skipping it would lose that gradient for good; with exact
+    gradients an unused parameter's average is zero and it is skipped, as torch skips a
+    parameter without ``.grad``). One host read for the unused ones, where the used flags
+    were read on the host already."""
+    flags = [used.get(id(p), True) for p in params]
+    idle = [i for i, flag in enumerate(flags) if not flag]
+    if idle:
+        nonzero = torch.stack([grads[i].ne(0).any() for i in idle]).tolist()
+        for i, value in zip(idle, nonzero):
+            flags[i] = bool(value)
+    return flags
 
 
 def averaged(layer: Layer, index: int) -> torch.Tensor:

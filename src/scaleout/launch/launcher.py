@@ -8,8 +8,12 @@
   failed *first* (by time of exit: a rank that fails because a peer died is not blamed),
   after repeating the end of its output;
 - SIGTERM, SIGHUP or SIGINT to the launcher stop every rank the same way and it returns
-  128 + the signal number;
-- a rank dies with the launcher (``kill -9`` included): see :mod:`scaleout.launch.lifeline`;
+  128 + the signal number; a stop signal it inherited as ignored (``nohup``, ``&`` in a
+  script) stays ignored;
+- a rank, and what it started, die with the launcher (``kill -9`` included): see
+  :mod:`scaleout.launch.lifeline` and :mod:`scaleout.launch.guardian`;
+- when the job fails after some ranks had already exited (code 0: a rank that returned
+  early), the report names them too: the others fail because a peer left;
 - with ``max_restarts=K`` a failed job is started again, every rank, up to K times, each
   attempt with a fresh rendezvous (a new port, and a new token unless the user gave one);
   the ranks learn the attempt from ``SCALEOUT_RESTART_COUNT`` (see
@@ -30,8 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from scaleout.launch.lifeline import LAUNCHER_PID_VAR, REPORT_DIR_VAR, blamed
-from scaleout.launch.ranks import Ranks, signal_name
+from scaleout.launch.lifeline import REPORT_DIR_VAR, blamed, launcher_env
+from scaleout.launch.ranks import Ranks, signal_name, write_out
 from scaleout.launch.restarts import STATE_DIR_VAR, attempt_env
 from scaleout.launch.secret import TOKEN_VAR, new_token
 
@@ -179,7 +183,8 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         _say(out, _other_nodes(target, config))
     signals = _Signals()
     in_main = threading.current_thread() is threading.main_thread()
-    previous = ({sig: signal.signal(sig, signals.handle) for sig in _STOP_SIGNALS}
+    previous = ({sig: signal.signal(sig, signals.handle) for sig in _STOP_SIGNALS
+                 if signal.getsignal(sig) != signal.SIG_IGN}  # (nohup: SIGHUP stays ignored)
                 if in_main else {})
     ended = threading.Event()
     if stop is not None:
@@ -246,6 +251,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
     world = config.nprocs * config.nnodes
     token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
+    launcher = launcher_env()
     ranks = Ranks(out)
     signals.ranks = ranks
     if signals.signum is not None:
@@ -260,7 +266,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
-                LAUNCHER_PID_VAR: str(os.getpid()), TOKEN_VAR: token, **attempt, **extra,
+                **launcher, TOKEN_VAR: token, **attempt, **extra,
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)
@@ -291,7 +297,19 @@ def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None) -> t
         cause = f"rank {rank} failed first, with {how}"
         _say(out, f"scaleout run: {cause}; stopped the other ranks. Last output of rank "
                   f"{rank}:\n{tail}")
+    early = ranks.exited_before(rank)
+    if early:
+        _say(out, f"scaleout run: {_early_exits(early, rank)}")
+        cause += f" (after {', '.join(f'rank {who}' for who, _, _ in early)} had exited)"
     return (code if code > 0 else 128 - code), cause  # a signal -N becomes 128+N
+
+
+def _early_exits(early: list[tuple[int, int, float]], rank: int) -> str:
+    """Ranks that left before ``rank`` failed: the likely cause of its failure."""
+    said = "; ".join(f"rank {who} had exited (code {code}) {ago:.1f} s before rank {rank} "
+                     "failed" for who, code, ago in early)
+    return (f"{said}: a rank that leaves while others still communicate makes them fail "
+            "(did it return or call sys.exit() before the others were done?)")
 
 
 def _restarts(count: int) -> str:
@@ -299,8 +317,7 @@ def _restarts(count: int) -> str:
 
 
 def _say(out: IO[str], message: str) -> None:
-    out.write(message + "\n")
-    out.flush()
+    write_out(out, message + "\n")  # (a reader that left, as `| head` does, is no error)
 
 
 def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) -> str:

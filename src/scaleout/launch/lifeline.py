@@ -1,10 +1,14 @@
-"""A rank dies with its launcher: a parent-death signal, and a parent check as a fallback.
+"""A rank dies with its launcher: a parent-death signal, and a launcher watch as a fallback.
 
 The launcher starts each rank with :func:`die_with_parent` as ``preexec_fn`` (Linux's
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills the rank when the launcher dies, even
-with ``kill -9``, even when the rank is stopped or frozen). On systems without ``prctl``, or
-when a wrapper (``ip netns exec``, ``setpriv``) clears the signal, :func:`watch_parent`,
-started by :func:`scaleout.init`, polls the parent pid and leaves once the launcher is gone.
+with ``kill -9``, even when the rank is stopped or frozen). That signal reaches the direct
+child only: what the rank started is left to the attempt's guardian
+(:mod:`scaleout.launch.guardian`). On systems without ``prctl``, when a wrapper (``ip netns
+exec``, ``setpriv``) clears the signal, or when a wrapper that does not exec (``sh -c``)
+stands between launcher and rank, :func:`watch_parent`, started by :func:`scaleout.init`,
+polls the launcher (by pid and start time, from any depth) and, once it is gone, kills the
+rank's process group.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
-__all__ = ["LAUNCHER_PID_VAR", "REPORT_DIR_VAR", "die_with_parent", "watch_parent", "blamed",
-           "note_exit", "exit_of"]
+__all__ = ["LAUNCHER_PID_VAR", "LAUNCHER_ID_VAR", "REPORT_DIR_VAR", "die_with_parent",
+           "launcher_env", "watch_parent", "blamed", "note_exit", "exit_of"]
 
 LAUNCHER_PID_VAR = "SCALEOUT_LAUNCHER_PID"
+#: ``<boot id>/<pid namespace>/<start time>`` of the launcher (:func:`launcher_env`).
+LAUNCHER_ID_VAR = "SCALEOUT_LAUNCHER_ID"
 #: A directory where a rank's watchdog writes ``failure-<rank>.json`` naming a failed peer.
 REPORT_DIR_VAR = "SCALEOUT_REPORT_DIR"
 _PR_SET_PDEATHSIG = 1
@@ -49,30 +55,102 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _watch(parent_pid: int, period: float, stop: threading.Event) -> None:
-    while not stop.wait(period):
-        if os.getppid() != parent_pid:
-            sys.stderr.write(f"scaleout: rank pid {os.getpid()}: the launcher (pid {parent_pid}) "
-                             "is gone; leaving\n")
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _place() -> str | None:
+    """Where pids mean something: this machine's boot id and this pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _identity(pid: int | str) -> str | None:
+    """``<boot id>/<pid namespace>/<start time>`` of a live process (a reused pid has another
+    start time), or None when it is gone or there is no ``/proc``."""
+    place, fields = _place(), _stat(pid)
+    if place is None or fields is None or fields[0] in "ZX":
+        return None
+    return f"{place}/{fields[19]}"
+
+
+def launcher_env() -> dict[str, str]:
+    """What the launcher tells its ranks about itself: its pid and, where ``/proc`` exists,
+    its identity (``SCALEOUT_LAUNCHER_ID``), so that :func:`watch_parent` can watch it from
+    any depth below (under a wrapper that forks) without mistaking a reused pid for it."""
+    identity = _identity("self")
+    env = {LAUNCHER_PID_VAR: str(os.getpid())}
+    if identity is not None:
+        env[LAUNCHER_ID_VAR] = identity
+    return env
+
+
+def _leave(pid: int, group: bool) -> None:
+    """The launcher is gone: SIGKILL to this rank's process group (what it and a wrapper
+    above it started) when the launcher started it in a group of its own, else to itself."""
+    try:  # (the launcher read this output: most likely no one reads it now)
+        sys.stderr.write(f"scaleout: rank pid {os.getpid()}: the launcher (pid {pid}) is "
+                         f"gone; leaving{' with its process group' if group else ''}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    if group:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int, identity: str) -> bool:
+    """Whether the launcher still runs: by identity, or (no ``/proc``) as the parent."""
+    return _identity(pid) == identity if identity else os.getppid() == pid
+
+
+def _watch(pid: int, identity: str, group: bool, period: float,
+           stop: threading.Event) -> None:
+    while _alive(pid, identity):
+        if stop.wait(period):
+            return
+    _leave(pid, group)
 
 
 def watch_parent(environ: Mapping[str, str], period: float = 1.0) -> threading.Event | None:
-    """Leave (SIGKILL to self) once the launcher named in ``SCALEOUT_LAUNCHER_PID`` is gone.
+    """Leave once the launcher named in ``SCALEOUT_LAUNCHER_PID`` is gone: SIGKILL to this
+    rank's process group when the launcher started it in a group of its own (so that what
+    the rank started, and a wrapper that did not exec, go too), else to this process.
+
+    The launcher is watched by its identity (``SCALEOUT_LAUNCHER_ID``: boot id, pid
+    namespace, start time), whether it is this process's parent or not. Without that
+    variable only a parent can be watched (by its identity, read now; without ``/proc`` by
+    the parent pid).
 
     Returns:
         An event that stops the watch when set, or ``None`` when this process was not
-        started by ``scaleout run`` (or its parent is not the launcher, as under a wrapper),
-        or a watch already runs.
+        started by ``scaleout run``, cannot see its launcher (another machine or pid
+        namespace; a wrapper without ``SCALEOUT_LAUNCHER_ID``), or a watch already runs.
     """
     value = environ.get(LAUNCHER_PID_VAR, "")
-    if not value.isdigit() or int(value) != os.getppid():
+    if not value.isdigit() or any(thread.name == _THREAD for thread in threading.enumerate()):
         return None
-    if any(thread.name == _THREAD for thread in threading.enumerate()):
-        return None
+    pid, identity = int(value), environ.get(LAUNCHER_ID_VAR, "")
+    if identity and identity.rsplit("/", 1)[0] != _place():
+        return None  # its pids are not ours to read
+    if not identity:
+        if pid != os.getppid():
+            return None
+        identity = _identity(pid) or ""
+    try:  # a group of its own, not the launcher's (which may hold the launcher's caller)
+        group = os.getpgrp() != os.getpgid(pid)
+    except OSError:  # already gone: leave alone (its guardian signals the rank's group)
+        group = False
     stop = threading.Event()
-    threading.Thread(target=_watch, args=(int(value), period, stop), daemon=True,
+    threading.Thread(target=_watch, args=(pid, identity, group, period, stop), daemon=True,
                      name=_THREAD).start()
     return stop
 

@@ -1,9 +1,17 @@
 """The rank processes of one launch attempt: start, tag output, reap, stop.
 
 :class:`Ranks` is what :func:`scaleout.launch.launcher.launch` runs once per attempt. Each
-rank gets its own process group (so that stopping reaches its children) and the
-parent-death signal (:mod:`scaleout.launch.lifeline`); one pump thread per rank copies its
-output, one waiter thread per rank records the exact order in which ranks exit.
+rank gets its own process group (so that stopping reaches its children), the parent-death
+signal (:mod:`scaleout.launch.lifeline`) and the attempt's guardian
+(:mod:`scaleout.launch.guardian`), which signals its group if the launcher dies; one pump
+thread per rank copies its output, one waiter thread per rank records the exact order in
+which ranks exit.
+
+A pump holds at most :data:`PIECE` characters of a line: a longer line (a rank writing
+without newlines) is passed on in pieces, each tagged as a line of its own; the failure tail
+keeps the first :data:`TAIL_LINE` characters of each line. When the launcher's output is
+gone (``scaleout run ... | head``) the pumps keep reading and drop what they read, so the
+ranks never block on a full pipe.
 """
 
 from __future__ import annotations
@@ -16,9 +24,58 @@ import threading
 import time
 from typing import IO
 
+from scaleout.launch.guardian import Guardian
 from scaleout.launch.lifeline import REPORT_DIR_VAR, die_with_parent, note_exit
 
-__all__ = ["Ranks", "signal_name"]
+__all__ = ["Ranks", "signal_name", "write_out", "PIECE", "TAIL_LINE"]
+
+#: characters of one line a pump holds at most: a longer line is passed on in pieces
+PIECE = 64 * 1024
+#: characters of one line kept for the failure report
+TAIL_LINE = 2000
+
+
+def write_out(out: IO[str], text: str) -> bool:
+    """Write ``text`` to ``out`` and flush; False when ``out`` cannot take it (its reader is
+    gone: then its file descriptor is pointed at ``/dev/null``, so that later writes and the
+    interpreter's last flush do not fail)."""
+    try:
+        out.write(text)
+        out.flush()
+        return True
+    except BrokenPipeError:
+        _discard(out)
+    except (OSError, ValueError):  # (a closed stream)
+        pass
+    return False
+
+
+def _discard(out: IO[str]) -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, out.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _piece_text(tag: str, piece: str, start: bool) -> str:
+    """What the pump writes for ``piece`` (``start``: it begins a line): with a tag, a piece
+    that does not end its line is ended here, so the next piece gets a tag of its own."""
+    if not tag:
+        return piece
+    if piece.endswith("\n"):
+        return "" if piece == "\n" and not start else tag + piece
+    return tag + piece + "\n"
+
+
+def _tail_line(piece: str) -> str:
+    line = piece.rstrip("\n")
+    if len(line) <= TAIL_LINE:
+        return line
+    return f"{line[:TAIL_LINE]} [... cut: the line is longer than {TAIL_LINE} characters]"
 
 
 class Ranks:
@@ -34,6 +91,8 @@ class Ranks:
         self.exits: list[tuple[float, int, int]] = []  # (time, rank, code) in order of exit
         self.changed = threading.Event()  # a rank exited, or the launcher got a signal
         self.signal: int | None = None
+        self.dropping = False  # the output is gone: the pumps drop what they read
+        self.guard: Guardian | None = None
 
     def start(self, rank: int, argv: list[str], env: dict[str, str], prefix: bool) -> None:
         try:
@@ -43,6 +102,9 @@ class Ranks:
                                     preexec_fn=die_with_parent(os.getpid()))
         except OSError as err:
             raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
+        if self.guard is None:
+            self.guard = Guardian()
+        self.guard.add(proc.pid)  # (the rank leads its process group)
         self.procs[rank] = proc
         self.reports = env.get(REPORT_DIR_VAR)
         self.tails[rank] = collections.deque(maxlen=30)
@@ -54,11 +116,17 @@ class Ranks:
     def _pump(self, rank: int, proc: subprocess.Popen[str], prefix: bool) -> None:
         assert proc.stdout is not None
         tag = f"[rank {rank}] " if prefix else ""
-        for line in proc.stdout:
-            self.tails[rank].append(line.rstrip("\n"))
-            with self.lock:
-                self.out.write(tag + line)
-                self.out.flush()
+        start = True  # the piece begins a line
+        while piece := proc.stdout.readline(PIECE):
+            if start:
+                self.tails[rank].append(_tail_line(piece))
+            self._write(_piece_text(tag, piece, start))
+            start = piece.endswith("\n")
+
+    def _write(self, text: str) -> None:
+        with self.lock:
+            if text and not self.dropping and not write_out(self.out, text):
+                self.dropping = True  # keep reading: a rank blocked on its pipe would hang
 
     def _reap(self, rank: int, proc: subprocess.Popen[str], _prefix: bool) -> None:
         code = proc.wait()  # the only waiter of this process: its exit time is exact
@@ -107,6 +175,8 @@ class Ranks:
             if self._all_exited():
                 break
         self._signal_groups(signal.SIGKILL)
+        if self.guard is not None:
+            self.guard.close()
         for thread in self.threads:
             thread.join(timeout=2.0)
 
@@ -126,6 +196,15 @@ class Ranks:
         with self.lock:
             failed = [(rank, code) for _, rank, code in sorted(self.exits) if code != 0]
         return failed[0] if failed else None
+
+    def exited_before(self, rank: int) -> list[tuple[int, int, float]]:
+        """(rank, code, seconds earlier) of each rank that exited before ``rank`` did."""
+        with self.lock:
+            exits = sorted(self.exits)
+        when = next((at for at, who, _ in exits if who == rank), None)
+        if when is None:
+            return []
+        return [(who, code, when - at) for at, who, code in exits if at < when and who != rank]
 
 
 def signal_name(number: int) -> str:

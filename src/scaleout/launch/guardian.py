@@ -1,0 +1,78 @@
+"""What a rank started dies with the launcher, ``kill -9`` included.
+
+The parent-death signal (:mod:`scaleout.launch.lifeline`) reaches the rank only: a process
+the rank started (``subprocess.Popen(["sleep", "300"])``), or the rank under a wrapper that
+does not exec (``sh -c "python3 train.py; echo done"``), would be left running. So each
+attempt of the launcher starts a :class:`Guardian`: a small Python process in a session of
+its own that reads, from a pipe, the process group of every rank it starts. When the
+attempt ends (its ranks stopped) the launcher says ``done``; when the pipe closes without it
+(the launcher died), the guardian sends SIGKILL to every group. It reads until the pipe
+closes, so it needs no timing and costs nothing meanwhile.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+__all__ = ["Guardian"]
+
+_CODE = """
+import os, signal, sys
+for sig in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+groups = set()
+for word in sys.stdin.read().split():  # until the launcher closes the pipe, or dies
+    if word == "done":
+        sys.exit(0)
+    groups.add(int(word))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class Guardian:
+    """The process that signals the ranks' process groups if the launcher dies."""
+
+    def __init__(self) -> None:
+        try:
+            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _CODE], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                start_new_session=True)
+        except OSError:  # best effort: the parent-death signal still reaches the ranks
+            self._proc = None
+
+    def _send(self, word: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(word + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):  # it is gone (killed by someone)
+            self._proc = None
+
+    def add(self, group: int) -> None:
+        """Signal process group ``group`` if the launcher dies."""
+        self._send(str(group))
+
+    def close(self) -> None:
+        """The launcher ends normally: the guardian leaves without signalling anything."""
+        proc = self._proc
+        self._send("done")
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._proc = None

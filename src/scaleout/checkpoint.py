@@ -8,10 +8,13 @@ Python, NumPy), the step and ``extra``. ``load(path, model, optimizer)`` restore
 same world size, or re-partitions them at another (below).
 
 Layout and atomicity: ``path`` is a symbolic link to a version directory
-``<path>.versions/<n>``. Each rank writes ``rank-<r>-of-<N>.pt`` into a new version
-directory (a temp file in the same directory, fsync, rename); after every rank is done,
-rank 0 points ``path`` at the new version by renaming a new link over it (one atomic
-rename) and removes older versions. A kill at any moment leaves ``path`` naming a complete
+``<path>.versions/<n>``. Rank 0 empties the new version directory (a save killed before its
+commit leaves files there), then each rank writes ``rank-<r>-of-<N>.pt`` into it (a temp file
+in the same directory, fsync, rename); after every rank is done, rank 0 checks that it holds
+exactly those files, points ``path`` at it by renaming a new link over it (one atomic
+rename) and removes older versions. A step that fails on some ranks only fails on every rank
+with the same error (:mod:`scaleout.checkpoint_agree`); ``load`` checks the state against the
+model and the optimizer before it modifies either (:mod:`scaleout.checkpoint_checks`). A kill at any moment leaves ``path`` naming a complete
 checkpoint: the previous one until the rename, the new one after it.
 
 Another world size: a checkpoint taken at N ranks loads at M ranks when the model is
@@ -36,8 +39,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,7 +49,20 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from scaleout.core.consistency import exchange_device
+from scaleout.checkpoint_agree import (
+    IncompleteCheckpointError,
+    agree_on_version,
+    agreed,
+    first_exchange,
+)
+from scaleout.checkpoint_checks import (
+    check_extra,
+    check_model,
+    check_optimizer,
+    optimizer_class,
+    warn_untracked,
+)
+from scaleout.checkpoint_files import commit, empty_directory, read, world_of, write_atomic
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.resharding import (
@@ -58,7 +72,7 @@ from scaleout.pytorch.resharding import (
     split_optimizer_state,
 )
 
-__all__ = ["save", "load", "consolidate"]
+__all__ = ["save", "load", "consolidate", "IncompleteCheckpointError"]
 
 _VERSIONS = ".versions"
 
@@ -67,35 +81,6 @@ def _rank_world() -> tuple[int, int]:
     if tdist.is_available() and tdist.is_initialized():
         return tdist.get_rank(), tdist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.barrier()  # bounded by the process group's timeout
-
-
-def _agree_on_version(path: Path, current: Path | None, saved_world: int,
-                      outcome: str = "nothing was loaded") -> None:
-    """Raise unless every rank of the job is loading the same version of ``path`` (or every
-    rank finds none).
-
-    A shared file system can show ranks different versions for a while (a client's cached
-    symbolic link); ranks that resumed from different versions would train on as if nothing
-    were wrong. A tensor all-gather (not a pickle), bounded by the process group's timeout.
-    """
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2:
-        return
-    device = exchange_device()  # (the default group's)
-    version = int(current.name) if current is not None else -1
-    mine = torch.tensor([version, saved_world], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(every, mine)
-    seen = [tuple(int(v) for v in t.tolist()) for t in every]
-    if len(set(seen)) > 1:
-        found = ", ".join(f"rank {r}: " + (f"version {v} of {n} ranks" if v >= 0 else "none")
-                          for r, (v, n) in enumerate(seen))
-        raise ValueError(f"checkpoint {path}: the ranks see different versions ({found}); "
-                         f"{outcome} (a shared file system that has not caught up?)")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -119,23 +104,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
-def _write_atomic(target: Path, payload: Mapping[str, Any]) -> None:
-    """``torch.save`` to a temp file in ``target``'s directory, fsync, rename over target."""
-    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as handle:
-        torch.save(dict(payload), handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, target)
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _current(path: Path) -> Path | None:
@@ -169,16 +137,21 @@ def save(path: str | os.PathLike[str], model: nn.Module,
         path: the checkpoint's name (a symbolic link that this function creates or moves).
         model: the model (a DataParallel saves its codecs' residuals as extra state).
         optimizer: its optimizer (any ``torch.optim.Optimizer``, or scaleout's wrapper).
+            Trainable parameters it does not hold (a second optimizer's) are named in a
+            ``UserWarning`` unless ``extra`` holds an optimizer's ``state_dict()``.
         step: the training step, returned by :func:`load`.
-        extra: more of this rank's state (tensors, numbers, strings, lists, dicts).
+        extra: more of this rank's state (tensors, numbers, strings, lists, dicts): what
+            :func:`load` (``weights_only=True``) accepts; another optimizer's ``state_dict()``.
 
     Returns:
         The version directory written.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``step`` not an int.
-        ValueError: ``path`` exists but is not a checkpoint, or the ranks see different
-            versions of it (on every rank; nothing is written).
+        ValueError: ``path`` exists but is not a checkpoint, the ranks see different
+            versions of it, or ``extra`` holds a value that ``load`` would refuse (the entry
+            and its type are named; on every rank, nothing is written).
+        RuntimeError: not every rank called it (the first exchange timed out).
 
     Example:
         >>> checkpoint.save("ckpt/run", model, opt, step=step)        # every rank
@@ -194,36 +167,35 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     current = _current(path)
     # every rank writes into the same new version (a rank that saw another would write where
     # the commit does not point)
-    _agree_on_version(path, current, 0, "nothing was saved")
-    number = int(current.name) + 1 if current is not None else 0
-    fresh = versions / str(number)
-    fresh.mkdir(parents=True, exist_ok=True)
+    first_exchange("save", agree_on_version, path, current, 0, "nothing was saved")
+    fresh = versions / str(int(current.name) + 1 if current is not None else 0)
     _synchronize(model)
+    payload = agreed(lambda: _payload(model, optimizer, step, extra, rank, world))
+    warn_untracked(model, optimizer, extra)
+    # a save killed before its commit left files (of another world size, perhaps) there
+    agreed(lambda: empty_directory(fresh) if rank == 0 else None)
+    agreed(lambda: write_atomic(fresh / f"rank-{rank}-of-{world}.pt", payload))
+    agreed(lambda: commit(path, versions, fresh, world) if rank == 0 else None)
+    return fresh  # (nobody starts another save, or a load, before the commit)
+
+
+def _payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+             extra: Mapping[str, Any] | None, rank: int, world: int) -> dict[str, Any]:
+    check_extra(extra or {})
     shards = shard_group(optimizer)
-    payload = {
+    return {
         "format": 1, "rank": rank, "world_size": world, "step": step,
         "layout": {"replicated": all(placement_of(p) is None for p in model.parameters()),
                    "model_parts": _model_parts(model),
                    "shards": shards[0] if shards else None,
-                   "shapes": optimizer_shapes(optimizer) if optimizer is not None else None},
+                   "shapes": optimizer_shapes(optimizer) if optimizer is not None else None,
+                   "optimizer_class": optimizer_class(optimizer)},
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "rng": _rng_state(), "extra": dict(extra or {}),
     }
-    _write_atomic(fresh / f"rank-{rank}-of-{world}.pt", payload)
-    _barrier()  # every rank's file is on disk
-    if rank == 0:
-        link = path.with_name(f".{path.name}.link-{os.getpid()}")
-        if link.is_symlink():
-            link.unlink()
-        os.symlink(os.path.relpath(fresh, path.parent), link)
-        os.replace(link, path)  # the commit: one atomic rename
-        _fsync_dir(path.parent)
-        for old in versions.iterdir():
-            if old != fresh:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()  # nobody starts another save (or a load) before the commit
-    return fresh
+
+
 
 
 def load(path: str | os.PathLike[str], model: nn.Module,
@@ -235,28 +207,49 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     Otherwise the state is re-partitioned (see the module's notes): the model must be
     replicated, codec residuals are reset with a ``UserWarning``. Every rank of the job calls
     it (under a process group): before anything is restored the ranks check that they read
-    the same version of ``path``.
+    the same version of ``path``, that every rank read its file, and that the state fits the
+    model and the optimizer (keys and shapes, optimizer class, groups): a refused load leaves
+    both as they were, on every rank.
 
     Returns:
         ``(step, extra)`` as saved (at another world size, rank 0's ``extra``).
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
+        IncompleteCheckpointError: (a ValueError) a rank's file is missing or unreadable; on
+            every rank, naming the file.
         ValueError: it cannot be re-partitioned (tensor-parallel or rank-local parameters, a
-            model group, a file from before layouts were recorded), holds no optimizer state,
-            or the ranks see different versions of it (on every rank; nothing is restored).
+            model group, a file from before layouts were recorded), does not fit the model or
+            the optimizer (another optimizer class, other groups, no optimizer state), or the
+            ranks see different versions of it (on every rank; nothing is restored).
+        RuntimeError: not every rank called it (the first exchange timed out).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     rank, world = _rank_world()
     path = Path(path)
     current = _current(path)
-    saved_world = _saved_world(current) if current is not None else 0
-    _agree_on_version(path, current, saved_world)
+    saved_world = world_of(current) if current is not None else 0
+    first_exchange("load", agree_on_version, path, current, saved_world)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
+    _synchronize(model)
+    plan = agreed(lambda: _plan(path, current, saved_world, model, optimizer, map_location))
+    model.load_state_dict(plan["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(plan["optimizer"])
+    if plan["rng"] is not None:
+        _set_rng_state(plan["rng"])
+    return plan["step"], plan["extra"]
+
+
+def _plan(path: Path, current: Path, saved_world: int, model: nn.Module,
+          optimizer: torch.optim.Optimizer | None,
+          map_location: str | torch.device | None) -> dict[str, Any]:
+    """What :func:`load` restores on this rank, read and checked (nothing modified yet)."""
+    rank, world = _rank_world()
     shards = shard_group(optimizer)
-    own = _read(current, rank, saved_world, map_location) if rank < saved_world else None
+    own = read(current, rank, saved_world, map_location) if rank < saved_world else None
     layout = own.get("layout") if own is not None else None  # None: written before layouts
     if layout is not None and not layout["replicated"] and \
             layout.get("model_parts", 1) != _model_parts(model):
@@ -265,31 +258,26 @@ def load(path: str | os.PathLike[str], model: nn.Module,
                          f"only on such a grid, not on model groups of {_model_parts(model)}")
     if saved_world == world and own is not None and (
             layout is None or layout["shards"] == (shards[0] if shards else None)):
-        payload = own
-        _synchronize(model)
-        model.load_state_dict(payload["model"])
-        optimizer_state = payload["optimizer"]
+        payload, model_state, optimizer_state = own, own["model"], own["optimizer"]
+        saved_class = (layout or {}).get("optimizer_class")
     else:
-        payload = consolidate(path, map_location=map_location)
+        payload = _consolidate(path, current, map_location)
         if shards is not None and shards[0] != world:
             raise ValueError(f"cannot re-partition checkpoint {path} for a sharded update over "
                              f"{shards[0]} of {world} ranks (a model group): resume at world "
                              f"size {saved_world}")
-        _synchronize(model)
         same_ranks = saved_world == world and own is not None  # only the sharding changed
-        model.load_state_dict(own["model"] if same_ranks
-                              else _reset_codec_state(payload["model"], saved_world, world))
-        optimizer_state = payload["optimizer"]
+        model_state = own["model"] if same_ranks else \
+            _reset_codec_state(payload["model"], saved_world, world)
+        optimizer_state, saved_class = payload["optimizer"], payload["optimizer_class"]
         if optimizer_state is not None and shards is not None:
             optimizer_state = split_optimizer_state(optimizer_state, optimizer_shapes(optimizer),
                                                     *shards)
-    if optimizer is not None:
-        if optimizer_state is None:
-            raise ValueError(f"checkpoint {path} holds no optimizer state")
-        optimizer.load_state_dict(optimizer_state)
-    if own is not None:
-        _set_rng_state(own["rng"])
-    return int(payload["step"]), dict(payload["extra"])
+    check_model(path, model, model_state)
+    check_optimizer(path, optimizer, optimizer_state, saved_class)
+    return {"model": model_state, "optimizer": optimizer_state,
+            "rng": own["rng"] if own is not None else None,
+            "step": int(payload["step"]), "extra": dict(payload["extra"])}
 
 
 def consolidate(path: str | os.PathLike[str], *,
@@ -297,20 +285,27 @@ def consolidate(path: str | os.PathLike[str], *,
     """The checkpoint at ``path`` as one unsharded state (no process group needed).
 
     Returns:
-        ``{"step", "extra", "world_size", "model", "optimizer"}``: rank 0's model state
-        (with rank 0's codec residuals, if any) and ``extra``; the optimizer state of an
-        unsharded optimizer (a sharded update's slices joined); ``None`` without one.
+        ``{"step", "extra", "world_size", "model", "optimizer", "optimizer_class"}``: rank 0's
+        model state (with rank 0's codec residuals, if any) and ``extra``; the optimizer state
+        of an unsharded optimizer (a sharded update's slices joined); ``None`` without one;
+        the optimizer's class (``module.name``; None if not recorded).
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
+        IncompleteCheckpointError: (a ValueError) a rank's file is missing or unreadable.
         ValueError: the model is not replicated, or the checkpoint predates layouts.
     """
     path = Path(path)
     current = _current(path)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    saved_world = _saved_world(current)
-    first = _read(current, 0, saved_world, map_location)
+    return _consolidate(path, current, map_location)
+
+
+def _consolidate(path: Path, current: Path,
+                 map_location: str | torch.device | None) -> dict[str, Any]:
+    saved_world = world_of(current)
+    first = read(current, 0, saved_world, map_location)
     layout = first.get("layout")
     if layout is None:
         raise ValueError(f"checkpoint {path} was written before layouts were recorded: it "
@@ -324,29 +319,14 @@ def consolidate(path: str | os.PathLike[str], *,
             raise ValueError(f"checkpoint {path} has a sharded update over {layout['shards']} "
                              f"of {saved_world} ranks (a model group): it loads only at world "
                              f"size {saved_world}")
-        states = [optimizer] + [_read(current, r, saved_world, map_location)["optimizer"]
+        states = [optimizer] + [read(current, r, saved_world, map_location)["optimizer"]
                                 for r in range(1, saved_world)]
         optimizer = consolidate_optimizer_state(states, [tuple(s) for s in layout["shapes"]])
     return {"step": int(first["step"]), "extra": dict(first["extra"]),
-            "world_size": saved_world, "model": first["model"], "optimizer": optimizer}
+            "world_size": saved_world, "model": first["model"], "optimizer": optimizer,
+            "optimizer_class": layout.get("optimizer_class")}
 
 
-def _saved_world(current: Path) -> int:
-    """The world size of the checkpoint in version directory ``current``."""
-    sizes = {int(m.group(1)) for p in current.glob("rank-*-of-*.pt")
-             if (m := re.fullmatch(r"rank-\d+-of-(\d+)\.pt", p.name))}
-    if len(sizes) != 1:
-        raise ValueError(f"checkpoint directory {current} holds files of world sizes "
-                         f"{sorted(sizes)}; expected one")
-    return sizes.pop()
-
-
-def _read(current: Path, rank: int, world: int,
-          map_location: str | torch.device | None) -> dict[str, Any]:
-    file = current / f"rank-{rank}-of-{world}.pt"
-    if not file.exists():
-        raise FileNotFoundError(f"checkpoint file {file} is missing")
-    return torch.load(file, map_location=map_location, weights_only=True)
 
 
 def _reset_codec_state(state: Mapping[str, Any], saved_world: int,
@@ -365,5 +345,5 @@ def _reset_codec_state(state: Mapping[str, Any], saved_world: int,
         warnings.warn(f"checkpoint saved at {saved_world} ranks, loaded at {world}: the codec "
                       f"state (error-feedback residuals) of {len(reset)} bucket(s) is reset, as "
                       f"it belongs to the ranks that made it ({reset[0]}, ...)", UserWarning,
-                      stacklevel=3)
+                      stacklevel=6)  # (the caller of load)
     return fresh

@@ -26,7 +26,7 @@ from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.dp_backward import BackwardSide
-from scaleout.pytorch.dp_checkpoint import CheckpointSurface
+from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
                                       register_layers)
@@ -335,7 +335,8 @@ class DataParallel(BackwardSide, CheckpointSurface):
                 self._trace.set_grad_bytes(layer.name, sum(p.numel() * p.element_size()
                                                            for p in layer.params))
         if self._pending_compression_state:
-            session.load_compression_state_dict(self._pending_compression_state)
+            session.load_compression_state_dict(  # (what it does not compress: reset)
+                fit_compression_state(session, self._pending_compression_state))
             self._pending_compression_state = {}
         self._session = session
         bind_recorders(self.module, session.statistics)  # activation exchanges, per layer

@@ -6,11 +6,31 @@ A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``synchr
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
 
-__all__ = ["CheckpointSurface"]
+__all__ = ["CheckpointSurface", "fit_compression_state"]
+
+
+def fit_compression_state(session: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """The part of the codec ``state`` (saved by a checkpoint) that ``session`` compresses.
+
+    The rest is reset with a ``UserWarning`` that says why, as a world-size change does: the
+    checkpoint was saved with another compression (switched off, another codec or buckets, or
+    a codec that ``tune=`` had chosen and this run has not chosen yet).
+    """
+    have = set(session.compression_state_dict())
+    unknown = sorted(set(state) - have)
+    if unknown:
+        warnings.warn(
+            f"the checkpoint's codec state (error-feedback residuals) of {len(unknown)} "
+            f"bucket(s) is reset ({unknown[0]}, ...): this session does not compress them (it "
+            f"compresses {sorted(have) or 'nothing'}); the checkpoint was saved with other "
+            f"compression (switched off since, another codec or buckets, or a codec that tune= "
+            f"chose and this run has not chosen yet)", UserWarning, stacklevel=3)
+    return {name: entry for name, entry in state.items() if name in have}
 
 
 class CheckpointSurface(nn.Module):
@@ -49,4 +69,5 @@ class CheckpointSurface(nn.Module):
         if self._session is None:
             self._pending_compression_state = dict(state["compression"])
         else:
-            self._session.load_compression_state_dict(state["compression"])
+            self._session.load_compression_state_dict(
+                fit_compression_state(self._session, state["compression"]))

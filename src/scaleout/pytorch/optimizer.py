@@ -73,12 +73,29 @@ def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
         grad.mul_(factor.to(grad.dtype))
 
 
+def _options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's options (tensors copied: a scheduler may change them in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+             if k != "params"} for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values: changed unless the same object
+        return a is b
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer for a :class:`DataParallel` model.
 
     Args:
         optimizer: any torch optimizer over the model's parameters (SGD, Adam, AdamW, ...).
-            Learning-rate schedulers may be attached to this object (or to ``optimizer``).
+            Learning-rate schedulers may be attached to this object (or to ``optimizer``: with
+            the sharded update, the options its groups change reach the step that follows).
         model: the DataParallel model.
         mode: ``"overlap"`` — ``step()`` returns at once and each layer's update is applied
             when its gradient communication completes, at the latest in that layer's forward
@@ -126,6 +143,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._user_optimizer = optimizer
         self._shards: dict[int, nn.Parameter] = {}
         self.inner = self._sharded_optimizer(optimizer) if self.sharded else optimizer
+        self._user_options = _options(optimizer)  # (sharded: what the user's groups said)
         super().__init__([torch.zeros(1, requires_grad=True)], {})
         self.param_groups = self.inner.param_groups  # schedulers edit the real groups
         self.state = self.inner.state
@@ -305,7 +323,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for group, options in zip(self.param_groups, saved):
                 group.update(options)
 
+    def _follow_user_groups(self) -> None:
+        """With the sharded update, ``inner`` is a copy of the user's optimizer over the owned
+        shards: options that the user's groups changed since the last step (a scheduler
+        attached to the wrapped optimizer) are copied into it; then the user's groups show the
+        options in effect (changes made through this wrapper included)."""
+        for user, inner, seen in zip(self._user_optimizer.param_groups,
+                                     self.inner.param_groups, self._user_options):
+            for key, value in user.items():
+                if key != "params" and (key not in seen or not _same(value, seen[key])):
+                    inner[key] = value
+            user.update({k: v for k, v in inner.items() if k != "params"})
+        self._user_options = _options(self._user_optimizer)
+
     def _sharded_step(self, pending: list[Layer]) -> None:
+        self._follow_user_groups()
         used = self.model.updates.used_globally()
         for layer in pending:
             for param, ps in zip(layer.params, layer.sets):

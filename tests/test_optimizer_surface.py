@@ -275,6 +275,27 @@ def test_another_optimizer_over_a_sharded_models_parameter_is_refused() -> None:
         assert "SGD.step() over 1.weight of a DataParallel(distributed_update=True)" in message
 
 
+def body_codec_checks() -> list[str]:
+    env = scaleout.init(timeout=30)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    outcome = [ok_or_refused(lambda: DataParallel(net, compression="topk:ratio=0.1",
+                                                  distributed_update=True))]
+    model = DataParallel(net, compression="sign")
+    opt = DistributedOptimizer(torch.optim.SGD(net[0].parameters(), lr=0.01), model)
+    with pytest.warns(UserWarning, match="sign"):  # the added group's momentum 0.9
+        opt.add_param_group({"params": list(net[1].parameters()), "lr": 0.1, "momentum": 0.9})
+    model.close()
+    env.finalize()
+    return outcome
+
+
+def test_codec_combinations_are_checked_when_they_arise() -> None:
+    """A codec with the sharded update crashed at the first step ("the comm hook's result
+    ... has 2048 values, expected 1024"); a group added later was never checked."""
+    for outcome in run_ranks(2, body_codec_checks):
+        assert "compression= with distributed_update=True is not supported" in outcome[0]
+
+
 def test_a_complex_parameter_is_named_at_construction() -> None:
     net = nn.Linear(2, 2)
     net.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))

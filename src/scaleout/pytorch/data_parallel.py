@@ -114,6 +114,12 @@ class DataParallel(BackwardSide, CheckpointSurface):
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = distributed_update
         self._compression = None if compression is None else as_config(compression)  # errors now
+        if distributed_update and self._compression is not None and any(
+                codec.name != "none" for codec in (self._compression.codec,
+                                                   *self._compression.layers.values())):
+            raise ValueError("compression= with distributed_update=True is not supported: the "
+                             "sharded update reduce-scatters each gradient and the codecs "
+                             "exchange whole buckets; use one or the other")
         self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
         interval = replica_interval(verify_replicas)

@@ -262,6 +262,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model.synchronize()
         self.inner.add_param_group(param_group)
         self._hold()
+        if self.model.compression is not None:  # the new group's options against the codecs
+            warn_unsuited(self.model.compression, self.inner)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

@@ -35,6 +35,7 @@ __all__ = [
     "ExchangeGenerator",
     "TensorMeta",
     "add_residual",
+    "check_number",
     "bucket_layout",
     "residual_of",
     "checks_are_free",
@@ -88,6 +89,19 @@ def checks_are_free(tensor: torch.Tensor) -> bool:
     docs/compression.md lists the host synchronisations that remain, and why.
     """
     return tensor.device.type == "cpu"
+
+
+def check_number(owner: str, name: str, value: Any, *, integer: bool = False) -> None:
+    """Reject an option of the wrong type at construction: a bool, a string, anything not
+    an ``int`` (``integer``) or not an ``int``/``float``.
+
+    Raises:
+        TypeError: Naming ``owner`` and the option ``name``.
+    """
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        wanted = "an int" if integer else "a number"
+        raise TypeError(f"{owner}: {name} must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def check_compressible(codec: str, tensor: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from scaleout.compression.base import (
     add_residual,
     check_compressible,
     store_residual,
+    work_dtype,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -39,9 +40,13 @@ class CastCodec(Codec):
     Tolerance (one encode/decode, round to nearest): relative error at most
     ``2**-11`` for fp16 and ``2**-8`` for bf16 for values in the type's normal
     range; fp16 subnormals (``|x| < 2**-14``) lose precision to an absolute
-    ``2**-25``; fp16 overflows to Inf above 65504. The wire sum of ``p`` ranks is
+    ``2**-25``; fp16 overflows to Inf above 65504. In an exchange each of the ``p``
+    ranks sends ``x / p`` (divided before the cast, as PyTorch's ``fp16_compress_hook``),
+    so the wire carries the average: it overflows only where the average itself is above
+    65504, and gradients below ``p * 2**-24`` flush to zero in fp16. The wire sum is
     itself rounded to the wire type at each hop, so the reduced error grows with
-    ``p``; use error feedback or bf16 for large groups. NaN/Inf propagate.
+    ``p``; error feedback keeps each rank's own rounding (``x - p * wire``), not the
+    rounding of the sum (see docs/compression.md), so it is not exact either. NaN/Inf propagate.
 
     Args:
         dtype: ``"fp16"`` or ``"bf16"`` (aliases: ``float16``, ``half``,
@@ -81,27 +86,44 @@ class CastCodec(Codec):
 
         The payload is the state's ``"wire"`` scratch buffer (reused every step).
         """
-        if self.error_feedback:
-            flat = add_residual(self.name, tensor, state, True)
-            wire = state.work_buffer("wire", flat.numel(), self.wire_dtype, device=flat.device)
-            wire.copy_(flat)
-            store_residual(state, flat, wire.to(flat.dtype), True)
-        else:  # straight from the gradient: one pass
-            check_compressible(self.name, tensor)
-            source = tensor.detach().reshape(-1)
-            wire = state.work_buffer("wire", source.numel(), self.wire_dtype, device=source.device)
-            wire.copy_(source)
-        return [wire], TensorMeta(tensor.shape, tensor.dtype)
+        return [self._to_wire(tensor, state, 1)], TensorMeta(tensor.shape, tensor.dtype)
 
     def exchange(
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
-        """One allreduce in the wire dtype; returns the sum still in it (widened by the caller
-        while averaging, so no extra pass)."""
-        payload, _ = self.encode(tensor, state)
-        summed = yield collectives.allreduce(comm, payload[0])
-        return summed
+        """One allreduce in the wire dtype of every rank's ``x / ranks`` (as PyTorch's
+        ``fp16_compress_hook``: the sum on the wire is the average, which fits fp16 wherever
+        the average does); returns that times ``ranks`` in the work dtype (the sum, which
+        the caller averages again)."""
+        wire = self._to_wire(tensor, state, comm.size)
+        summed = yield collectives.allreduce(comm, wire)
+        if comm.size == 1:
+            return summed
+        total = state.work_buffer("sum", summed.numel(), work_dtype(tensor.dtype),
+                                  device=summed.device)
+        return total.copy_(summed).mul_(comm.size)
 
     def decode(self, payload: Sequence[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Cast back to the original dtype; see :meth:`Codec.decode`."""
         return payload[0].to(ctx.dtype).view(ctx.shape)
+
+    def _to_wire(self, tensor: torch.Tensor, state: CodecState, divisor: int) -> torch.Tensor:
+        """``tensor / divisor`` (divided in the work dtype, before narrowing) in the wire
+        dtype, in the state's ``"wire"`` scratch buffer. With error feedback, the residual
+        keeps ``x - divisor * wire``: what this rank's share of the sum lacks."""
+        if self.error_feedback:
+            flat = add_residual(self.name, tensor, state, True)
+            wire = state.work_buffer("wire", flat.numel(), self.wire_dtype, device=flat.device)
+            if divisor == 1:
+                wire.copy_(flat)
+                store_residual(state, flat, wire.to(flat.dtype), True)
+            else:
+                wire.copy_(flat / divisor)
+                store_residual(state, flat, wire.to(flat.dtype).mul_(divisor), True)
+            return wire
+        check_compressible(self.name, tensor)  # straight from the gradient: one pass
+        source = tensor.detach().reshape(-1)
+        wire = state.work_buffer("wire", source.numel(), self.wire_dtype, device=source.device)
+        if divisor == 1:
+            return wire.copy_(source)
+        return wire.copy_(torch.div(source, divisor))  # (a new tensor: never the gradient)

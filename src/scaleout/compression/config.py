@@ -63,6 +63,9 @@ class CompressionConfig:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("min_numel", "warmup_steps"):
+            if isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be an int, not a bool, got {getattr(self, name)!r}")
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) \
                 or not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")

@@ -82,15 +82,20 @@ def make_codec(spec: str | Codec) -> Codec:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"codec spec must be a str or a Codec, got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
+    name, sep, rest = spec.strip().partition(":")
     name = name.strip().lower()
     cls = CODECS.get(name)
     if cls is None:
         raise ValueError(f"unknown codec {name!r} in spec {spec!r}; valid codecs: {', '.join(CODECS)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
+    if sep and not rest.strip():
+        raise ValueError(f"codec spec {spec!r}: no options after ':'; write {name!r} for the "
+                         f"defaults, or name options (options: {', '.join(fields) or 'none'})")
     items = [item.strip() for item in rest.split(",")] if rest.strip() else []
     for position, item in enumerate(items):
+        if not item:
+            raise ValueError(f"codec spec {spec!r}: empty option (a stray ',')")
         key, eq, value = item.partition("=")
         if not eq:
             if position or name not in _POSITIONAL:

@@ -25,6 +25,7 @@ from scaleout.compression.base import (
     TensorMeta,
     bucket_layout,
     check_compressible,
+    check_number,
 )
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -61,6 +62,7 @@ class RowsCodec(Codec):
     dense_above: float = 0.5
 
     def __post_init__(self) -> None:
+        check_number("rows", "dense_above", self.dense_above)
         if not 0.0 <= float(self.dense_above) <= 1.0:
             raise ValueError(f"rows: dense_above must be in [0, 1], got {self.dense_above!r}")
 
@@ -82,7 +84,7 @@ class RowsCodec(Codec):
         values, rows = payload
         out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
         matrix = _as_rows(out, tuple(ctx.shape))
-        matrix.index_copy_(0, rows.long(), values.view(rows.numel(), -1).to(ctx.dtype))
+        matrix.index_copy_(0, rows.long(), values.view(rows.numel(), matrix.shape[1]).to(ctx.dtype))
         return out.view(ctx.shape)
 
     def exchange(
@@ -100,7 +102,8 @@ class RowsCodec(Codec):
         if flat.numel() == 0:
             return flat.clone()
         layout = bucket_layout(shapes)
-        matrices = [(o, n, s) for o, n, s in layout if len(s) >= 2 and s[0] > 1]
+        # (an empty tensor goes "whole": it shares its offset with the next, which keys union)
+        matrices = [(o, n, s) for o, n, s in layout if len(s) >= 2 and s[0] > 1 and n > 0]
         flags = [_touched(_as_rows(flat[o:o + n], s)).to(flat.dtype) for o, n, s in matrices]
         union: dict[int, torch.Tensor] = {}
         if flags:
@@ -121,17 +124,18 @@ class RowsCodec(Codec):
             at += piece.numel()
             if o in union:
                 target = _as_rows(result[o:o + n].zero_(), s)
-                target.index_copy_(0, union[o], part.view(union[o].numel(), -1))
+                target.index_copy_(0, union[o], part.view(union[o].numel(), target.shape[1]))
             else:
                 result[o:o + n].copy_(part)
         return result
 
 
 def _as_rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``flat`` as ``(rows, values per row)``: ``shape[0]`` rows for 2+ dims, else one row."""
+    """``flat`` as ``(rows, values per row)``: ``shape[0]`` rows for 2+ dims, else one row
+    (sizes explicit: a tensor with no elements has no ``-1`` to infer)."""
     if len(shape) >= 2 and shape[0] > 0:
-        return flat.view(shape[0], -1)
-    return flat.view(1, -1)
+        return flat.view(shape[0], flat.numel() // shape[0])
+    return flat.view(1, flat.numel())
 
 
 def _touched(matrix: torch.Tensor) -> torch.Tensor:

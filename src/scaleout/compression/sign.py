@@ -101,6 +101,45 @@ def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 _SCALES = ("rms", "mean")
 
 
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the scales on the wire for gradients of ``dtype``: float64 for float64 (a
+    float32 scale would overflow above ~3e38 and flush below ~1e-45), else float32 (which
+    holds every float32, float16 and bfloat16 block's RMS and mean magnitude)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def block_scales(magnitude: torch.Tensor, rms: bool) -> torch.Tensor:
+    """Per row of ``magnitude`` (``[blocks, values]`` of ``|x|``, float32 or float64;
+    overwritten): the RMS or the mean of the row.
+
+    The row is first scaled by ``2**-e``, ``e`` the exponent of its largest value (clamped
+    so that ``2**-e`` is a normal float), and the statistic scaled back by ``2**e``: exact
+    power-of-two steps, so that ``x * x`` neither overflows nor underflows and the RMS is
+    right to rounding whenever it is representable (it lies between ``peak / sqrt(values)``
+    and ``peak``). The fused kernels use the same formula. A row holding NaN gets NaN, one
+    holding Inf (and no NaN) Inf; rows without values: 0.
+    """
+    if magnitude.numel() == 0:
+        return torch.zeros(magnitude.shape[0], dtype=magnitude.dtype, device=magnitude.device)
+    peak = magnitude.amax(dim=1, keepdim=True)
+    limit = 1022 if magnitude.dtype == torch.float64 else 126  # 2**+-limit: normal floats
+    exponent = torch.frexp(peak).exponent.clamp_(-limit, limit)
+    magnitude.mul_(_pow2(exponent.neg(), magnitude.dtype))
+    if rms:
+        stat = magnitude.mul_(magnitude).mean(dim=1, keepdim=True).sqrt_()
+    else:
+        stat = magnitude.mean(dim=1, keepdim=True)
+    return stat.mul_(_pow2(exponent, magnitude.dtype)).view(-1)
+
+
+def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2.0 ** exponent`` in ``dtype`` (float32 or float64) for integer exponents in its
+    normal range, built from the bits (exact)."""
+    if dtype == torch.float64:
+        return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SignCodec(Codec):
     """Signs (1 bit each) times a per-block scale (RMS or mean magnitude); gathered.
@@ -114,7 +153,11 @@ class SignCodec(Codec):
     rank (its scale is non-finite); the residual keeps its previous value there.
 
     Wire size: ``ceil(n / 8)`` bytes of signs plus 4 bytes per block (about 28x
-    smaller than fp32 with the default 256-value blocks).
+    smaller than fp32 with the default 256-value blocks); 8 bytes per block for float64
+    gradients, whose scales go as float64. The scale is computed on the block scaled by a
+    power of two near its largest value (:func:`block_scales`), so the L2 norm is preserved
+    for every finite block whose norm is representable in the gradient's dtype (no overflow
+    or underflow of ``x * x``).
 
     Args:
         block_size: Values per scale; a multiple of 8.
@@ -141,6 +184,8 @@ class SignCodec(Codec):
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool):
+            raise TypeError(f"sign: block_size must be an int, not a bool, got {self.block_size!r}")
         if not isinstance(self.block_size, int) or self.block_size < 8 or self.block_size % 8:
             raise ValueError(f"sign: block_size must be a positive multiple of 8, got {self.block_size!r}")
         if self.scale not in _SCALES:
@@ -150,7 +195,8 @@ class SignCodec(Codec):
         """Pack the signs and per-block scales; see :meth:`Codec.encode`.
 
         Returns:
-            ``([signs uint8, scales float32], meta)``.
+            ``([signs uint8, scales], meta)``: scales in float32, or float64 for a float64
+            tensor (:func:`scale_dtype`).
         """
         meta = TensorMeta(tensor.shape, tensor.dtype)
         kernels = kernels_for(self.name, tensor.device, tensor.dtype, self.block_size)
@@ -184,7 +230,7 @@ class SignCodec(Codec):
             return (yield from self._exchange_fused(kernels, tensor, state, comm))
         flat = add_residual(self.name, tensor, state, self.error_feedback)
         signs, scales = self._encode_flat(flat, state)
-        nscale = scales.numel() * 4
+        nscale = scales.numel() * scales.element_size()
         wire = state.work_buffer("wire", nscale + signs.numel(), torch.uint8, device=flat.device)
         wire[:nscale].copy_(scales.view(torch.uint8))
         wire[nscale:].copy_(signs)
@@ -193,7 +239,7 @@ class SignCodec(Codec):
         total = state.work_buffer("sum", signs.numel() * 8, flat.dtype, device=flat.device)
         blocks = total.view(-1, self.block_size)
         for rank, row in enumerate(rows):
-            their_scales = row[:nscale].clone().view(torch.float32).to(flat.dtype)[:, None]
+            their_scales = row[:nscale].clone().view(scales.dtype).to(flat.dtype)[:, None]
             units = self._units_into(row[nscale:], state, flat.dtype).view_as(blocks)
             if rank == 0:
                 torch.mul(units, their_scales, out=blocks)
@@ -259,23 +305,17 @@ class SignCodec(Codec):
         return total[: tensor.numel()]
 
     def _encode_flat(self, flat: torch.Tensor, state: CodecState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Signs (packed, in a scratch buffer) and float32 scales of the flat ``flat``."""
+        """Signs (packed, in a scratch buffer) and scales (:func:`scale_dtype`) of ``flat``."""
         n = flat.numel()
         nblocks = max(1, -(-n // self.block_size))
         full = n // self.block_size * self.block_size
         device = flat.device
         magnitude = state.work_buffer("magnitude", n, flat.dtype, device=device)
-        if self.scale == "rms":
-            torch.mul(flat, flat, out=magnitude)
-        else:
-            torch.abs(flat, out=magnitude)
-        sums = [magnitude[:full].view(-1, self.block_size).sum(dim=1)]
+        torch.abs(flat, out=magnitude)
+        parts = [block_scales(magnitude[:full].view(-1, self.block_size), self.scale == "rms")]
         if full < n or n == 0:
-            sums.append(magnitude[full:].sum().div(max(1, n - full)).view(1))
-        scales = torch.cat([sums[0].div_(self.block_size), *sums[1:]])
-        if self.scale == "rms":
-            scales.sqrt_()
-        scales = scales.to(torch.float32)
+            parts.append(block_scales(magnitude[full:].view(1, n - full), self.scale == "rms"))
+        scales = torch.cat(parts).to(scale_dtype(flat.dtype))
         bits = state.work_buffer("bits", nblocks * self.block_size, torch.bool, device=device)
         torch.lt(flat, 0, out=bits[:n])
         bits[n:] = False

@@ -27,6 +27,7 @@ from scaleout.compression.base import (
     TensorMeta,
     add_residual,
     check_compressible,
+    check_number,
     update_buffer,
     set_residual,
     work_dtype,
@@ -81,6 +82,8 @@ class TopKCodec(Codec):
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
+        check_number("topk", "ratio", self.ratio)
+        check_number("topk", "momentum", self.momentum)
         if not 0.0 < float(self.ratio) <= 1.0:
             raise ValueError(f"topk: ratio must be in (0, 1], got {self.ratio!r}")
         if not 0.0 <= float(self.momentum) < 1.0:

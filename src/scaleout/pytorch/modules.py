@@ -56,7 +56,9 @@ def find_layers(module: nn.Module) -> list[Layer]:
     """Every module with trainable parameters of its own, in registration order.
 
     A parameter shared by several modules (tied weights) belongs to the first one; one
-    marked local to this rank (``scaleout.pytorch.placement``) belongs to none.
+    marked local to this rank (``scaleout.pytorch.placement``) belongs to none, and so does
+    one with no elements (``torch.empty(0)``): there is nothing to average, so it is left
+    out of communication and its ``.grad`` stays as autograd leaves it.
 
     Raises:
         TypeError: a trainable parameter is sparse or complex (not supported).
@@ -67,6 +69,8 @@ def find_layers(module: nn.Module) -> list[Layer]:
         params = []
         for own, param in mod.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen or is_local(param):
+                continue
+            if param.numel() == 0:  # nothing to average (a ParameterSet needs >= 1 value)
                 continue
             if param.is_sparse:
                 raise TypeError(f"parameter of {name or 'the root module'} is sparse; scaleout "

@@ -34,7 +34,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _check_params(model: DataParallel, params: Any) -> None:
     trained = {id(p) for layer in model.layers for p in layer.params}
     for param in [params] if isinstance(params, torch.Tensor) else params:
-        if param.requires_grad and id(param) not in trained:
+        # (an empty parameter has nothing to exchange: DataParallel leaves it out)
+        if param.requires_grad and param.numel() and id(param) not in trained:
             raise ValueError("the optimizer holds a parameter that is not a trainable "
                              "parameter of the DataParallel model")
 

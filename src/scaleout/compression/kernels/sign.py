@@ -14,9 +14,27 @@ import triton
 import triton.language as tl
 
 from scaleout.compression.kernels.common import (block_tile, byte_offsets, compensated, finite,
-                                                 tile)
+                                                 pow2, tile)
 
 __all__ = ["decode", "encode", "gather_sum"]
+
+
+@triton.jit
+def _block_scale(x, count, RMS: tl.constexpr):
+    """Per row: the RMS or mean magnitude, computed as the torch path does (``block_scales``
+    in ``scaleout.compression.sign``): on ``|x| * 2**-e``, ``e`` the exponent of the row's
+    largest value clamped to ``[-126, 126]``, scaled back by ``2**e`` (exact steps: ``x * x``
+    cannot overflow or underflow). NaN rows give NaN, Inf rows Inf."""
+    magnitude = tl.abs(x)
+    peak = tl.max(magnitude, axis=1)
+    biased = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(biased - 126, -126), 126)
+    unit = magnitude * pow2(-e)[:, None]
+    if RMS:
+        stat = tl.sqrt(tl.sum(unit * unit, axis=1) / count)
+    else:
+        stat = tl.sum(unit, axis=1) / count
+    return stat * pow2(e)
 
 
 @triton.jit
@@ -26,10 +44,7 @@ def _encode_kernel(src, res, new_res, signs, scales, n, nblocks, HAS_RES: tl.con
     rows, offs, inside = block_tile(n, BLOCK, ROWS)
     x, old = compensated(src, res, offs, inside, HAS_RES)
     count = tl.minimum(tl.maximum(n - rows * BLOCK, 1), BLOCK).to(tl.float32)
-    if RMS:
-        scale = tl.sqrt(tl.sum(x * x, axis=1) / count)
-    else:
-        scale = tl.sum(tl.abs(x), axis=1) / count
+    scale = _block_scale(x, count, RMS)
     live = rows < nblocks
     tl.store(scales + rows, scale, mask=live)
     negative = x < 0.0

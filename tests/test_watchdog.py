@@ -175,6 +175,8 @@ def test_wait_event_fails_fast_once_a_peer_failed() -> None:
             return watchdog.PeerFailure(rank=2, reason="process exited", detected_by=1,
                                         silent_for=1.0)
 
+        blocked = failure  # (what a waiting rank asks)
+
         def settle(self) -> None:
             pass
 

@@ -303,11 +303,14 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
     return comm.request(name, [work], lambda: out)
 
 
-def barrier(comm: Communicator, timeout: float | None = None) -> None:
-    """Block until every rank of the group arrives (or raise after ``timeout`` seconds)."""
-    name = "barrier"
-    if comm.size > 1 and comm.needs_check("barrier()"):
-        _same_everywhere(comm, name, "barrier()")
+def barrier(comm: Communicator, timeout: float | None = None, *, name: str = "barrier") -> None:
+    """Block until every rank of the group arrives (or raise after ``timeout`` seconds).
+
+    ``name`` names the call in errors and in the consistency check: ``finalize()`` meets in
+    ``barrier(comm, name="finalize")``, so a rank still in another collective is told apart.
+    """
+    if comm.size > 1 and comm.needs_check(f"{name}()"):
+        _same_everywhere(comm, name, f"{name}()")
     work = _start(comm, name, lambda: tdist.barrier(group=comm.group, async_op=True))
     comm.request(name, [work], lambda: None).wait(timeout)
 

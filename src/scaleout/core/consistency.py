@@ -45,9 +45,11 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
              for part in texts.split(_DESCRIPTION_BYTES)]
     listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
-    raise ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
-                     f"called different collectives (operation, dtype, shape, op or root): "
-                     f"{listing}")
+    error = ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
+                       f"called different collectives (operation, dtype, shape, op or root): "
+                       f"{listing}")
+    error.collective_mismatch = True  # type: ignore[attr-defined]  # (uncaught: a quick exit)
+    raise error
 
 
 def exchange_device(group: Any = None) -> torch.device:

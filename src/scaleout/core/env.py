@@ -13,7 +13,7 @@ import torch.distributed as tdist
 
 from scaleout.core import watchdog
 from scaleout.core.checks import check_seconds
-from scaleout.core.collectives import CHECK_MODES
+from scaleout.core.collectives import CHECK_MODES, Communicator, barrier
 from scaleout.core.communicator import release_groups
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
@@ -215,17 +215,28 @@ class Environment:
         environment's timeout), because a rank that tears gloo down while a peer still
         exchanges with it can make that peer abort at exit ("terminate called without an
         active exception", 6 of 30 three-rank runs of a one-allreduce script without it).
+        That barrier is a scaleout collective on the global group, watched and checked like
+        any other: a peer that fails meanwhile is a PeerFailedError naming it, a peer still
+        in another collective a ValueError naming both calls (``"full"`` checks; ``"first"``
+        only when that call is the first of its kind on its communicator).
+
+        Raises:
+            PeerFailedError, CommunicationTimeout, ValueError: the barrier failed (this rank
+                is then not torn down: leave the process).
         """
         self._teardown(meet=True)
 
     def _teardown(self, *, meet: bool) -> None:
         self.require_alive()
         self._alive = False
+        if meet and self.world_size > 1 and tdist.is_initialized():
+            comm = Communicator(group=tdist.group.WORLD, ranks=tuple(range(self.world_size)),
+                                name="global", global_rank=self.rank, timeout=self.timeout,
+                                check_consistency=self.check_consistency)
+            barrier(comm, name="finalize")  # while the watchdog still watches
         if meet:
             watchdog.stop()  # marks this rank as left: finishing is not failing
         if tdist.is_initialized():
-            if meet and self.world_size > 1:
-                tdist.barrier()
             tdist.destroy_process_group()
             release_groups()
 
@@ -323,14 +334,17 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
             # (imported here: launch.rendezvous itself imports the core's errors)
             from scaleout.launch.rendezvous import rendezvous
 
+            agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             job = rendezvous(info, token, limit,  # torchrun's agent serves a store already
-                             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                             agent_store=agent)
             tdist.init_process_group(chosen, store=job.store, rank=info.rank,
                                      world_size=info.world_size, timeout=timedelta(seconds=limit))
-            if limit_silence is not None:
-                watchdog.start(job, info.rank, info.world_size, limit_silence)
+            if limit_silence is not None:  # (the store's host: rank 0, or torchrun's agent)
+                watchdog.start(job, info.rank, info.world_size, limit_silence,
+                               store_host=None if agent else 0)
     except (RuntimeError, ValueError) as err:
-        hint = f" (is {TOKEN_VAR} the same on every rank?)" if "Timeout" in str(err) else ""
+        hint = f" (is {TOKEN_VAR} the same on every rank?)" if "timeout" in str(err).lower() \
+            else ""
         raise ScaleoutError(
             f"rank {info.rank}/{info.world_size}: could not join the rendezvous at "
             f"{info.master_addr}:{info.master_port} (launch detected: {info.source}): "

@@ -4,13 +4,17 @@ Every rank runs a daemon thread that, every ``period`` seconds, bumps its heartb
 the (authenticated) store and watches its successor ``(rank + 1) % world``: a successor
 whose heartbeat stops moving for ``limit`` seconds (frozen, SIGSTOP, a dead host), or whose
 process is gone or stopped (seen at once in ``/proc`` when it shares this machine), has
-failed; so has rank 0 when its store stops answering. The rank that notices writes the
-failure to the store; every rank reads it within one period. Waits then fail fast:
-:func:`wait_work` (used by :class:`~scaleout.core.request.Request`) waits in slices and raises
-:class:`~scaleout.core.errors.PeerFailedError` naming the *failing* rank.
+failed; so has the store's host (rank 0) when its process is gone or stopped, when its
+store breaks the connection, or when it stops answering for ``limit`` seconds. The rank that
+notices writes the failure to the store; every rank reads it within one period. Waits then
+fail fast: :func:`wait_work` (used by :class:`~scaleout.core.request.Request`) waits in
+slices and raises :class:`~scaleout.core.errors.PeerFailedError` naming the *failing* rank.
 
 ``SCALEOUT_HEARTBEAT`` sets ``limit`` (seconds, default 15; ``0`` turns the watchdog off).
-A rank that calls ``finalize()`` marks itself as left first, so finishing is not failing.
+A rank that calls ``finalize()`` marks itself as left, so finishing is not failing. A rank
+that exits without it writes that it *departed*: every peer that waits on a collective
+after that (or is blocked in one) raises PeerFailedError naming it; a peer that does not
+communicate any more says nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from scaleout.core.checks import check_seconds
-from scaleout.core.errors import PeerFailedError
+from scaleout.core.errors import CommunicationError, PeerFailedError
+from scaleout.core.failures import (DEFAULT_LIMIT, DEPARTED, HEARTBEAT_VAR, PeerFailure,
+                                    StoreHostDown, first_line, heartbeat_limit, process_state)
 from scaleout.launch.lifeline import REPORT_DIR_VAR, exit_of
 from scaleout.launch.environment import machine
 
@@ -37,64 +41,7 @@ if TYPE_CHECKING:  # (a run-time import would make core and launch import each o
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
            "failure", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]
 
-HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
-DEFAULT_LIMIT = 15.0
-MIN_LIMIT = 0.5  # seconds: 0.1 s beats and slack for a loaded machine
 _SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
-
-
-@dataclass(frozen=True)
-class PeerFailure:
-    """A failed rank, as the watchdog found it.
-
-    Attributes:
-        rank: the rank that failed.
-        reason: what was seen ("no heartbeat for 15.2 s", "process stopped (SIGSTOP)", ...).
-        detected_by: the rank whose watchdog noticed.
-        silent_for: seconds since the failed rank's last sign of life, when noticed.
-    """
-
-    rank: int
-    reason: str
-    detected_by: int
-    silent_for: float
-
-    def describe(self) -> str:
-        return (f"rank {self.rank} failed: {self.reason} (noticed by rank {self.detected_by}, "
-                f"{self.silent_for:.1f} s after its last sign of life)")
-
-
-def heartbeat_limit(environ: Mapping[str, str]) -> float | None:
-    """Seconds of silence before a peer is declared failed (None: watchdog off).
-
-    Raises:
-        ValueError: ``SCALEOUT_HEARTBEAT`` is not a number of seconds.
-    """
-    text = environ.get(HEARTBEAT_VAR, "").strip()
-    if not text:
-        return DEFAULT_LIMIT
-    try:
-        value = float(text)
-    except ValueError as err:
-        raise ValueError(f"{HEARTBEAT_VAR} must be seconds (0 = off), got {text!r}") from err
-    if value == 0:
-        return None
-    check_seconds(value, HEARTBEAT_VAR)
-    if value < MIN_LIMIT:  # (a heartbeat every limit / 5: below this a busy rank misses it)
-        raise ValueError(f"{HEARTBEAT_VAR} must be 0 (off) or at least {MIN_LIMIT:g} seconds, "
-                         f"got {text!r}")
-    return value
-
-
-def _process_state(pid: int) -> str | None:
-    """Why process ``pid`` (on this machine) cannot answer, or None if it runs."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "process exited"
-    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
-            "Z": "process exited", "X": "process exited"}.get(state)
 
 
 @dataclass
@@ -114,20 +61,28 @@ class Watchdog:
     Store operations can block for good when the store's host (rank 0) is frozen, so the
     thread never decides on the store's silence itself: :meth:`failure` does, from the time
     of the last complete round, and the thread looks at ``/proc`` before touching the store.
+    A store that breaks the connection, or whose host process is gone, names the host at once.
 
     Args:
         job: the job's rendezvous (its authenticated store and join records).
         rank, world: this rank and the job's size.
         limit: seconds of silence before a peer has failed.
+        store_host: the rank whose process serves the store (``None``: not a rank, e.g.
+            torchrun's agent).
     """
 
-    def __init__(self, job: Rendezvous, rank: int, world: int, limit: float) -> None:
-        self.rank, self.world, self.limit = rank, world, limit
+    def __init__(self, job: Rendezvous, rank: int, world: int, limit: float,
+                 store_host: int | None = 0) -> None:
+        self.rank, self.world, self.limit, self.store_host = rank, world, limit, store_host
         self.period = min(1.0, limit / 5)
         self._job = job
         self._reports = os.environ.get(REPORT_DIR_VAR)  # the launcher's (scaleout run)
         self._store = job.connection(timeout=max(self.period, 0.5))
         self._failure: PeerFailure | None = None
+        # a rank that left without finalize(), and when that was read
+        self._departed: tuple[PeerFailure, float] | None = None
+        self._host_pid = 0  # the store host's pid when it runs on this machine
+        self._store_lost = False  # the thread's store operation failed: the store is gone
         self._lock = threading.Lock()
         self._last_round = time.monotonic()
         self._stop = threading.Event()
@@ -141,44 +96,107 @@ class Watchdog:
     def failure(self) -> PeerFailure | None:
         """The first failure seen by any rank of the job, or None."""
         silent = time.monotonic() - self._last_round
-        if self._failure is None and self.rank != 0 and silent > self.limit + self.period:
+        if self._failure is None and silent > self.limit + self.period and self._host_may_fail():
             self._record(PeerFailure(
-                rank=0, reason=f"its store (in rank 0's process) stopped answering for "
-                               f"{silent:.1f} s (frozen, stopped or unreachable)",
-                detected_by=self.rank, silent_for=silent))
+                rank=self.store_host, detected_by=self.rank,  # type: ignore[arg-type]
+                silent_for=silent,
+                reason=f"its store (in rank {self.store_host}'s process) stopped answering for "
+                       f"{silent:.1f} s (frozen, stopped or unreachable)"))
         return self._failure
 
-    def leave(self) -> None:
-        """Mark this rank as finished (not failed) and stop watching."""
+    def blocked(self) -> PeerFailure | None:
+        """:meth:`failure` for a rank that waits on its peers: to it, a rank that departed
+        (exited without ``finalize()``) has failed too."""
+        found = self.failure()
+        if found is None and self._departed is not None:
+            gone, seen = self._departed
+            self._record(replace(gone, detected_by=self.rank, silent_for=time.monotonic() - seen))
+            found = self._failure
+        return found
+
+    def _host_may_fail(self) -> bool:
+        """Whether the store's silence or errors mean its host failed: not when this rank
+        hosts it or is leaving, nor once the host departed (that is for :meth:`blocked`)."""
+        if self.store_host in (None, self.rank) or self._stop.is_set():
+            return False
+        return self._departed is None or self._departed[0].rank != self.store_host
+
+    def leave(self, departed: bool = False) -> None:
+        """Mark this rank as finished and stop watching: left (``finalize()``), or departed
+        (at exit without it: its peers fail if they still wait on it)."""
         self._stop.set()
         self._thread.join(timeout=2 * self.period + 1)
+        if self._store_lost:
+            return  # (each operation on it would fail and print a c10d warning)
         try:
+            if departed and self._failure is None and not self._store.check(["departed"]):
+                self._store.set("departed", json.dumps(asdict(PeerFailure(
+                    rank=self.rank, reason=DEPARTED, detected_by=self.rank, silent_for=0.0))))
             self._store.set(f"left/{self.rank}", "1")
+            if self.rank == self.store_host:
+                self._outlive_peers()
         except (RuntimeError, ValueError):
             pass  # the store host may already be gone
 
+    def _outlive_peers(self) -> None:
+        """The store lives in this process: keep it up until every rank has left (right
+        after finalize()'s barrier), at most ``2 * period + 0.5`` s, so that no peer takes
+        its end for a failure and a departure can still be read."""
+        keys = [f"left/{rank}" for rank in range(self.world)]
+        deadline = time.monotonic() + 2 * self.period + 0.5
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _run(self) -> None:
-        watch = _PeerWatch((self.rank + 1) % self.world, time.monotonic())
         try:
-            record = self._job.peer(watch.rank)
-            watch.pid = int(record["pid"]) if record.get("machine") == machine() else 0
-            beats = 0
-            while not self._stop.wait(self.period) and self.failure() is None:
-                beats += 1
-                verdict = self._round(watch, beats)
-                self._last_round = time.monotonic()
-                if verdict is not None:
-                    self._record(PeerFailure(rank=watch.rank, reason=verdict,
-                                             detected_by=self.rank,
-                                             silent_for=time.monotonic() - watch.last_seen))
-            found = self._failure
-            if found is not None and found.detected_by == self.rank:
-                # tell the others (this may block for good if the store's host is frozen)
-                self._store.set("failure", json.dumps(asdict(found)))
-        except (RuntimeError, ValueError, TypeError):
-            pass  # the store is gone: failure() names rank 0 once the limit has passed
+            watch = _PeerWatch((self.rank + 1) % self.world, time.monotonic())
+            watch.pid = self._local_pid(watch.rank)
+            if self.store_host is not None and self.store_host != self.rank:
+                self._host_pid = self._local_pid(self.store_host)
+            self._beat(watch)
+        except (StoreHostDown, RuntimeError, ValueError, TypeError) as err:
+            self._store_lost = True
+            self._lost_store(err)  # (the thread ends: its store connection is spent)
         finally:
             self._published.set()
+
+    def _local_pid(self, rank: int) -> int:
+        """``rank``'s pid when it runs on this machine (its ``/proc`` is ours to read), else 0."""
+        record = self._job.peer(rank)
+        return int(record["pid"]) if record.get("machine") == machine() else 0
+
+    def _beat(self, watch: _PeerWatch) -> None:
+        beats = 0
+        while not self._stop.wait(self.period) and self.failure() is None:
+            beats += 1
+            verdict = self._round(watch, beats)
+            self._last_round = time.monotonic()
+            if verdict is not None:
+                self._record(PeerFailure(rank=watch.rank, reason=verdict, detected_by=self.rank,
+                                         silent_for=time.monotonic() - watch.last_seen))
+        found = self._failure
+        if found is not None and found.detected_by == self.rank:
+            # tell the others (this may block for good if the store's host is frozen)
+            self._store.set("failure", json.dumps(asdict(found)))
+
+    def _lost_store(self, err: BaseException) -> None:
+        """The store failed with ``err``: name its host when that is conclusive (its process
+        is gone or stopped, or the connection broke). A store that only timed out is left to
+        :meth:`failure` (silent for the limit: frozen or far away)."""
+        if self._failure is not None or not self._host_may_fail():
+            return
+        if isinstance(err, StoreHostDown):
+            evidence: str | None = str(err)
+        else:
+            evidence = process_state(self._host_pid) if self._host_pid else None
+            said = first_line(err)
+            if evidence is None and ("timeout" in said.lower() or "timed out" in said.lower()):
+                return
+            evidence = f"{evidence} ({said})" if evidence else f"its store failed: {said}"
+        self._record(PeerFailure(
+            rank=self.store_host, detected_by=self.rank,  # type: ignore[arg-type]
+            reason=f"rank {self.store_host} (host of the rendezvous store) is unreachable: "
+                   f"{evidence}", silent_for=time.monotonic() - self._last_round))
 
     def settle(self) -> None:
         """Give the thread a moment to tell the other ranks what this rank found, so that
@@ -187,12 +205,14 @@ class Watchdog:
 
     def _round(self, watch: _PeerWatch, beats: int) -> str | None:
         """One heartbeat: why the watched peer has failed, or None."""
-        state = _process_state(watch.pid) if watch.pid and not watch.left else None
+        state = process_state(watch.pid) if watch.pid and not watch.left else None
         if state is not None and "stopped" in state:
             return state  # before the store, which a stopped rank 0 would never answer
+        host = process_state(self._host_pid) if self._host_pid else None
+        if host is not None:
+            raise StoreHostDown(host)
         self._store.set(f"hb/{self.rank}", str(beats))
-        if self._store.check(["failure"]):
-            self._record(PeerFailure(**json.loads(self._store.get("failure"))))
+        if self._read_news():
             return None
         if self.rank == 0 and beats % 5 == 0:
             self._job.report_outsiders()
@@ -214,6 +234,16 @@ class Watchdog:
             return None
         return state or f"no heartbeat for {silent:.1f} s (frozen, stopped or unreachable)"
 
+    def _read_news(self) -> bool:
+        """What the other ranks wrote: a failure (then True, recorded) or a departure."""
+        if self._store.check(["failure"]):
+            self._record(PeerFailure(**json.loads(self._store.get("failure"))))
+            return True
+        if self._departed is None and self._store.check(["departed"]):
+            self._departed = (PeerFailure(**json.loads(self._store.get("departed"))),
+                              time.monotonic())
+        return False
+
     def _record(self, found: PeerFailure) -> None:
         with self._lock:
             if self._failure is not None:
@@ -227,13 +257,15 @@ class Watchdog:
 
 
 _active: list[Watchdog] = []  # the watchdog of this process's job (at most one)
-_exit_state = {"crashed": False, "raised": False}  # an uncaught exception / a PeerFailedError
+#: an uncaught exception / a PeerFailedError raised / an uncaught :func:`_broken` error
+_exit_state = {"crashed": False, "raised": False, "broken": False}
 
 
-def start(job: Rendezvous, rank: int, world: int, limit: float) -> Watchdog:
+def start(job: Rendezvous, rank: int, world: int, limit: float,
+          store_host: int | None = 0) -> Watchdog:
     """Start this process's watchdog (stopping any previous one)."""
     stop()
-    _active.append(Watchdog(job, rank, world, limit).start())
+    _active.append(Watchdog(job, rank, world, limit, store_host).start())
     atexit.unregister(_at_exit)
     atexit.register(_at_exit)
     if not getattr(sys.excepthook, "_scaleout", False):
@@ -242,36 +274,54 @@ def start(job: Rendezvous, rank: int, world: int, limit: float) -> Watchdog:
 
 
 def _note_crash(previous: Any) -> Any:
-    def hook(*args: Any) -> None:
+    def hook(kind: Any, error: Any, trace: Any) -> None:
         _exit_state["crashed"] = True
-        previous(*args)
+        _exit_state["broken"] = _broken(error)
+        previous(kind, error, trace)
 
     hook._scaleout = True  # type: ignore[attr-defined]
     return hook
 
 
+def _broken(error: BaseException | None) -> bool:
+    """Whether ``error`` is (or was raised from) a CommunicationError (a collective that
+    failed or timed out, its work maybe still pending in gloo) or the consistency check's
+    ValueError (the ranks called different collectives): gloo may abort in the teardown."""
+    for _ in range(16):  # (a chain of causes; bounded, a cycle is possible)
+        if error is None:
+            return False
+        if isinstance(error, CommunicationError) or getattr(error, "collective_mismatch", False):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _at_exit() -> None:
-    """At interpreter exit. After a peer failed and this rank raised (or crashed): rank 0
-    keeps the store (in its process) up a little so the others can still read which rank
-    failed; then the rank leaves at once (status 1), skipping the teardown of
-    torch.distributed, which can block for good on a frozen peer. A rank that ends normally
-    without ``finalize()`` is marked as left, so that its peers do not report it."""
+    """At interpreter exit. After a peer failed and this rank raised (or crashed), and after
+    an uncaught :func:`_broken` error (a timeout, say), once its traceback is printed: the rank
+    leaves at once (status 1), skipping the teardown of torch.distributed, which can block
+    for good on a frozen peer or abort on work still pending ("terminate called without an
+    active exception"); rank 0 first keeps the store (in its process) up a little so the
+    others can still read which rank failed. A rank that ends normally without
+    ``finalize()`` departs: its peers fail if they still wait on it (they cannot complete)."""
     if not _active:
         return
-    if _active[0].failure() is not None and (_exit_state["crashed"] or _exit_state["raised"]):
-        if _active[0].rank == 0:
-            time.sleep(2 * _active[0].period + 0.5)
+    dog = _active[0]
+    failed = dog.failure() is not None and (_exit_state["crashed"] or _exit_state["raised"])
+    if failed or _exit_state["broken"]:
+        if failed and dog.rank == dog.store_host:
+            time.sleep(2 * dog.period + 0.5)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     if not _exit_state["crashed"]:
-        stop()
+        stop(departed=True)
 
 
-def stop() -> None:
-    """Mark this rank as left and stop its watchdog (at ``finalize()``)."""
+def stop(departed: bool = False) -> None:
+    """Stop this rank's watchdog: at ``finalize()`` (left), or at exit without it (departed)."""
     while _active:
-        _active.pop().leave()
+        _active.pop().leave(departed)
 
 
 def failure() -> PeerFailure | None:
@@ -282,7 +332,7 @@ def failure() -> PeerFailure | None:
 def raise_if_failed(rank: int, group: str, operation: str) -> None:
     """Raise PeerFailedError (naming the failed rank, this rank, group and operation) if the
     watchdog knows of a failed rank; for wait loops and ``Request.test()``."""
-    found = failure()
+    found = _active[0].blocked() if _active else None
     if found is not None:
         _active[0].settle()
         _exit_state["raised"] = True
@@ -328,7 +378,7 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
             if _active and "timed out" not in str(err).lower():
                 # a peer died or left: let the watchdogs name it (within their limit)
                 _verdict(_active[0].limit + 2 * _active[0].period)
-                if failure() is not None:
+                if failure() is not None:  # (blocked() recorded a departure as one)
                     continue
             raise
 
@@ -336,5 +386,5 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
 def _verdict(seconds: float) -> None:
     """Wait up to ``seconds`` for the watchdog to find a failed rank."""
     deadline = time.monotonic() + seconds
-    while failure() is None and time.monotonic() < deadline:
+    while (_active[0].blocked() if _active else None) is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,0 +1,84 @@
+"""What the watchdog (:mod:`scaleout.core.watchdog`) knows of a failed peer: the
+:class:`PeerFailure` it reports, the ``SCALEOUT_HEARTBEAT`` setting, and what ``/proc``
+says of a process on this machine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from scaleout.core.checks import check_seconds
+
+__all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "MIN_LIMIT", "DEPARTED", "PeerFailure",
+           "heartbeat_limit", "process_state", "StoreHostDown", "first_line"]
+
+HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
+DEFAULT_LIMIT = 15.0
+MIN_LIMIT = 0.5  # seconds: 0.1 s beats and slack for a loaded machine
+DEPARTED = "exited without finalize() while the others were still communicating"
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """A failed rank, as the watchdog found it.
+
+    Attributes:
+        rank: the rank that failed.
+        reason: what was seen ("no heartbeat for 15.2 s", "process stopped (SIGSTOP)", ...).
+        detected_by: the rank whose watchdog noticed.
+        silent_for: seconds since the failed rank's last sign of life, when noticed.
+    """
+
+    rank: int
+    reason: str
+    detected_by: int
+    silent_for: float
+
+    def describe(self) -> str:
+        what = self.reason if self.reason.startswith(f"rank {self.rank} ") else \
+            f"rank {self.rank} failed: {self.reason}"
+        return (f"{what} (noticed by rank {self.detected_by}, "
+                f"{self.silent_for:.1f} s after its last sign of life)")
+
+
+def heartbeat_limit(environ: Mapping[str, str]) -> float | None:
+    """Seconds of silence before a peer is declared failed (None: watchdog off).
+
+    Raises:
+        ValueError: ``SCALEOUT_HEARTBEAT`` is not a number of seconds.
+    """
+    text = environ.get(HEARTBEAT_VAR, "").strip()
+    if not text:
+        return DEFAULT_LIMIT
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise ValueError(f"{HEARTBEAT_VAR} must be seconds (0 = off), got {text!r}") from err
+    if value == 0:
+        return None
+    check_seconds(value, HEARTBEAT_VAR)
+    if value < MIN_LIMIT:  # (a heartbeat every limit / 5: below this a busy rank misses it)
+        raise ValueError(f"{HEARTBEAT_VAR} must be 0 (off) or at least {MIN_LIMIT:g} seconds, "
+                         f"got {text!r}")
+    return value
+
+
+def process_state(pid: int) -> str | None:
+    """Why process ``pid`` (on this machine) cannot answer, or None if it runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "process exited"
+    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
+            "Z": "process exited", "X": "process exited"}.get(state)
+
+
+class StoreHostDown(Exception):
+    """The store's host process is gone or stopped (seen in ``/proc``): its store would fail
+    or block for good, so the watchdog does not touch it."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's text (or its type's name)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

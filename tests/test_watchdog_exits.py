@@ -1,0 +1,251 @@
+"""How ranks end: a rank that exits without finalize() while its peers communicate, the store's
+host (rank 0) dying, a peer failing or diverging in finalize(), the rendezvous hint, and the
+exit after a CommunicationTimeout. Ranks are started by hand with torchrun's variables (no
+``scaleout run``, whose exit notes would name some of these failures by themselves)."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import free_port
+
+SRC = str(Path(__file__).parents[1] / "src")
+_LAUNCHER_VARS = ("SCALEOUT_LAUNCHER_PID", "SCALEOUT_LAUNCHER_ID", "SCALEOUT_REPORT_DIR")
+
+
+def launch(tmp_path: Path, body: str, nprocs: int, timeout: float = 60.0,
+           **extra: str) -> list[tuple[int, str]]:
+    """Run ``body`` as ``nprocs`` ranks (torchrun's variables); (exit code, output) by rank."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    port, token = free_port(), secrets.token_hex(16)
+    procs, logs = [], []
+    for rank in range(nprocs):
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env.update(PYTHONPATH=SRC, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   SCALEOUT_JOB_TOKEN=token, SCALEOUT_HEARTBEAT="10", **extra)
+        logs.append(tmp_path / f"rank{rank}.txt")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-u", str(script)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(proc.returncode, log.read_text()) for proc, log in zip(procs, logs)]
+
+
+def detected(output: str) -> tuple[int, float, str] | None:
+    """(failed rank named, seconds from the last good step, message) of a DETECTED line."""
+    found = re.search(r"DETECTED failed_rank=(\d+) after=([\d.]+) \| (.*)", output)
+    return (int(found[1]), float(found[2]), found[3]) if found else None
+
+
+LOOP = """
+    import os, signal, sys, time, torch, scaleout
+    from scaleout.core.errors import PeerFailedError
+    if os.environ.get("FAKE_MACHINES"):  # as if every rank ran on its own host: no /proc view
+        import scaleout.core.watchdog as wd, scaleout.launch.rendezvous as rv
+        wd.machine = rv.machine = lambda: "host-" + os.environ["RANK"]
+    env = scaleout.init(timeout=60)  # far longer than the heartbeat limit (10 s)
+    d = env.create_distribution()
+    victim, how = int(os.environ["VICTIM"]), os.environ["HOW"]
+    last = time.monotonic()
+    for step in range(100000):
+        if env.rank == victim and step == 5:
+            if how == "return":
+                break  # the script ends, without finalize()
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            sys.exit({"exit0": 0, "exit3": 3}[how])
+        try:
+            d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+        except PeerFailedError as err:
+            print(f"DETECTED failed_rank={err.failed_rank} after={time.monotonic() - last:.2f} "
+                  f"| {err}", flush=True)
+            sys.exit(1)
+        last = time.monotonic()
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("nprocs,how", [(2, "exit0"), (2, "exit3"), (2, "return"),
+                                        (3, "exit0")])
+def test_a_rank_that_exits_without_finalize_is_named(tmp_path: Path, nprocs: int,
+                                                     how: str) -> None:
+    """Not a normal leave: the survivors, blocked on it, name it within a couple of seconds
+    (before: a gloo "Connection closed by peer" naming nobody, after the heartbeat limit)."""
+    ranks = launch(tmp_path, LOOP, nprocs, VICTIM="1", HOW=how)
+    assert ranks[1][0] == {"exit0": 0, "exit3": 3, "return": 0}[how], ranks[1][1]
+    for rank in (0, 2)[:nprocs - 1]:
+        code, out = ranks[rank]
+        found = detected(out)
+        assert found is not None and code == 1, out
+        failed, after, message = found
+        assert failed == 1 and after < 4.0, out
+        assert "rank 1 failed: exited without finalize() while the others were still " \
+               "communicating" in message, out
+
+
+@pytest.mark.parametrize("fake_machines", [False, True])
+def test_the_store_hosts_death_names_rank_0(tmp_path: Path, fake_machines: bool) -> None:
+    """Rank 0 (which serves the store) killed: ranks 1 and 2 name it at once, from /proc on
+    this machine, from the broken store connection without a /proc view (before: a c10d
+    "sendBytes failed ... Broken pipe" and, after the heartbeat limit, a silent store)."""
+    extra = {"FAKE_MACHINES": "1"} if fake_machines else {}
+    ranks = launch(tmp_path, LOOP, 3, VICTIM="0", HOW="kill", **extra)
+    assert ranks[0][0] == -9
+    for code, out in ranks[1:]:
+        found = detected(out)
+        assert found is not None and code == 1, out
+        failed, after, message = found
+        assert failed == 0 and after < 4.0, out
+        assert "rank 0 (host of the rendezvous store) is unreachable: " in message, out
+        assert ("process exited" in message) != fake_machines, out
+
+
+FINALIZE = """
+    import os, signal, sys, time, torch, scaleout
+    from scaleout.core.errors import PeerFailedError
+    env = scaleout.init(timeout=float(os.environ.get("TMO", "10")))
+    d = env.create_distribution()
+    for _ in range(3):
+        d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+    how = os.environ["HOW"]
+    if env.rank == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit0":
+            sys.exit(0)
+        # one more call than rank 0: one it made before, or a new one
+        d.allreduce(torch.ones(4 if how == "extra_known" else 5),
+                    group=scaleout.GroupType.DATA).wait()
+    started = time.monotonic()
+    try:
+        env.finalize()
+    except PeerFailedError as err:
+        print(f"DETECTED failed_rank={err.failed_rank} after={time.monotonic() - started:.2f} "
+              f"| {err}", flush=True)
+        sys.exit(1)
+    print("finalized", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "exit0"])
+def test_a_peer_failing_in_finalize_is_named(tmp_path: Path, how: str) -> None:
+    """finalize()'s barrier is watched (before: a raw gloo RuntimeError naming nobody)."""
+    (code, out), (victim_code, _) = launch(tmp_path, FINALIZE, 2, HOW=how)
+    assert victim_code == (-9 if how == "kill" else 0)
+    found = detected(out)
+    assert found is not None and code == 1, out
+    failed, after, message = found
+    assert failed == 1 and after < 4.0, out
+    assert message.startswith("rank 0: finalize") and "on group global[0, 1]" in message, out
+
+
+@pytest.mark.parametrize("check,how", [("1", "extra_known"), ("", "extra_new")])
+def test_finalize_meeting_another_collective_is_a_mismatch(tmp_path: Path, check: str,
+                                                           how: str) -> None:
+    """Rank 1 makes one call more than rank 0, which is in finalize(): a ValueError naming
+    both calls on both ranks, with SCALEOUT_CHECK=1, and by default ("first") when that call
+    is new (before: both timed out, and rank 1 could abort)."""
+    ranks = launch(tmp_path, FINALIZE, 2, HOW=how, SCALEOUT_CHECK=check)
+    shape = "(4,)" if how == "extra_known" else "(5,)"
+    listing = f"rank 0: finalize(); rank 1: allreduce(float32, shape {shape}, SUM)"
+    for rank, (code, out) in enumerate(ranks):
+        assert code == 1, out
+        where = "finalize on group global[0, 1]" if rank == 0 else "allreduce on group data[0, 1]"
+        assert f"ValueError: rank {rank}: {where}: the ranks called different collectives" \
+               in out, out
+        assert listing in out, out
+
+
+def test_finalize_meeting_a_repeated_call_times_out_cleanly(tmp_path: Path) -> None:
+    """By default ("first") a call made before is not checked again: finalize() meeting it
+    times out on both ranks (gloo work left pending on both), each with its error and status
+    1 (before the quick exit after a CommunicationTimeout, 3 of 6 runs aborted: SIGABRT)."""
+    ranks = launch(tmp_path, FINALIZE, 2, HOW="extra_known", TMO="4")
+    for rank, (code, out) in enumerate(ranks):
+        where = "finalize (consistency check) on group global" if rank == 0 else \
+            "allreduce on group data"
+        assert f"CommunicationTimeout: rank {rank}: {where}[0, 1] did not complete within 4 s" \
+               in out, out
+        assert code == 1 and "terminate called" not in out, out
+
+
+def test_a_rendezvous_timeout_asks_about_the_token(tmp_path: Path) -> None:
+    """torch says "wait timeout": the hint about the token is there (it looked for "Timeout")."""
+    body = """
+        import scaleout
+        from scaleout.core.errors import ScaleoutError
+        try:
+            scaleout.init(timeout=1)  # rank 0 of 2, alone: rank 1 never joins
+        except ScaleoutError as err:
+            print("ERROR", err, flush=True)
+    """
+    script = tmp_path / "alone.py"
+    script.write_text(textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(PYTHONPATH=SRC, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("ERROR")), "")
+    assert "timeout" in line.lower(), done.stdout + done.stderr
+    assert line.endswith("(is SCALEOUT_JOB_TOKEN the same on every rank?)"), line
+
+
+def test_a_rank_leaves_at_once_after_an_uncaught_timeout(tmp_path: Path) -> None:
+    """After an uncaught CommunicationTimeout (its gloo work still pending) the rank prints
+    the error, then leaves with status 1 without tearing torch.distributed down, where
+    gloo could abort ("terminate called without an active exception", SIGABRT): an exit
+    handler registered before init() (it would run after scaleout's) does not run."""
+    body = """
+        import atexit, os, sys, time, torch, scaleout
+        atexit.register(lambda: print("interpreter teardown ran", flush=True))
+        env = scaleout.init(timeout=30)
+        d = env.create_distribution()
+        d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait()
+        if env.rank == 1:
+            time.sleep(6)  # alive (its heartbeat beats), in no collective
+            os._exit(0)
+        d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait(1.5)
+    """
+    (code, out), (other, _) = launch(tmp_path, body, 2)
+    assert code == 1 and other == 0, out
+    assert "CommunicationTimeout: rank 0: allreduce on group data[0, 1] did not complete " \
+           "within 1.5 s" in out, out
+    assert "interpreter teardown ran" not in out and "terminate called" not in out, out
+
+
+def test_only_communication_errors_and_mismatches_take_the_quick_exit() -> None:
+    from scaleout.core.errors import CommunicationTimeout
+    from scaleout.core.watchdog import _broken
+
+    timeout = CommunicationTimeout("t", rank=0, group="g", operation="allreduce")
+    try:
+        try:
+            raise timeout
+        except CommunicationTimeout as err:
+            raise KeyError("wrapped") from err
+    except KeyError as wrapped:
+        assert _broken(wrapped)
+    mismatch = ValueError("the ranks called different collectives")
+    mismatch.collective_mismatch = True  # type: ignore[attr-defined]  # (as the check marks it)
+    assert _broken(timeout) and _broken(mismatch)
+    assert not _broken(ValueError("bad argument")) and not _broken(None)

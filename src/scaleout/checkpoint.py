@@ -104,8 +104,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
-
-
 def _current(path: Path) -> Path | None:
     """The version directory ``path`` names, or None when there is no checkpoint yet."""
     if path.is_symlink():
@@ -194,8 +192,6 @@ def _payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: in
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "rng": _rng_state(), "extra": dict(extra or {}),
     }
-
-
 
 
 def load(path: str | os.PathLike[str], model: nn.Module,
@@ -325,8 +321,6 @@ def _consolidate(path: Path, current: Path,
     return {"step": int(first["step"]), "extra": dict(first["extra"]),
             "world_size": saved_world, "model": first["model"], "optimizer": optimizer,
             "optimizer_class": layout.get("optimizer_class")}
-
-
 
 
 def _reset_codec_state(state: Mapping[str, Any], saved_world: int,

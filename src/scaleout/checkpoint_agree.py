@@ -21,14 +21,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as tdist
 
-from scaleout.core.consistency import exchange_device
+from scaleout.core.consistency import exchange_device, tensor_text, text_tensor
 
 __all__ = ["IncompleteCheckpointError", "agree_on_version", "agreed", "first_exchange"]
 
 T = TypeVar("T")
 
 _MESSAGE_BYTES = 2048  # an error's text travels as bytes in a fixed-size tensor
-_CODES: dict[int, type[Exception]] = {}
 
 
 class IncompleteCheckpointError(ValueError):
@@ -36,7 +35,8 @@ class IncompleteCheckpointError(ValueError):
     a ``FileNotFoundError`` says that). Raised on every rank; nothing was restored."""
 
 
-_CODES.update({1: IncompleteCheckpointError, 2: ValueError, 3: TypeError, 4: RuntimeError})
+_CODES: dict[int, type[Exception]] = {1: IncompleteCheckpointError, 2: ValueError, 3: TypeError,
+                                      4: RuntimeError}
 
 
 def _world() -> int:
@@ -100,11 +100,8 @@ def agreed(fn: Callable[[], T]) -> T:
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
-    text = str(error).encode()[:_MESSAGE_BYTES] if error is not None else b""
-    mine = torch.zeros(1 + _MESSAGE_BYTES, dtype=torch.uint8)
-    mine[0] = _code(error)
-    if text:
-        mine[1: 1 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    mine = torch.cat([torch.tensor([_code(error)], dtype=torch.uint8),
+                      text_tensor(str(error) if error is not None else "", _MESSAGE_BYTES)])
     every = [t.cpu() for t in _all_gather(mine.to(exchange_device()))]
     failed = [r for r, t in enumerate(every) if int(t[0]) != 0]
     if not failed:
@@ -112,7 +109,7 @@ def agreed(fn: Callable[[], T]) -> T:
     first = every[failed[0]]
     if error is not None and failed[0] == tdist.get_rank():
         raise error
-    message = bytes(first[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+    message = tensor_text(first[1:])
     kind = _CODES[int(first[0])]
     if kind is not IncompleteCheckpointError:
         message = f"on rank {failed[0]}: {message}"

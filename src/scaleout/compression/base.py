@@ -36,6 +36,7 @@ __all__ = [
     "TensorMeta",
     "add_residual",
     "check_number",
+    "refuse_bools",
     "bucket_layout",
     "residual_of",
     "checks_are_free",
@@ -102,6 +103,17 @@ def check_number(owner: str, name: str, value: Any, *, integer: bool = False) ->
     if isinstance(value, bool) or not isinstance(value, kinds):
         wanted = "an int" if integer else "a number"
         raise TypeError(f"{owner}: {name} must be {wanted}, got {type(value).__name__} {value!r}")
+
+
+def refuse_bools(owner: str, **options: Any) -> None:
+    """Reject an int option given as a bool (``True`` passes ``isinstance(x, int)``).
+
+    Raises:
+        TypeError: Naming ``owner`` and the option.
+    """
+    for name, value in options.items():
+        if isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be an int, not a bool, got {value!r}")
 
 
 def check_compressible(codec: str, tensor: torch.Tensor) -> None:

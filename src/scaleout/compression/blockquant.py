@@ -25,6 +25,7 @@ import torch
 
 from scaleout.core.collectives import ReduceOp
 from scaleout.compression.base import (
+    refuse_bools,
     Codec,
     Communicator,
     ExchangeGenerator,
@@ -118,9 +119,7 @@ class BlockQuantCodec(Codec):
     min_levels: int = 15
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or isinstance(self.min_levels, bool):
-            raise TypeError(f"blockquant: block_size and min_levels must be ints, not bools, got "
-                            f"block_size={self.block_size!r}, min_levels={self.min_levels!r}")
+        refuse_bools("blockquant", block_size=self.block_size, min_levels=self.min_levels)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"blockquant: block_size must be an int >= 1, got {self.block_size!r}")
         if not isinstance(self.min_levels, int) or not 1 <= self.min_levels <= 127:

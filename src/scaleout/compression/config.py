@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from scaleout.compression.base import Codec
+from scaleout.compression.base import Codec, refuse_bools
 from scaleout.compression.exchange import CompressedRequest, compressed_allreduce
 from scaleout.compression.momentum import MomentumCodec
 from scaleout.compression.none import NoneCodec
@@ -63,9 +63,8 @@ class CompressionConfig:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("min_numel", "warmup_steps"):
-            if isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be an int, not a bool, got {getattr(self, name)!r}")
+        refuse_bools("CompressionConfig", min_numel=self.min_numel,
+                     warmup_steps=self.warmup_steps)
         if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) \
                 or not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from scaleout.compression.base import (
+    refuse_bools,
     Codec,
     Communicator,
     ExchangeGenerator,
@@ -84,9 +85,7 @@ class PowerSGDCodec(Codec):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or isinstance(self.seed, bool):
-            raise TypeError(f"powersgd: rank and seed must be ints, not bools, got rank="
-                            f"{self.rank!r}, seed={self.seed!r}")
+        refuse_bools("powersgd", rank=self.rank, seed=self.seed)
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"powersgd: rank must be an int >= 1, got {self.rank!r}")
         if not isinstance(self.seed, int):

@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from scaleout.compression.base import (
+    refuse_bools,
     Codec,
     Communicator,
     ExchangeGenerator,
@@ -184,8 +185,7 @@ class SignCodec(Codec):
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool):
-            raise TypeError(f"sign: block_size must be an int, not a bool, got {self.block_size!r}")
+        refuse_bools("sign", block_size=self.block_size)
         if not isinstance(self.block_size, int) or self.block_size < 8 or self.block_size % 8:
             raise ValueError(f"sign: block_size must be a positive multiple of 8, got {self.block_size!r}")
         if self.scale not in _SCALES:

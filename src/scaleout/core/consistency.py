@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from scaleout.core.communicator import Communicator, all_gather_single
 
-__all__ = ["exchange_device", "verify_plan"]
+__all__ = ["exchange_device", "verify_plan", "text_tensor", "tensor_text"]
 
 
 _DESCRIPTION_BYTES = 240
@@ -35,21 +35,32 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     if len(set(every.tolist())) == 1:
         return
     comm.forget(description)  # only agreed calls are remembered: the ranks' memories stay equal
-    text = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
-    raw = description.encode()[:_DESCRIPTION_BYTES]
-    text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    text = text.to(device)
+    text = text_tensor(description, _DESCRIPTION_BYTES).to(device)
     texts = torch.empty(comm.size * _DESCRIPTION_BYTES, dtype=torch.uint8, device=device)
     work = all_gather_single(texts, text, group=comm.group, async_op=True)
     comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
-    calls = [bytes(part.tolist()).rstrip(b"\0").decode(errors="replace")
-             for part in texts.split(_DESCRIPTION_BYTES)]
+    calls = [tensor_text(part) for part in texts.split(_DESCRIPTION_BYTES)]
     listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
     error = ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
                        f"called different collectives (operation, dtype, shape, op or root): "
                        f"{listing}")
     error.collective_mismatch = True  # type: ignore[attr-defined]  # (uncaught: a quick exit)
     raise error
+
+
+def text_tensor(text: str, nbytes: int) -> torch.Tensor:
+    """``text`` as UTF-8 in a zero-padded uint8 tensor of ``nbytes`` (cut there): text that
+    travels in a collective, never a pickle."""
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    raw = text.encode()[:nbytes]
+    if raw:  # (frombuffer refuses an empty buffer)
+        out[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def tensor_text(tensor: torch.Tensor) -> str:
+    """The text of a :func:`text_tensor` (a cut character becomes U+FFFD)."""
+    return bytes(tensor.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def exchange_device(group: Any = None) -> torch.device:

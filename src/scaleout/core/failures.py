@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from scaleout.core.checks import check_seconds
+from scaleout.launch.environment import proc_stat
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "MIN_LIMIT", "DEPARTED", "PeerFailure",
            "heartbeat_limit", "process_state", "StoreHostDown", "first_line"]
@@ -65,13 +66,11 @@ def heartbeat_limit(environ: Mapping[str, str]) -> float | None:
 
 def process_state(pid: int) -> str | None:
     """Why process ``pid`` (on this machine) cannot answer, or None if it runs."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = proc_stat(pid)
+    if not fields:
         return "process exited"
     return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
-            "Z": "process exited", "X": "process exited"}.get(state)
+            "Z": "process exited", "X": "process exited"}.get(fields[0])
 
 
 class StoreHostDown(Exception):

@@ -329,10 +329,15 @@ def failure() -> PeerFailure | None:
     return _active[0].failure() if _active else None
 
 
+def blocked() -> PeerFailure | None:
+    """:func:`failure` for a rank that waits on its peers (a departed rank counts)."""
+    return _active[0].blocked() if _active else None
+
+
 def raise_if_failed(rank: int, group: str, operation: str) -> None:
     """Raise PeerFailedError (naming the failed rank, this rank, group and operation) if the
     watchdog knows of a failed rank; for wait loops and ``Request.test()``."""
-    found = _active[0].blocked() if _active else None
+    found = blocked()
     if found is not None:
         _active[0].settle()
         _exit_state["raised"] = True
@@ -386,5 +391,5 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
 def _verdict(seconds: float) -> None:
     """Wait up to ``seconds`` for the watchdog to find a failed rank."""
     deadline = time.monotonic() + seconds
-    while (_active[0].blocked() if _active else None) is None and time.monotonic() < deadline:
+    while blocked() is None and time.monotonic() < deadline:
         time.sleep(0.05)

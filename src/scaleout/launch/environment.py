@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect_launch", "first_host", "machine"]
+__all__ = ["LaunchInfo", "detect_launch", "first_host", "machine", "proc_stat"]
 
 DEFAULT_PORT = 29500
 
@@ -165,6 +165,16 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
         source="single",
     )
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state first), or None
+    when the process is gone or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def machine() -> str:

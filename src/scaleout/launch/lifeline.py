@@ -22,6 +22,8 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
+from scaleout.launch.environment import machine, proc_stat
+
 __all__ = ["LAUNCHER_PID_VAR", "LAUNCHER_ID_VAR", "REPORT_DIR_VAR", "die_with_parent",
            "launcher_env", "watch_parent", "blamed", "note_exit", "exit_of"]
 
@@ -55,29 +57,11 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _place() -> str | None:
-    """Where pids mean something: this machine's boot id and this pid namespace."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return f"{boot.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return None
-
-
 def _identity(pid: int | str) -> str | None:
     """``<boot id>/<pid namespace>/<start time>`` of a live process (a reused pid has another
     start time), or None when it is gone or there is no ``/proc``."""
-    place, fields = _place(), _stat(pid)
-    if place is None or fields is None or fields[0] in "ZX":
+    place, fields = machine(), proc_stat(pid)
+    if not place or fields is None or fields[0] in "ZX":
         return None
     return f"{place}/{fields[19]}"
 
@@ -139,7 +123,7 @@ def watch_parent(environ: Mapping[str, str], period: float = 1.0) -> threading.E
     if not value.isdigit() or any(thread.name == _THREAD for thread in threading.enumerate()):
         return None
     pid, identity = int(value), environ.get(LAUNCHER_ID_VAR, "")
-    if identity and identity.rsplit("/", 1)[0] != _place():
+    if identity and identity.rsplit("/", 1)[0] != machine():
         return None  # its pids are not ours to read
     if not identity:
         if pid != os.getppid():

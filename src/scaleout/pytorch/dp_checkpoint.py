@@ -21,7 +21,7 @@ def fit_compression_state(session: Any, state: dict[str, Any]) -> dict[str, Any]
     checkpoint was saved with another compression (switched off, another codec or buckets, or
     a codec that ``tune=`` had chosen and this run has not chosen yet).
     """
-    have = set(session.compression_state_dict())
+    have = set(session.compressed_buckets())
     unknown = sorted(set(state) - have)
     if unknown:
         warnings.warn(

@@ -261,11 +261,16 @@ class Session:
             return None, reduce_scatter_hook
         return None, allreduce_hook
 
+    def compressed_buckets(self) -> dict[str, Any]:
+        """The buckets a codec compresses, by name (their parameter sets' names joined with
+        ``+``)."""
+        return {b.name: b for b in self.buckets if isinstance(b.state, CodecHookState)}
+
     def compression_state_dict(self) -> dict[str, Any]:
         """Every compressed bucket's codec state (error-feedback residuals, ...), by bucket
-        name (its parameter sets' names joined with ``+``)."""
-        return {bucket.name: {"states": {bucket.name: bucket.state.codec_state.state_dict()}}
-                for bucket in self.buckets if isinstance(bucket.state, CodecHookState)}
+        name (:meth:`compressed_buckets`)."""
+        return {name: {"states": {name: bucket.state.codec_state.state_dict()}}
+                for name, bucket in self.compressed_buckets().items()}
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`compression_state_dict` returned.
@@ -273,7 +278,7 @@ class Session:
         Raises:
             ValueError: the state names parameter sets this session does not compress.
         """
-        compressed = {b.name: b for b in self.buckets if isinstance(b.state, CodecHookState)}
+        compressed = self.compressed_buckets()
         unknown = sorted(set(state) - set(compressed))
         if unknown:
             raise ValueError(f"compression state for buckets this session does not have: "

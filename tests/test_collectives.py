@@ -87,10 +87,15 @@ def check_op(op_name: str, d: scaleout.Distribution, group: GroupType) -> None:
         out = d.scatter(t(base(rank, (size * 2, 3))), root, group=group).wait()
         same(out, base(members[root], (size * 2, 3))[me * 2:(me + 1) * 2])
     elif op_name == "reduce_scatter":
-        for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.AVG):
+        for op in ReduceOp:
             out = d.reduce_scatter(t(base(rank, (size * 3,)), torch.float64), op, group=group).wait()
             total = _np_reduce([base(r, (size * 3,)) for r in members], op)
             same(out, total[me * 3:(me + 1) * 3])
+        # into this rank's own block of the input (in place), and an integer dtype
+        x = t(base(rank, (size * 2, 3)), torch.int64)
+        mine = x[me * 2:(me + 1) * 2]
+        assert d.reduce_scatter(x, ReduceOp.SUM, group=group, out=mine).wait() is mine
+        same(mine, _np_reduce([base(r, (size * 2, 3)) for r in members], ReduceOp.SUM)[me * 2:(me + 1) * 2])
     elif op_name == "alltoall":
         def data(r: int) -> np.ndarray:
             return base(r, (size * 2, 2)) + 100 * np.arange(size * 2)[:, None]

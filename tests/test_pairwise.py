@@ -15,7 +15,7 @@ from harness import run_ranks
 from scaleout.core import collectives, pairwise
 from test_collectives import body_all_groups
 
-OPS = ["allgather", "allgatherv", "alltoall", "alltoallv"]
+OPS = ["allgather", "allgatherv", "alltoall", "alltoallv", "reduce_scatter"]
 #: rows of 16 float32 values: a block twice the exchange's threshold
 LARGE_ROWS = pairwise.MIN_BLOCK_BYTES // (16 * 4) * 2
 
@@ -45,6 +45,9 @@ def body_large_blocks() -> list[bool]:
     assert torch.equal(out, want), (out[:4], want[:4], peer)
     gathered = d.allgather(x[:rows], group=scaleout.GroupType.DATA).wait()
     assert torch.equal(gathered, torch.cat([torch.arange(rows) + 1000 * r for r in (0, 1)]).float())
+    collectives.reduce_scatter_single = None  # gloo's reduce-scatter must not be called
+    summed = d.reduce_scatter(x, group=scaleout.GroupType.DATA).wait()
+    assert torch.equal(summed, 2 * (torch.arange(rows) + rows * env.rank).float() + 1000)
     env.finalize()
     return taken
 

@@ -250,15 +250,55 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
                    out: torch.Tensor | None = None) -> Request:
     """Reduce ``tensor`` over the group and give rank i the i-th of ``size`` equal row blocks."""
     name = "reduce_scatter"
-    tensor = _checked(comm, name, tensor, op)
+    tensor = _checked(comm, name, tensor, op, pairwise_setting())
     op = _op(op, tensor.dtype, name)
     rows = check_divisible(tensor, comm.size, name)
     out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     send = tensor.contiguous()
+    divisor = comm.size if op is ReduceOp.AVG else 1
+    if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
+        return _reduce_scatter_blocks(comm, name, send, out, op, divisor)
     work = _start(comm, name, lambda: reduce_scatter_single(
         out, send, op=_TORCH_OPS[op], group=comm.group, async_op=True), lambda: out.copy_(send))
-    divisor = comm.size if op is ReduceOp.AVG else 1
     return comm.request(name, [work], lambda: average_into(out, out, divisor), _nbytes(send))
+
+
+_COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.MIN: torch.minimum,
+            ReduceOp.MAX: torch.maximum}
+
+
+def _reduce_scatter_blocks(comm: Communicator, name: str, send: torch.Tensor,
+                           out: torch.Tensor, op: ReduceOp, divisor: int) -> Request:
+    """A reduce-scatter as an all-to-all of the blocks (receives posted first), reduced here.
+
+    Torch's gloo ``reduce_scatter_tensor`` all-reduces the whole input and keeps one block:
+    ``2 (p-1)/p n`` bytes out of every rank. Sending block ``j`` to rank ``j`` moves the
+    textbook ``(p-1)/p n`` (benchmarks/RESULTS.md §1, stop 24). The first peer's block is
+    received straight into ``out`` (unless ``out`` overlaps the input), the others into one
+    scratch buffer; the blocks are combined in a fixed order once all have arrived.
+    """
+    size, rank = comm.size, comm.rank
+    blocks = send.split(out.shape[0])
+    peers = [(rank - i) % size for i in range(1, size)]  # exchange_blocks' receive order
+    start, end = send.data_ptr(), send.data_ptr() + _nbytes(send)
+    direct = size > 1 and not (out.data_ptr() < end and start < out.data_ptr() + _nbytes(out))
+    scratch = list(send.new_empty((size - 1 - direct, *out.shape)).unbind())
+    recvs = list(blocks)  # recvs[rank] is this rank's own block: exchange_blocks' copy is a no-op
+    for k, peer in enumerate(peers):
+        recvs[peer] = out if direct and k == 0 else scratch[k - direct]
+    combine = _COMBINE[op]
+
+    def finish() -> torch.Tensor:
+        own = blocks[rank]
+        if not direct:  # out overlaps the input: nothing was received into it
+            out.copy_(own if own.data_ptr() == out.data_ptr() else own.clone())
+        for block in scratch:
+            combine(out, block, out=out)
+        if direct:
+            combine(out, own, out=out)
+        return average_into(out, out, divisor)
+
+    return comm.request(name, _blocks(comm, name, blocks, recvs), finish, _nbytes(send))
 
 
 def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:

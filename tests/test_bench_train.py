@@ -123,6 +123,21 @@ def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str])
     assert "ddp-tuned:5" in text and "vs ddp-tuned" in text
 
 
+@pytest.mark.timeout(120)
+def test_sharded_update_peer_trains_like_its_peers(rank_env: Path) -> None:
+    """scaleout-sharded (distributed_update=True) against zero (DDP + ZeRO): the same steps
+    of the same model, so the same loss; exact whatever --compression names."""
+    out = rank_env / "out.json"
+    assert main([*TINY, "--no-testbed", "--vs", "zero,scaleout-sharded", "--compression",
+                 "sign", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    sharded, zero = report["summary"]["scaleout-sharded"], report["summary"]["zero"]
+    assert sharded["final_loss"] == pytest.approx(zero["final_loss"], rel=1e-5)
+    assert sharded["details"]["distributed_update"] is True
+    assert sharded["details"]["compression"] is None
+    assert set(sharded["over_peers"]) == {"zero"}  # not against itself
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--workload", "resnet9000"], "unknown workload 'resnet9000'"),
     (["--vs", "ddp,horovod"], "peers: unknown 'horovod'"),

@@ -11,6 +11,7 @@ from scaleout.sim.gloo_pairs import (
     allgather_program,
     alltoall_program,
     call_time,
+    exchange_program,
     run,
 )
 
@@ -104,3 +105,20 @@ def test_bad_input_raises() -> None:
         run([[Post("end")]], bandwidth=B, latency=L, starts=[0.0, 1.0])
     with pytest.raises(ValueError, match="among the other"):
         run([[Post("send", 0, N)]], bandwidth=B, latency=L)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_scaleouts_exchange_runs_every_pair_both_ways_at_once(ranks: int) -> None:
+    # scaleout's receive-first exchange (core/pairwise.py): every recv-ready leaves before any
+    # data, so with a late rank each rank's p-1 blocks of n/p share its egress at once: the
+    # textbook (p-1)/p n / B, where gloo's own all-to-all at 2 ranks takes twice that
+    n = 3 * N
+    exchange = call_time("exchange", ranks, n, bandwidth=B, latency=L)
+    assert exchange == pytest.approx((ranks - 1) / ranks * n / B, rel=2e-2)
+    if ranks == 2:
+        assert call_time("alltoall", 2, n, bandwidth=B, latency=L) == pytest.approx(
+            2 * exchange, rel=2e-2)
+    program = exchange_program(0, ranks, n)
+    kinds = [post.kind for post in program]
+    assert kinds[:2 * (ranks - 1)] == ["recv"] * (ranks - 1) + ["send"] * (ranks - 1)
+    assert {post.nbytes for post in program if post.kind == "send"} == {n / ranks}

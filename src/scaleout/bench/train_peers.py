@@ -11,6 +11,9 @@ Configurations:
   measured against.
 * ``scaleout`` — :class:`~scaleout.pytorch.DataParallel` with a
   :class:`~scaleout.pytorch.DistributedOptimizer`.
+* ``scaleout-sharded`` — the same with ``distributed_update=True`` (MLSL's distributed
+  update: gradients reduce-scattered, each rank updates its slice, the increments
+  all-gathered; exact gradients whatever ``--compression`` says): the peer of ``zero``.
 * ``ddp`` — torch ``DistributedDataParallel`` with its default buckets (25 MB, first 1 MB).
 * ``ddp-fp16`` — DDP with the ``fp16_compress_hook`` communication hook.
 * ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
@@ -63,8 +66,8 @@ __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
 
 #: Peers a user may name with ``--vs``.
-PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "hybrid", "hybrid-deferred",
-         "hybrid-noprefetch", "hybrid-unfused", "hybrid-one-round",
+PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "scaleout-sharded", "hybrid",
+         "hybrid-deferred", "hybrid-noprefetch", "hybrid-unfused", "hybrid-one-round",
          "hybrid-two-rounds", *CEILINGS,
          "hybrid-lockstep")
 #: Every configuration the worker can run.
@@ -88,20 +91,21 @@ def _single(options: SetupOptions) -> Setup:
                  reset=nothing, statistics=None, close=nothing, details={})
 
 
-def _scaleout(options: SetupOptions) -> Setup:
+def _scaleout(options: SetupOptions, sharded: bool = False) -> Setup:
     import scaleout
     from scaleout.pytorch import DataParallel, DistributedOptimizer
     from scaleout.pytorch.tuning import TuneConfig
 
     env = scaleout.init(timeout=options.timeout_s)
     net = options.build_model()
-    auto = options.compression in AUTO
+    compression = None if sharded else options.compression
+    auto = compression in AUTO
     model = DataParallel(net, env.create_distribution(),
                          scheduler=options.scheduler(),
-                         compression=None if auto else options.compression,
-                         tune=TuneConfig(allow_lossy=AUTO[options.compression], skip=1,
+                         compression=None if auto else compression,
+                         tune=TuneConfig(allow_lossy=AUTO[compression], skip=1,
                                          measure=max(options.warmup - 8, 1), verify=2)
-                         if auto else None)
+                         if auto else None, distributed_update=sharded)
     optimizer = DistributedOptimizer(sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = statistics_of(model)
 
@@ -114,8 +118,8 @@ def _scaleout(options: SetupOptions) -> Setup:
         model.close()
         env.finalize()
 
-    details = {"policy": options.policy, "mode": options.mode,
-               "compression": options.compression, "backend": env.backend}
+    details = {"policy": options.policy, "mode": options.mode, "compression": compression,
+               "distributed_update": sharded, "backend": env.backend}
     return Setup(model=model, optimizer=optimizer, settle=settle, reset=reset,
                  statistics=statistics, close=close, details=details)
 
@@ -197,6 +201,7 @@ def _lockstep(options: SetupOptions, traffic: bool) -> Setup:
 _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "single": _single,
     "scaleout": _scaleout,
+    "scaleout-sharded": lambda o: _scaleout(o, sharded=True),
     "ddp": _ddp,
     "ddp-tuned": lambda o: _ddp(o, tuned_mb=TUNED_BUCKET_MB),
     "ddp-fp16": lambda o: _ddp(o, hook="fp16"),

@@ -76,8 +76,8 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
             "efficiency": _median(eff), "efficiency_per_round": eff,
             "over_peers": {}, "over_peers_per_round": {},
         }
-        if name.startswith("scaleout"):
-            for peer in peers:
+        if name.startswith("scaleout"):  # (scaleout, scaleout+SPEC, scaleout-sharded)
+            for peer in (p for p in peers if p != name):
                 ratios = [rnd[name]["throughput"] / rnd[peer]["throughput"]
                           for rnd in present if peer in rnd]
                 entry["over_peers"][peer] = _median(ratios)

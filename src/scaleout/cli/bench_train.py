@@ -27,7 +27,8 @@ fresh ranks every round):
   single    one rank alone on host 0 (the ideal), same per-rank batch
   scaleout  DataParallel + DistributedOptimizer(SGD momentum 0.9)
   --vs      ddp, ddp-fp16 (fp16_compress_hook), ddp-powersgd (powerSGD_hook, rank 2,
-            from iteration 2), zero (DDP + ZeroRedundancyOptimizer), and two ceilings
+            from iteration 2), zero (DDP + ZeroRedundancyOptimizer), scaleout-sharded
+            (scaleout with distributed_update=True, exact: zero's peer), and two ceilings
             that are not trainers: lockstep (ranks compute alone and meet once per
             iteration: the best any synchronous data-parallel run can do here) and
             lockstep-traffic (that, plus the exact gradients' bytes in flight, hidden

@@ -1,20 +1,24 @@
 """Bus bandwidth of this machine's testbed collectives: measured by ``bench collectives``, predicted.
 
 What is predicted: the bus bandwidth (nccl-tests convention, the bench's own) of every cell of
-``scaleout bench collectives`` on the testbed (benchmarks/results/collectives-testbed-*.json,
+``scaleout bench collectives`` on the testbed (benchmarks/results/collectives-testbed-*-stop24.json,
 commands in benchmarks/RESULTS.md §1): 2 and 3 ranks at 1 Gbit/s and 2 ranks at 100 Mbit/s,
-allreduce, reduce_scatter, allgather, bcast and alltoall, 1 MB to 64 MB.
+allreduce, reduce_scatter, allgather, bcast and alltoall, 1 MB to 64 MB, each twice: scaleout's
+collective (``ours``) and torch's gloo collective (``torch``), timed in the same run.
 
 What goes in, and nothing else:
 
 * the link: the ``tc`` rate x 0.98 and 50 us per hop through the bridge (a switch), as in
   :mod:`scaleout.sim.testbed_cases`. The 0.98 is the training split: the 2-rank 1 Gbit/s
   allreduce (RESULTS.md §1, stop 6: 0.122 GB/s), so those cells are not scored here;
-* each op as the backend really runs it, read from its source (not from these numbers):
-  :data:`GLOO`. Where gloo posts a ``send`` before the ``recv`` on a pair that carries data
-  both ways (all-to-all; the all-gather ring at 2 ranks), the cell is priced by
-  :mod:`scaleout.sim.gloo_pairs`, gloo's recv-ready protocol as a fluid model, which lets
-  one direction of such a pair wait for the other; the rest by the alpha-beta formulas.
+* each op as the code really runs it, read from its source (not from these numbers):
+  :data:`GLOO` for torch's collectives, :func:`scaleout_path` for scaleout's (which takes
+  its receive-first exchange, ``scaleout.core.pairwise``, for blocks of at least
+  :data:`EXCHANGE_MIN_BLOCK`, and gloo's collective below). Where gloo posts a ``send``
+  before the ``recv`` on a pair that carries data both ways (all-to-all; the all-gather
+  ring at 2 ranks), and for scaleout's exchange, the cell is priced by
+  :mod:`scaleout.sim.gloo_pairs`, gloo's recv-ready protocol as a fluid model; the rest by
+  the alpha-beta formulas.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from scaleout.sim.gloo_pairs import call_time
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 
-__all__ = ["GLOO", "MEASURED", "LINK_EFFICIENCY", "predicted_busbw", "collective_scenarios"]
+__all__ = ["EXCHANGE_MIN_BLOCK", "GLOO", "IMPLEMENTATIONS", "MEASURED", "LINK_EFFICIENCY",
+           "predicted_busbw", "scaleout_path", "collective_scenarios"]
 
 LINK_EFFICIENCY = 0.98  # bus bandwidth / tc rate, the 2-rank 1 Gbit/s allreduce (training split)
 HOP_LATENCY = "50us"
 RELATIVE_BOUND = 0.15
 RATES = MappingProxyType({"100mbit": 100e6 / 8, "1gbit": 1e9 / 8})
+IMPLEMENTATIONS = ("scaleout", "torch")
 
 # bench op -> (the simulator's op, algorithm, where the backend says so). torch on CPU = gloo.
 # Algorithm "gloo_pairs": gloo's own posting order through its recv-ready protocol
@@ -57,59 +63,81 @@ GLOO = MappingProxyType({
 })
 _SIM_NAME = MappingProxyType({"bcast": "broadcast"})  # the bench's op names -> the simulator's
 
-# (ranks, rate, op, bytes, measured median time in ms): the JSON files' time_s (ours).
+#: ``scaleout.core.pairwise.MIN_BLOCK_BYTES`` (the simulator imports only the scheduler; a
+#: test checks the two agree): the smallest block per peer scaleout sends through its exchange.
+EXCHANGE_MIN_BLOCK = 256 * 1024
+_EXCHANGE = ("exchange", "scaleout.core.pairwise.exchange_blocks: every receive posted before "
+             "any send, blocks of n/p to each peer; both directions of a pair at once "
+             "(sim/gloo_pairs.py, exchange_program)")
+
+
+def scaleout_path(op: str, ranks: int, nbytes: int) -> tuple[str, str, str]:
+    """(the simulator's op, algorithm, why) of scaleout's collective ``op`` on CPU tensors of
+    a gloo group, as ``scaleout.core.collectives`` chooses: all-to-all and reduce-scatter
+    (any group size) and all-gather (2 ranks) through the receive-first exchange when each
+    peer's block (``nbytes / ranks``) is at least :data:`EXCHANGE_MIN_BLOCK`; otherwise
+    gloo's collective (:data:`GLOO`)."""
+    exchanged = ("alltoall", "reduce_scatter") + (("allgather",) if ranks == 2 else ())
+    if op in exchanged and nbytes / ranks >= EXCHANGE_MIN_BLOCK:
+        return ("alltoall", *_EXCHANGE)
+    return GLOO[op]
+
+
+# (ranks, rate, op, bytes, median ms of scaleout's call, of torch's): the JSON files' time_s
+# and torch_time_s (benchmarks/results/collectives-testbed-*-stop24.json), the training split
+# (2 ranks, 1 Gbit/s, allreduce) left out.
 MEASURED = (
-    (2, "1gbit", "reduce_scatter", 1048576, 9.04),
-    (2, "1gbit", "reduce_scatter", 4194304, 37.59),
-    (2, "1gbit", "reduce_scatter", 16777216, 149.25),
-    (2, "1gbit", "reduce_scatter", 67108864, 729.45),
-    (2, "1gbit", "allgather", 1048576, 6.44),
-    (2, "1gbit", "allgather", 4194304, 24.80),
-    (2, "1gbit", "allgather", 16777216, 115.35),
-    (2, "1gbit", "allgather", 67108864, 550.00),
-    (2, "1gbit", "bcast", 1048576, 8.37),
-    (2, "1gbit", "bcast", 4194304, 33.53),
-    (2, "1gbit", "bcast", 16777216, 138.99),
-    (2, "1gbit", "bcast", 67108864, 561.89),
-    (2, "1gbit", "alltoall", 1048576, 6.80),
-    (2, "1gbit", "alltoall", 4194304, 32.45),
-    (2, "1gbit", "alltoall", 16777216, 136.49),
-    (2, "1gbit", "alltoall", 67108864, 555.60),
-    (3, "1gbit", "allreduce", 1048572, 11.89),
-    (3, "1gbit", "allreduce", 4194300, 46.21),
-    (3, "1gbit", "allreduce", 16777212, 182.28),
-    (3, "1gbit", "allreduce", 67108860, 752.07),
-    (3, "1gbit", "reduce_scatter", 1048572, 12.01),
-    (3, "1gbit", "reduce_scatter", 4194300, 49.45),
-    (3, "1gbit", "reduce_scatter", 16777212, 199.19),
-    (3, "1gbit", "reduce_scatter", 67108860, 894.54),
-    (3, "1gbit", "allgather", 1048572, 6.13),
-    (3, "1gbit", "allgather", 4194300, 24.72),
-    (3, "1gbit", "allgather", 16777212, 98.35),
-    (3, "1gbit", "allgather", 67108860, 560.25),
-    (3, "1gbit", "bcast", 1048572, 16.82),
-    (3, "1gbit", "bcast", 4194300, 67.00),
-    (3, "1gbit", "bcast", 16777212, 270.35),
-    (3, "1gbit", "bcast", 67108860, 1089.22),
-    (3, "1gbit", "alltoall", 1048572, 6.96),
-    (3, "1gbit", "alltoall", 4194300, 35.12),
-    (3, "1gbit", "alltoall", 16777212, 147.13),
-    (3, "1gbit", "alltoall", 67108860, 526.29),
-    (2, "100mbit", "allreduce", 1048576, 87.83),
-    (2, "100mbit", "allreduce", 4194304, 339.29),
-    (2, "100mbit", "allreduce", 16777216, 1445.02),
-    (2, "100mbit", "reduce_scatter", 1048576, 87.04),
-    (2, "100mbit", "reduce_scatter", 4194304, 344.89),
-    (2, "100mbit", "reduce_scatter", 16777216, 1381.68),
-    (2, "100mbit", "allgather", 1048576, 59.22),
-    (2, "100mbit", "allgather", 4194304, 251.58),
-    (2, "100mbit", "allgather", 16777216, 1065.94),
-    (2, "100mbit", "bcast", 1048576, 83.86),
-    (2, "100mbit", "bcast", 4194304, 336.42),
-    (2, "100mbit", "bcast", 16777216, 1357.69),
-    (2, "100mbit", "alltoall", 1048576, 86.31),
-    (2, "100mbit", "alltoall", 4194304, 328.47),
-    (2, "100mbit", "alltoall", 16777216, 1369.12),
+    (2, "1gbit", "reduce_scatter", 1048576, 4.61, 9.01),
+    (2, "1gbit", "reduce_scatter", 4194304, 20.46, 38.95),
+    (2, "1gbit", "reduce_scatter", 16777216, 72.53, 149.31),
+    (2, "1gbit", "reduce_scatter", 67108864, 278.54, 593.26),
+    (2, "1gbit", "allgather", 1048576, 4.54, 5.58),
+    (2, "1gbit", "allgather", 4194304, 17.08, 25.69),
+    (2, "1gbit", "allgather", 16777216, 70.49, 104.53),
+    (2, "1gbit", "allgather", 67108864, 283.25, 439.69),
+    (2, "1gbit", "bcast", 1048576, 8.34, 8.34),
+    (2, "1gbit", "bcast", 4194304, 33.52, 33.50),
+    (2, "1gbit", "bcast", 16777216, 135.05, 134.91),
+    (2, "1gbit", "bcast", 67108864, 540.57, 540.52),
+    (2, "1gbit", "alltoall", 1048576, 4.82, 6.73),
+    (2, "1gbit", "alltoall", 4194304, 17.56, 24.81),
+    (2, "1gbit", "alltoall", 16777216, 73.16, 134.98),
+    (2, "1gbit", "alltoall", 67108864, 273.04, 544.34),
+    (3, "1gbit", "allreduce", 1048572, 11.41, 11.27),
+    (3, "1gbit", "allreduce", 4194300, 45.27, 45.89),
+    (3, "1gbit", "allreduce", 16777212, 180.83, 180.50),
+    (3, "1gbit", "allreduce", 67108860, 724.51, 725.58),
+    (3, "1gbit", "reduce_scatter", 1048572, 6.99, 12.02),
+    (3, "1gbit", "reduce_scatter", 4194300, 27.64, 48.60),
+    (3, "1gbit", "reduce_scatter", 16777212, 98.33, 192.80),
+    (3, "1gbit", "reduce_scatter", 67108860, 377.95, 815.86),
+    (3, "1gbit", "allgather", 1048572, 7.38, 5.99),
+    (3, "1gbit", "allgather", 4194300, 24.58, 23.87),
+    (3, "1gbit", "allgather", 16777212, 97.90, 97.13),
+    (3, "1gbit", "allgather", 67108860, 407.68, 411.78),
+    (3, "1gbit", "bcast", 1048572, 16.61, 16.71),
+    (3, "1gbit", "bcast", 4194300, 67.41, 67.30),
+    (3, "1gbit", "bcast", 16777212, 270.53, 270.12),
+    (3, "1gbit", "bcast", 67108860, 1081.71, 1081.38),
+    (3, "1gbit", "alltoall", 1048572, 6.57, 7.35),
+    (3, "1gbit", "alltoall", 4194300, 25.39, 35.43),
+    (3, "1gbit", "alltoall", 16777212, 98.34, 131.79),
+    (3, "1gbit", "alltoall", 67108860, 377.20, 527.82),
+    (2, "100mbit", "allreduce", 1048576, 84.03, 84.33),
+    (2, "100mbit", "allreduce", 4194304, 338.80, 342.61),
+    (2, "100mbit", "allreduce", 16777216, 1416.21, 1353.23),
+    (2, "100mbit", "reduce_scatter", 1048576, 44.10, 84.18),
+    (2, "100mbit", "reduce_scatter", 4194304, 168.68, 345.11),
+    (2, "100mbit", "reduce_scatter", 16777216, 701.45, 1369.35),
+    (2, "100mbit", "allgather", 1048576, 41.90, 53.29),
+    (2, "100mbit", "allgather", 4194304, 170.67, 264.05),
+    (2, "100mbit", "allgather", 16777216, 688.15, 1063.96),
+    (2, "100mbit", "bcast", 1048576, 84.09, 84.10),
+    (2, "100mbit", "bcast", 4194304, 337.48, 337.56),
+    (2, "100mbit", "bcast", 16777216, 1351.75, 1351.79),
+    (2, "100mbit", "alltoall", 1048576, 41.90, 74.41),
+    (2, "100mbit", "alltoall", 4194304, 176.78, 328.38),
+    (2, "100mbit", "alltoall", 16777216, 676.23, 1344.36),
 )
 
 
@@ -119,42 +147,52 @@ def _bus(op: str, ranks: int) -> float:
     return bus_factor(_SIM_NAME.get(op, op), ranks)
 
 
-def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int) -> float:
-    """The bus bandwidth (bytes/s) the simulator predicts for one bench cell.
+def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int,
+                    implementation: str = "torch") -> float:
+    """The bus bandwidth (bytes/s) the simulator predicts for one bench cell: torch's gloo
+    collective (:data:`GLOO`) or scaleout's (:func:`scaleout_path`).
 
     Raises:
-        ValueError: an op not in :data:`GLOO` or a rate not in ``RATES``.
+        ValueError: an op not in :data:`GLOO`, a rate not in ``RATES`` or an implementation
+            not in :data:`IMPLEMENTATIONS`.
     """
     if op not in GLOO:
         raise ValueError(f"op must be one of {', '.join(GLOO)}, got {op!r}")
     if rate not in RATES:
         raise ValueError(f"rate must be one of {', '.join(RATES)}, got {rate!r}")
-    sim_op, algorithm, _ = GLOO[op]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    sim_op, algorithm, _ = GLOO[op] if implementation == "torch" else scaleout_path(op, ranks, nbytes)
     topology = parse_topology(str(ranks), bandwidths=[RATES[rate] * LINK_EFFICIENCY],
                               latencies=[HOP_LATENCY], kinds=["switch"])
-    if algorithm == "gloo_pairs":
+    if algorithm in ("gloo_pairs", "exchange"):
         dim = topology.dims[0]
-        time = call_time(sim_op, ranks, nbytes, bandwidth=dim.bandwidth,
-                         latency=dim.hops() * dim.latency)
+        time = call_time(sim_op if algorithm == "gloo_pairs" else "exchange", ranks, nbytes,
+                         bandwidth=dim.bandwidth, latency=dim.hops() * dim.latency)
     else:
         time = collective_cost(topology, op=sim_op, algorithm=algorithm, nbytes=nbytes).time
     return nbytes / time * _bus(op, ranks)
 
 
 def collective_scenarios() -> tuple[Scenario, ...]:
-    """One scenario per measured cell: bus bandwidth in GB/s, within 15%."""
+    """Two scenarios per measured cell, scaleout's call (named op size ranks rate) and
+    torch's (torch op ...): bus bandwidth in GB/s, within 15%."""
     out = []
-    for ranks, rate, op, nbytes, ms in MEASURED:
-        measured = nbytes / (ms / 1e3) * _bus(op, ranks) / 1e9
-        out.append(Scenario(
-            name=f"{op} {nbytes / 2**20:.0f}MB {ranks} ranks {rate}",
-            group="collectives",
-            measured=measured,
-            unit="GB/s",
-            bound=RELATIVE_BOUND,
-            source=f"bench collectives, benchmarks/results/collectives-testbed-{ranks}r-{rate}.json",
-            assumptions=(f"link {rate} x {LINK_EFFICIENCY}, {HOP_LATENCY}/hop, a switch; "
-                         f"{GLOO[op][0]} by {GLOO[op][1]}: {GLOO[op][2]}"),
-            predict=lambda o=op, p=ranks, r=rate, n=nbytes: predicted_busbw(o, p, r, n) / 1e9,
-        ))
+    for ranks, rate, op, nbytes, *times in MEASURED:
+        for implementation, ms in zip(IMPLEMENTATIONS, times):
+            path = GLOO[op] if implementation == "torch" else scaleout_path(op, ranks, nbytes)
+            prefix = "torch " if implementation == "torch" else ""
+            out.append(Scenario(
+                name=f"{prefix}{op} {nbytes / 2**20:.0f}MB {ranks} ranks {rate}",
+                group="collectives",
+                measured=nbytes / (ms / 1e3) * _bus(op, ranks) / 1e9,
+                unit="GB/s",
+                bound=RELATIVE_BOUND,
+                source=(f"bench collectives ({implementation}), benchmarks/results/"
+                        f"collectives-testbed-{ranks}r-{rate}-stop24.json"),
+                assumptions=(f"link {rate} x {LINK_EFFICIENCY}, {HOP_LATENCY}/hop, a switch; "
+                             f"{path[0]} by {path[1]}: {path[2]}"),
+                predict=lambda o=op, p=ranks, r=rate, n=nbytes, i=implementation:
+                    predicted_busbw(o, p, r, n, i) / 1e9,
+            ))
     return tuple(out)

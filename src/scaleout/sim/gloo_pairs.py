@@ -39,7 +39,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "Post", "PROGRAMS", "alltoall_program", "allgather_program", "run", "call_time"]
+__all__ = ["KINDS", "Post", "PROGRAMS", "alltoall_program", "allgather_program",
+           "exchange_program", "run", "call_time"]
 
 _EPS = 1e-12  # seconds
 _BYTE_EPS = 1e-6  # bytes left that count as sent
@@ -101,9 +102,24 @@ def allgather_program(rank: int, ranks: int, nbytes: float, slot: int = 0) -> li
     return out + [Post("end")]
 
 
+def exchange_program(rank: int, ranks: int, nbytes: float, slot: int = 0) -> list[Post]:
+    """scaleout's receive-first exchange (``scaleout.core.pairwise.exchange_blocks``) of
+    ``nbytes/p`` with every peer: a receive from each peer (``rank-i``) posted first, then a
+    send to each (``rank+i``), then wait for all. Every recv-ready leaves before any data, so
+    both directions of a pair run at once. scaleout's all-to-all and reduce-scatter send
+    block ``j`` of ``nbytes`` to rank ``j``; its 2-rank all-gather sends its own block of
+    an ``nbytes`` output: the same messages."""
+    chunk = nbytes / ranks
+    out = [Post("recv", (rank - i) % ranks, chunk, slot) for i in range(1, ranks)]
+    out += [Post("send", (rank + i) % ranks, chunk, slot) for i in range(1, ranks)]
+    out += [Post("wait_recv"), Post("wait_send")] * (ranks - 1)
+    return out + [Post("end")]
+
+
 PROGRAMS: dict[str, Callable[[int, int, float, int], list[Post]]] = {
     "alltoall": alltoall_program,
     "allgather": allgather_program,
+    "exchange": exchange_program,
 }
 
 

@@ -235,7 +235,7 @@ def test_a_rank_leaves_at_once_after_an_uncaught_timeout(tmp_path: Path) -> None
 
 def test_only_communication_errors_and_mismatches_take_the_quick_exit() -> None:
     from scaleout.core.errors import CommunicationTimeout
-    from scaleout.core.watchdog import _broken
+    from scaleout.core.failures import broken_by_communication as _broken
 
     timeout = CommunicationTimeout("t", rank=0, group="g", operation="allreduce")
     try:
@@ -249,3 +249,26 @@ def test_only_communication_errors_and_mismatches_take_the_quick_exit() -> None:
     mismatch.collective_mismatch = True  # type: ignore[attr-defined]  # (as the check marks it)
     assert _broken(timeout) and _broken(mismatch)
     assert not _broken(ValueError("bad argument")) and not _broken(None)
+
+
+def test_ranks_timed_out_by_a_busy_peer_name_it(tmp_path: Path) -> None:
+    """Rank 1 alive but busy outside communication: ranks 0 and 2 time out (uncaught) and
+    name it from its heartbeat's call counts (core/progress.py); rank 0, the store's host,
+    keeps the store up a little on its way out, so rank 2 can still read them."""
+    body = """
+        import os, time, torch, scaleout
+        env = scaleout.init(timeout=3)
+        d = env.create_distribution()
+        for _ in range(2):
+            d.allreduce(torch.ones(2), group=scaleout.GroupType.GLOBAL).wait()
+        if env.rank == 1:
+            time.sleep(8)  # alive (its heartbeat beats), in no collective
+            os._exit(0)
+        d.allreduce(torch.ones(2), group=scaleout.GroupType.GLOBAL).wait()
+    """
+    ranks = launch(tmp_path, body, 3)
+    for rank in (0, 2):
+        code, out = ranks[rank]
+        assert code == 1, out
+        assert f"CommunicationTimeout: rank {rank}: allreduce on group global[0, 1, 2] did not " \
+               "complete within 3 s (rank 1 is alive but not at this call" in out, out

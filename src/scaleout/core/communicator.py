@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core import progress
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Request, WorkRequest
 
@@ -162,6 +163,7 @@ def _start(comm: Communicator, operation: str, start: Callable[[], Any],
     if comm.size == 1:
         local()
         return _LocalWork()
+    progress.started(comm.label, operation, comm.ranks)
     try:
         return start()
     except (RuntimeError, ValueError) as err:

@@ -8,10 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from scaleout.core.checks import check_seconds
+from scaleout.core.errors import CommunicationError
 from scaleout.launch.environment import proc_stat
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "MIN_LIMIT", "DEPARTED", "PeerFailure",
-           "heartbeat_limit", "process_state", "StoreHostDown", "first_line"]
+           "heartbeat_limit", "process_state", "StoreHostDown", "first_line",
+           "broken_by_communication"]
 
 HEARTBEAT_VAR = "SCALEOUT_HEARTBEAT"
 DEFAULT_LIMIT = 15.0
@@ -81,3 +83,16 @@ class StoreHostDown(Exception):
 def first_line(err: BaseException) -> str:
     """The first line of an error's text (or its type's name)."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def broken_by_communication(error: BaseException | None) -> bool:
+    """Whether ``error`` is (or was raised from) a CommunicationError (a collective that
+    failed or timed out, its work maybe still pending in gloo) or the consistency check's
+    ValueError (the ranks called different collectives): gloo may abort in the teardown."""
+    for _ in range(16):  # (a chain of causes; bounded, a cycle is possible)
+        if error is None:
+            return False
+        if isinstance(error, CommunicationError) or getattr(error, "collective_mismatch", False):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

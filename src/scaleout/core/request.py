@@ -18,7 +18,7 @@ from typing import Any
 
 from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.core.checks import check_seconds
-from scaleout.core.watchdog import raise_if_failed, wait_event, wait_work
+from scaleout.core.watchdog import lagging, raise_if_failed, wait_event, wait_work
 
 __all__ = [
     "Deadline", "Request", "WorkRequest", "FutureRequest", "ThenRequest", "completed_request",
@@ -121,8 +121,9 @@ class Request(ABC):
                    rank=self.rank, group=self.group, operation=self.operation)
 
     def timed_out(self, deadline: Deadline) -> CommunicationTimeout:
-        return self.error(f"did not complete within {deadline.seconds:g} s (a peer rank may "
-                          "have died, diverged, or called a different operation)",
+        behind = lagging(self.group)
+        why = behind or "a peer rank may have died, diverged, or called a different operation"
+        return self.error(f"did not complete within {deadline.seconds:g} s ({why})",
                           CommunicationTimeout)  # type: ignore[return-value]
 
     def __repr__(self) -> str:

@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from scaleout.core.errors import CommunicationError, PeerFailedError
+from scaleout.core import progress
+from scaleout.core.errors import PeerFailedError
 from scaleout.core.failures import (DEFAULT_LIMIT, DEPARTED, HEARTBEAT_VAR, PeerFailure,
-                                    StoreHostDown, first_line, heartbeat_limit, process_state)
+                                    StoreHostDown, broken_by_communication, first_line,
+                                    heartbeat_limit, process_state)
 from scaleout.launch.lifeline import REPORT_DIR_VAR, exit_of
 from scaleout.launch.environment import machine
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:  # (a run-time import would make core and launch import each o
     from scaleout.launch.rendezvous import Rendezvous
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
-           "failure", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]
+           "failure", "lagging", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]
 
 _SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
 
@@ -211,7 +213,8 @@ class Watchdog:
         host = process_state(self._host_pid) if self._host_pid else None
         if host is not None:
             raise StoreHostDown(host)
-        self._store.set(f"hb/{self.rank}", str(beats))
+        beat = {"beat": beats, "calls": progress.snapshot()}  # (the calls: for lagging())
+        self._store.set(f"hb/{self.rank}", json.dumps(beat))
         if self._read_news():
             return None
         if self.rank == 0 and beats % 5 == 0:
@@ -257,7 +260,8 @@ class Watchdog:
 
 
 _active: list[Watchdog] = []  # the watchdog of this process's job (at most one)
-#: an uncaught exception / a PeerFailedError raised / an uncaught :func:`_broken` error
+#: an uncaught exception / a PeerFailedError raised / an uncaught communication error
+#: (:func:`~scaleout.core.failures.broken_by_communication`)
 _exit_state = {"crashed": False, "raised": False, "broken": False}
 
 
@@ -276,40 +280,27 @@ def start(job: Rendezvous, rank: int, world: int, limit: float,
 def _note_crash(previous: Any) -> Any:
     def hook(kind: Any, error: Any, trace: Any) -> None:
         _exit_state["crashed"] = True
-        _exit_state["broken"] = _broken(error)
+        _exit_state["broken"] = broken_by_communication(error)
         previous(kind, error, trace)
 
     hook._scaleout = True  # type: ignore[attr-defined]
     return hook
 
 
-def _broken(error: BaseException | None) -> bool:
-    """Whether ``error`` is (or was raised from) a CommunicationError (a collective that
-    failed or timed out, its work maybe still pending in gloo) or the consistency check's
-    ValueError (the ranks called different collectives): gloo may abort in the teardown."""
-    for _ in range(16):  # (a chain of causes; bounded, a cycle is possible)
-        if error is None:
-            return False
-        if isinstance(error, CommunicationError) or getattr(error, "collective_mismatch", False):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
 def _at_exit() -> None:
     """At interpreter exit. After a peer failed and this rank raised (or crashed), and after
-    an uncaught :func:`_broken` error (a timeout, say), once its traceback is printed: the rank
-    leaves at once (status 1), skipping the teardown of torch.distributed, which can block
-    for good on a frozen peer or abort on work still pending ("terminate called without an
-    active exception"); rank 0 first keeps the store (in its process) up a little so the
-    others can still read which rank failed. A rank that ends normally without
-    ``finalize()`` departs: its peers fail if they still wait on it (they cannot complete)."""
+    an uncaught communication error (:func:`broken_by_communication`: a timeout, say), once its
+    traceback is printed: the rank leaves at once (status 1), skipping the teardown of
+    torch.distributed, which can block for good on a frozen peer or abort on work still
+    pending ("terminate called without an active exception"); rank 0 first keeps the store
+    (in its process) up a little so the others can still read which rank failed or lags. A rank that
+    ends normally without ``finalize()`` departs: its peers fail if they still wait on it."""
     if not _active:
         return
     dog = _active[0]
     failed = dog.failure() is not None and (_exit_state["crashed"] or _exit_state["raised"])
     if failed or _exit_state["broken"]:
-        if failed and dog.rank == dog.store_host:
+        if dog.rank == dog.store_host:  # (the others read a failure or lagging() from it)
             time.sleep(2 * dog.period + 0.5)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -332,6 +323,20 @@ def failure() -> PeerFailure | None:
 def blocked() -> PeerFailure | None:
     """:func:`failure` for a rank that waits on its peers (a departed rank counts)."""
     return _active[0].blocked() if _active else None
+
+
+def lagging(group: str) -> str | None:
+    """:func:`scaleout.core.progress.lagging` from the members' last heartbeats; None also
+    when no watchdog runs, a failure is known or the store does not answer."""
+    if not _active or _active[0].failure() is not None:
+        return None
+    dog = _active[0]
+    try:  # (a connection of its own: the heartbeat thread's is in use)
+        store = dog._job.connection(timeout=max(dog.period, 0.5))
+        return progress.lagging(group, dog.rank, lambda rank: json.loads(
+            store.get(f"hb/{rank}")).get("calls", {}) if store.check([f"hb/{rank}"]) else {})
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return None  # (a store that does not answer, or a heartbeat of another format)
 
 
 def raise_if_failed(rank: int, group: str, operation: str) -> None:

@@ -162,7 +162,8 @@ def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int,
         raise ValueError(f"rate must be one of {', '.join(RATES)}, got {rate!r}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    sim_op, algorithm, _ = GLOO[op] if implementation == "torch" else scaleout_path(op, ranks, nbytes)
+    path = GLOO[op] if implementation == "torch" else scaleout_path(op, ranks, nbytes)
+    sim_op, algorithm, _ = path
     topology = parse_topology(str(ranks), bandwidths=[RATES[rate] * LINK_EFFICIENCY],
                               latencies=[HOP_LATENCY], kinds=["switch"])
     if algorithm in ("gloo_pairs", "exchange"):

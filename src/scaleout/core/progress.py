@@ -1,0 +1,79 @@
+"""How many collectives this process has started on each group: what a timed-out rank reads
+from its peers' heartbeats to name the one that never came.
+
+A collective waits for every member of its group. When one member is alive (its heartbeat
+goes on) but busy or blocked outside communication (a loop in Python, a data loader that
+hangs, a lock), its peers' waits time out, and the watchdog sees nothing wrong. Each rank
+counts the collectives it starts per group (:func:`started`, called by
+``scaleout.core.communicator._start``: a dictionary update, no I/O) and its watchdog
+publishes the counts with every heartbeat (:func:`snapshot`). A rank whose wait times out
+compares its own count on the group with each member's last published one: a member that has
+started fewer has not reached the call (``scaleout.core.watchdog.lagging``).
+
+Counts are per group *label* (``data[0, 1]``): every member of a group makes the same calls in
+the same order, so equal labels count alike on every rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["started", "snapshot", "count", "lagging"]
+
+_lock = threading.Lock()
+_calls: dict[str, list] = {}  # label -> [count, last operation, member ranks]
+
+
+def started(label: str, operation: str, members: tuple[int, ...]) -> None:
+    """Note that this process started ``operation`` on the group ``label`` of ``members``."""
+    with _lock:
+        entry = _calls.get(label)
+        if entry is None:
+            _calls[label] = [1, operation, members]
+        else:
+            entry[0] += 1
+            entry[1] = operation
+
+
+def snapshot() -> dict[str, list]:
+    """``{label: [count, last operation]}`` for every group this process has used."""
+    with _lock:
+        return {label: [n, op] for label, (n, op, _) in _calls.items()}
+
+
+def count(label: str) -> tuple[int, tuple[int, ...]] | None:
+    """(collectives started on ``label``, its member ranks), or None if none was."""
+    with _lock:
+        entry = _calls.get(label)
+        return None if entry is None else (entry[0], entry[2])
+
+
+def lagging(group: str, me: int, calls_of: Callable[[int], dict]) -> str | None:
+    """A sentence naming the members of ``group`` that have started fewer collectives on it
+    than this rank (``me``), or None when none has (or this rank started none there).
+
+    Args:
+        group: the group's label.
+        me: this rank (global).
+        calls_of: a member's last published :func:`snapshot` (``{}`` when it has none).
+    """
+    mine = count(group)
+    if mine is None:
+        return None
+    total, members = mine
+    behind = []
+    for rank in members:
+        if rank != me:
+            theirs, last = calls_of(rank).get(group, [0, None])
+            if theirs < total:
+                said = f"rank {rank} {theirs}" + (f" (last: {last})" if last else "")
+                behind.append((rank, said))
+    if not behind:
+        return None
+    many = len(behind) > 1
+    return (f"rank{'s' if many else ''} {', '.join(str(rank) for rank, _ in behind)} "
+            f"{'are' if many else 'is'} alive but not at this call: collectives started on "
+            f"this group by the last heartbeat: this rank {total}, "
+            f"{', '.join(text for _, text in behind)}; {'they are' if many else 'it is'} busy "
+            "or blocked outside scaleout's collectives, or waiting in another one")

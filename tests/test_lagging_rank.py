@@ -1,0 +1,59 @@
+"""A rank that is alive but never reaches a collective (busy or blocked outside
+communication) is named by the ranks whose wait for it times out (scaleout.core.progress,
+Watchdog.lagging): before, they said only that "a peer rank may have died"."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import scaleout
+from harness import run_ranks
+from scaleout.core import progress
+
+
+def body_busy_rank(busy: int) -> str:
+    env = scaleout.init(timeout=3)
+    d = env.create_distribution()
+    x = torch.ones(4)
+    for _ in range(2):
+        d.allreduce(x, group=scaleout.GroupType.GLOBAL).wait()
+    if env.rank == busy:
+        time.sleep(6)  # in Python, outside any collective; its heartbeat goes on
+        return "busy"
+    try:
+        d.allreduce(x, group=scaleout.GroupType.GLOBAL).wait()
+    except scaleout.CommunicationTimeout as err:
+        return str(err)
+    return "no error"
+
+
+def test_the_rank_that_never_came_is_named() -> None:
+    # the busy rank is rank 0, the store's host: the harness ends a rank with os._exit, so a
+    # store host that timed out would take the store (and its heartbeats) with it at once
+    # (scaleout's own exit keeps it up a little: test_watchdog_exits.py)
+    said = run_ranks(3, body_busy_rank, 0, timeout=60)
+    assert said[0] == "busy"
+    for rank in (1, 2):
+        message = said[rank]
+        assert "did not complete within 3 s" in message, message
+        assert "rank 0 is alive but not at this call" in message, message
+        assert "this rank 3, rank 0 2 (last: allreduce); it is busy" in message, message
+        assert f"rank {3 - rank} " not in message.split("call:")[1], message  # it came
+
+
+def test_counts_are_per_group_label() -> None:
+    progress.started("test[7, 8]", "allreduce", (7, 8))
+    progress.started("test[7, 8]", "bcast", (7, 8))
+    assert progress.count("test[7, 8]") == (2, (7, 8))
+    assert progress.snapshot()["test[7, 8]"] == [2, "bcast"]
+    assert progress.count("test[9]") is None
+    calls = {7: {}, 8: {"test[7, 8]": [1, "allreduce"]}}
+    assert progress.lagging("test[7, 8]", 7, calls.get) == (
+        "rank 8 is alive but not at this call: collectives started on this group by the last "
+        "heartbeat: this rank 2, rank 8 1 (last: allreduce); it is busy or blocked outside "
+        "scaleout's collectives, or waiting in another one")
+    calls[8]["test[7, 8]"] = [2, "bcast"]
+    assert progress.lagging("test[7, 8]", 7, calls.get) is None
+    assert progress.lagging("test[9]", 7, calls.get) is None

@@ -186,6 +186,10 @@ def test_finalize_meeting_a_repeated_call_times_out_cleanly(tmp_path: Path) -> N
         assert f"CommunicationTimeout: rank {rank}: {where}[0, 1] did not complete within 4 s" \
                in out, out
         assert code == 1 and "terminate called" not in out, out
+        # each names the other, and where it is (core/progress.py)
+        assert f"(rank {1 - rank} is alive but not at this call" in out, out
+        assert ("its latest call allreduce on group data[0, 1]" if rank == 0
+                else "its latest call finalize") in out, out
 
 
 def test_a_rendezvous_timeout_asks_about_the_token(tmp_path: Path) -> None:

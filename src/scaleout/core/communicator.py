@@ -101,6 +101,9 @@ class Communicator:
 
     def request(self, operation: str, works: Sequence[Any], finish: Callable[[], Any],
                 nbytes: int = 0) -> Request:
+        """The request of a collective just started (counted for ``progress.lagging``)."""
+        if self.size > 1:
+            progress.started(self.label, operation, self.ranks)
         return WorkRequest(works, finish, rank=self.global_rank, group=self.label,
                            operation=operation, timeout=self.timeout, nbytes=nbytes)
 
@@ -163,7 +166,6 @@ def _start(comm: Communicator, operation: str, start: Callable[[], Any],
     if comm.size == 1:
         local()
         return _LocalWork()
-    progress.started(comm.label, operation, comm.ranks)
     try:
         return start()
     except (RuntimeError, ValueError) as err:

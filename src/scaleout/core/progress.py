@@ -5,7 +5,7 @@ A collective waits for every member of its group. When one member is alive (its 
 goes on) but busy or blocked outside communication (a loop in Python, a data loader that
 hangs, a lock), its peers' waits time out, and the watchdog sees nothing wrong. Each rank
 counts the collectives it starts per group (:func:`started`, called by
-``scaleout.core.communicator._start``: a dictionary update, no I/O) and its watchdog
+``scaleout.core.communicator.Communicator.request``: a dictionary update, no I/O) and its watchdog
 publishes the counts with every heartbeat (:func:`snapshot`). A rank whose wait times out
 compares its own count on the group with each member's last published one: a member that has
 started fewer has not reached the call (``scaleout.core.watchdog.lagging``).
@@ -23,6 +23,7 @@ __all__ = ["started", "snapshot", "count", "lagging"]
 
 _lock = threading.Lock()
 _calls: dict[str, list] = {}  # label -> [count, last operation, member ranks]
+_latest: list[str] = []  # [label, operation] of the latest collective started
 
 
 def started(label: str, operation: str, members: tuple[int, ...]) -> None:
@@ -34,12 +35,15 @@ def started(label: str, operation: str, members: tuple[int, ...]) -> None:
         else:
             entry[0] += 1
             entry[1] = operation
+        _latest[:] = [label, operation]
 
 
-def snapshot() -> dict[str, list]:
-    """``{label: [count, last operation]}`` for every group this process has used."""
+def snapshot() -> dict[str, object]:
+    """What a heartbeat publishes: ``{"calls": {label: [count, last operation]}, "latest":
+    [label, operation]}`` (``latest`` empty before the first collective)."""
     with _lock:
-        return {label: [n, op] for label, (n, op, _) in _calls.items()}
+        return {"calls": {label: [n, op] for label, (n, op, _) in _calls.items()},
+                "latest": list(_latest)}
 
 
 def count(label: str) -> tuple[int, tuple[int, ...]] | None:
@@ -65,15 +69,19 @@ def lagging(group: str, me: int, calls_of: Callable[[int], dict]) -> str | None:
     behind = []
     for rank in members:
         if rank != me:
-            theirs, last = calls_of(rank).get(group, [0, None])
+            published = calls_of(rank)
+            theirs, last = published.get("calls", {}).get(group, [0, None])
             if theirs < total:
-                said = f"rank {rank} {theirs}" + (f" (last: {last})" if last else "")
+                said = f"rank {rank}: {theirs}" + (f" (last: {last})" if last else "")
+                latest = published.get("latest") or [group]
+                if latest[0] != group:
+                    said += f", its latest call {latest[1]} on group {latest[0]}"
                 behind.append((rank, said))
     if not behind:
         return None
     many = len(behind) > 1
     return (f"rank{'s' if many else ''} {', '.join(str(rank) for rank, _ in behind)} "
             f"{'are' if many else 'is'} alive but not at this call: collectives started on "
-            f"this group by the last heartbeat: this rank {total}, "
+            f"this group by the last heartbeat: this rank: {total}, "
             f"{', '.join(text for _, text in behind)}; {'they are' if many else 'it is'} busy "
             "or blocked outside scaleout's collectives, or waiting in another one")

@@ -213,7 +213,7 @@ class Watchdog:
         host = process_state(self._host_pid) if self._host_pid else None
         if host is not None:
             raise StoreHostDown(host)
-        beat = {"beat": beats, "calls": progress.snapshot()}  # (the calls: for lagging())
+        beat = {"beat": beats, **progress.snapshot()}  # (the calls: for lagging())
         self._store.set(f"hb/{self.rank}", json.dumps(beat))
         if self._read_news():
             return None
@@ -334,7 +334,7 @@ def lagging(group: str) -> str | None:
     try:  # (a connection of its own: the heartbeat thread's is in use)
         store = dog._job.connection(timeout=max(dog.period, 0.5))
         return progress.lagging(group, dog.rank, lambda rank: json.loads(
-            store.get(f"hb/{rank}")).get("calls", {}) if store.check([f"hb/{rank}"]) else {})
+            store.get(f"hb/{rank}")) if store.check([f"hb/{rank}"]) else {})
     except (RuntimeError, ValueError, TypeError, AttributeError):
         return None  # (a store that does not answer, or a heartbeat of another format)
 

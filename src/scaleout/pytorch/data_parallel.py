@@ -33,6 +33,7 @@ from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, fi
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.reads import find_early_reads
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
+from scaleout.pytorch.residual_carry import carry_residuals, residual_slices
 from scaleout.pytorch.tied import EarlyShares, find_tied, splittable
 from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
@@ -302,10 +303,14 @@ class DataParallel(BackwardSide, CheckpointSurface):
 
     def _rebuild(self, scheduler: SchedulerConfig, compression: CompressionConfig | None) -> None:
         """Plan again with new options (the tuner's; every rank, nothing in flight)."""
-        assert self._session is not None
+        old = self._session
+        assert old is not None
+        owed = residual_slices(old)  # (gradient the codecs have not sent yet)
         self._scheduler, self._compression = scheduler, compression
-        self._session.close()
+        old.close()
         self._commit()
+        if self._session is not None and self._session is not old:
+            carry_residuals(self._session, self._forward_order, owed, self.comm)
 
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit; or, on

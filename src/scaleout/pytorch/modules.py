@@ -36,6 +36,9 @@ class Layer:
             then carries the lookup's share.
         update_requested: gradients are in flight and ``step()`` asked for the update.
         increments_pending: new values (distributed update) are in flight.
+        carry: parameter index -> averaged gradient owed from a plan that was replaced (its
+            codec's error-feedback residual; ``scaleout.pytorch.residual_carry``), added
+            once to that parameter's next averaged gradient.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Layer:
     early: dict[int, ParameterSet] = field(default_factory=dict)
     update_requested: bool = False
     increments_pending: bool = False
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def all_sets(self) -> list[ParameterSet]:
         """Its parameter sets and its parameters' early shares."""

@@ -228,7 +228,11 @@ def applied_flags(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],
 
 def averaged(layer: Layer, index: int) -> torch.Tensor:
     """Wait for ``layer``'s parameter ``index``'s averaged gradient: its set's, plus its early
-    share's when it travels in two (a tied parameter: ``scaleout.pytorch.tied``)."""
+    share's when it travels in two (a tied parameter: ``scaleout.pytorch.tied``), plus what a
+    replaced plan still owed it (``layer.carry``, once)."""
     gradient = layer.sets[index].wait_gradient_comm()
     early = layer.early.get(index)
-    return gradient if early is None else gradient + early.wait_gradient_comm()
+    if early is not None:
+        gradient = gradient + early.wait_gradient_comm()
+    owed = layer.carry.pop(index, None) if layer.carry else None  # (a replaced plan's residual)
+    return gradient if owed is None else gradient + owed.view_as(gradient)

@@ -74,6 +74,7 @@ class GradBucket:
         self._slots = {id(ps): (self._buffer[off: off + ps.local_count],
                                 self._buffer[off: off + ps.local_count].view(ps.shape))
                        for ps, off in zip(members, offsets)}
+        self._offsets = {id(ps): off for ps, off in zip(members, offsets)}
         self._last = last
         self._params: list[torch.Tensor] = []
         self._filled = 0
@@ -114,6 +115,11 @@ class GradBucket:
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         self._buffer.copy_(tensor)
+
+    def span(self, member: ParameterSet) -> tuple[int, int]:
+        """(first, end) element of ``member``'s gradient in the flat buffer."""
+        first = self._offsets[id(member)]
+        return first, first + member.local_count
 
     def gradients(self) -> list[torch.Tensor]:
         """Each member's gradient, a view of the buffer in its shape."""

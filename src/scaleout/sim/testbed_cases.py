@@ -1,33 +1,33 @@
-"""This machine's testbed runs (benchmarks/RESULTS.md §3), predicted from single-rank numbers.
+"""This machine's testbed runs, predicted from single-rank numbers.
 
 What is predicted: the iteration time of the 2-rank ``scaleout`` row (priority policy,
 cross-iteration overlap) and ``ddp`` row (FIFO, 25 MB buckets, synchronous step) of each
-stop-7 table (three workloads x 100 Mbit/s, 1 Gbit/s, 10 Gbit/s: 18 scenarios), and the
-``scaleout+blockquant`` row of the 100 Mbit/s and 1 Gbit/s tables (6 more), whose codec is
-``CODECS["blockquant"]`` (its bytes on the wire also count for the CPU-per-MB charge, and its
-own CPU, measured by ``benchmarks/codec_cpu_probe.py``, is charged on the compute's cores the
-same way).
+table of stop 24's re-measurement (three workloads x 100 Mbit/s, 1 Gbit/s, 10 Gbit/s: 18
+scenarios; ``benchmarks/results/stop24/testbed/*.json``, main's code on a quiet machine,
+commands in benchmarks/RESULTS.md), and the ``scaleout+blockquant`` row of the 100 Mbit/s and
+1 Gbit/s tables (6 more), whose codec is ``CODECS["blockquant"]`` (its bytes on the wire also
+count for the CPU-per-MB charge, and its own CPU, measured by
+``benchmarks/codec_cpu_probe.py``, is charged on the compute's cores the same way). Until
+stop 24 the rows were stop 7's tables (RESULTS.md §3), of code since rebuilt, on a machine
+whose ResNet-18 then took 0.73 s per iteration alone (1.6-1.7 s at stop 24).
 
 What goes in, and nothing else:
 
 * the ``single (1 rank)`` iteration time of the same table (a one-rank run), split over the
   layers by the model table's FLOPs (1/3 forward, 2/3 backward); no per-layer trace of these
   runs exists yet (recording is the runtime's next step), so this split is an assumption;
-* gradient bytes per layer: the table's MB/it spread by the model table's parameter counts;
+* gradient bytes per layer: the table's MB/it (bytes / 1e6: ``BENCH_MB``; until stop 24 they
+  were read as MiB, 4.9% too many) spread by the model table's parameter counts;
 * the link: the ``tc`` rate x 0.98, the bus bandwidth that ``bench collectives`` measured on
   the testbed at 1 Gbit/s (RESULTS.md §1); 50 us per hop, a switch (host - bridge - host);
 * two parameters fitted on a stated training split, the ``lockstep`` and ``lockstep-traffic``
-  rows of ``resnet18-1gbit-ceilings`` (runs that train no shared model, so none of the
-  predicted rows): ranks sharing the two cores compute ``lockstep / single`` = 785.3 / 735.7
-  slower, and every MB moved costs (959.0 - 785.3) / 44.70 = 3.89 ms of CPU
-  (``IterationConfig.host_s_per_byte``). In the training split the traffic (365 ms on the wire)
-  ran entirely under the 785 ms of compute, so that CPU lengthened the compute in full; the
-  simulator charges it the same way only for the share of a transfer that runs while the rank
-  computes (processor sharing), and a transfer takes at least that CPU time. Before, it was
-  added to the compute whatever the overlap, which double-counted it when the traffic is
-  exposed (DLRM: 7 ms of compute, 43 ms on the wire at 1 Gbit/s). This change of the model's
-  form was made after the held-out errors had been seen (docs/simulator.md); the two fitted
-  numbers are unchanged.
+  rows of the 1 Gbit/s ResNet-18 run (runs that train no shared model, so none of the
+  predicted rows): ranks sharing the two cores compute ``lockstep / single`` slower
+  (:data:`SLOWDOWN`), and every MB moved costs ``(lockstep-traffic - lockstep) / MB`` of CPU
+  (:data:`MS_PER_MB`, ``IterationConfig.host_s_per_byte``; stop 7's split gave 785.3 / 735.7
+  and 3.89 ms). The simulator charges that CPU to the compute only for the share of a
+  transfer that runs while the rank computes (processor sharing), and a transfer takes at
+  least that CPU time (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -52,33 +52,34 @@ __all__ = [
 ]
 
 MB = 1 << 20
-SLOWDOWN = 785.3 / 735.7
-MS_PER_MB = (959.0 - 785.3) / 44.70
+BENCH_MB = 1e6  # the bench tables' "MB/it" (bench/train_report.py divides bytes by 1e6)
+SLOWDOWN = 1832.9 / 1743.4
+MS_PER_MB = (2202.7 - 1832.9) / 44.70
 RELATIVE_BOUND = 0.15  # issue 13: none above 15% (median <= 5% is checked by validate())
 
-# (workload, rate, single ms, scaleout ms, ddp ms, MB/it, RESULTS.md table)
+# (workload, rate, single ms, scaleout ms, ddp ms, MB/it, JSON under benchmarks/results/stop24/testbed)
 TESTBED_ROWS = (
-    ("resnet18", "100mbit", 709.8, 3882.6, 4046.6, 44.70, "resnet18-100mbit"),
-    ("resnet18", "1gbit", 727.7, 1072.9, 1055.1, 44.70, "resnet18-1gbit"),
-    ("resnet18", "10gbit", 735.2, 929.2, 1022.0, 44.70, "resnet18-10gbit"),
-    ("transformer", "100mbit", 742.6, 2115.7, 2110.4, 16.96, "transformer-100mbit"),
-    ("transformer", "1gbit", 713.3, 915.1, 953.5, 16.96, "transformer-1gbit"),
-    ("transformer", "10gbit", 741.7, 831.0, 776.5, 16.96, "transformer-10gbit"),
-    ("dlrm", "100mbit", 7.0, 434.5, 430.6, 5.21, "dlrm-100mbit"),
-    ("dlrm", "1gbit", 7.5, 54.5, 55.6, 5.21, "dlrm-1gbit"),
-    ("dlrm", "10gbit", 7.1, 23.8, 20.4, 5.21, "dlrm-10gbit"),
+    ("resnet18", "100mbit", 1724.1, 4056.8, 4497.1, 44.70, "resnet18-100mbit"),
+    ("resnet18", "1gbit", 1743.4, 1972.0, 2125.8, 44.70, "resnet18-1gbit"),
+    ("resnet18", "10gbit", 1599.1, 1801.2, 1768.0, 44.70, "resnet18-10gbit"),
+    ("transformer", "100mbit", 846.9, 2232.9, 2256.9, 16.96, "transformer-100mbit"),
+    ("transformer", "1gbit", 886.3, 1083.1, 1085.6, 16.96, "transformer-1gbit"),
+    ("transformer", "10gbit", 841.4, 944.3, 897.0, 16.96, "transformer-10gbit"),
+    ("dlrm", "100mbit", 7.1, 435.1, 432.8, 5.21, "dlrm-100mbit"),
+    ("dlrm", "1gbit", 6.4, 53.7, 53.1, 5.21, "dlrm-1gbit"),
+    ("dlrm", "10gbit", 6.1, 20.7, 17.0, 5.21, "dlrm-10gbit"),
 )
 # the same tables' scaleout+blockquant rows (iteration ms); blockquant is only at 100 Mbit/s and
 # 1 Gbit/s there. Its CPU cost is CODECS["blockquant"]'s (the CPU time of its whole exchange
 # on one thread, benchmarks/codec_cpu_probe.py).
 BLOCKQUANT_ROWS = MappingProxyType(
     {
-        ("resnet18", "100mbit"): 1294.6,
-        ("resnet18", "1gbit"): 1050.3,
-        ("transformer", "100mbit"): 1076.2,
-        ("transformer", "1gbit"): 871.0,
-        ("dlrm", "100mbit"): 127.1,
-        ("dlrm", "1gbit"): 39.0,
+        ("resnet18", "100mbit"): 1963.0,
+        ("resnet18", "1gbit"): 2039.7,
+        ("transformer", "100mbit"): 1191.3,
+        ("transformer", "1gbit"): 1038.3,
+        ("dlrm", "100mbit"): 134.1,
+        ("dlrm", "1gbit"): 36.3,
     }
 )
 
@@ -109,7 +110,7 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
                 name=lay.name,
                 forward_s=compute_s * lay.flops / flops / 3,
                 backward_s=compute_s * lay.flops / flops * 2 / 3,
-                grad_bytes=int(grad_mb * MB * lay.params / params),
+                grad_bytes=int(grad_mb * BENCH_MB * lay.params / params),
             )
             for lay in spec.layers
         ),
@@ -120,7 +121,7 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
     codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
     rate_bps = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}[rate] / 8 * 0.98
     topology = parse_topology("2", bandwidths=[rate_bps], latencies=["50us"], kinds=["switch"])
-    host = MS_PER_MB / 1e3 / MB
+    host = MS_PER_MB / 1e3 / BENCH_MB
     if peer.startswith("scaleout"):
         config = IterationConfig(
             scheduler=SchedulerConfig(), mode="overlap", codec=codec, host_s_per_byte=host
@@ -138,7 +139,7 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
 
 
 def testbed_scenarios() -> tuple[Scenario, ...]:
-    """24 scenarios: every stop-7 table's scaleout and ddp rows, and its blockquant row."""
+    """24 scenarios: every table's scaleout and ddp rows, and its blockquant row."""
     out = []
     for workload, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
         peers = [("scaleout", ours), ("ddp", ddp)]
@@ -152,11 +153,11 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                     measured=measured,
                     unit="ms",
                     bound=RELATIVE_BOUND,
-                    source=f"benchmarks/RESULTS.md {table}, row {peer}",
+                    source=f"benchmarks/results/stop24/testbed/{table}.json, row {peer}",
                     assumptions=(
                         f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
-                        "50 us/hop; slowdown and CPU per MB from resnet18-1gbit-ceilings' "
-                        "lockstep rows, the CPU charged to compute only while both run; "
+                        "50 us/hop; slowdown and CPU per MB from resnet18-1gbit's lockstep "
+                        "rows, the CPU charged to compute only while both run; "
                         + {
                             "scaleout": "priority, overlap",
                             "ddp": "FIFO 25 MB buckets, sync",

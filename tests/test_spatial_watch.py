@@ -2,7 +2,8 @@
 
 ``spatial_parallel`` converts layers; a call written in a forward (``x.mean((2, 3))``,
 ``F.adaptive_avg_pool2d``, a smooth ``F.interpolate``, a softmax along the rows, a functional
-3x3 convolution) computed on each rank's block alone, silently, before stop 23.
+3x3 convolution) computed on each rank's block alone, silently, before stop 23; one that rolls,
+flips, crops, chunks, flattens or transposes the rows, before stop 24.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ CALLS = {
     "softmax channels": (lambda h: h.softmax(dim=1), False),
     "functional 1x1": (lambda h: F.conv2d(h, torch.ones(4, 4, 1, 1)), False),
     "mean over width": (lambda h: h.mean(3), False),
+    # stop 24: calls that pick, shift, crop, merge or move the rows
+    "flatten rows": (lambda h: h.flatten(1), True),
+    "view rows": (lambda h: h.view(h.shape[0], -1), True),
+    "roll rows": (lambda h: torch.roll(h, 1, dims=2), True),
+    "flip rows": (lambda h: h.flip(2), True),
+    "crop rows": (lambda h: h[..., 1:-1, :], True),
+    "chunk rows": (lambda h: h.chunk(2, dim=2)[0], True),
+    "transpose rows": (lambda h: h.transpose(2, 3), True),
+    "permute rows": (lambda h: h.permute(0, 1, 3, 2), True),
+    "roll width": (lambda h: torch.roll(h, 1, dims=3), False),
+    "crop width": (lambda h: h[..., 1:-1], False),
+    "channels": (lambda h: h[:, :2].transpose(0, 1), False),
+    "reshape keeping rows": (lambda h: h.reshape(*h.shape[:3], -1), False),
 }
 
 

@@ -54,6 +54,16 @@ _ALONG = {name: (1, None) for name in (
     "argmin", "median", "std", "var", "std_mean", "var_mean", "logsumexp", "all", "any",
     "count_nonzero", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin")}
 _ALONG.update({"sort": (1, -1), "argsort": (1, -1), "topk": (2, -1)})
+#: calls that pick, shift or cut along one dimension: (position of it counting the input, its
+#: name, its default; ``None``: the flattened tensor, which mixes rows too)
+_PICKING = {"narrow": (1, "dim", 0), "select": (1, "dim", 0), "index_select": (1, "dim", 0),
+            "gather": (1, "dim", 0), "take_along_dim": (2, "dim", None), "flip": (1, "dims", ()),
+            "roll": (2, "dims", None), "diff": (2, "dim", -1), "split": (2, "dim", 0),
+            "chunk": (2, "dim", 0), "tensor_split": (2, "dim", 0), "unbind": (1, "dim", 0)}
+#: calls that reshape or reorder dimensions: judged by where dim 2 ends up
+_RESHAPING = frozenset({"reshape", "view", "flatten", "unflatten", "view_as", "reshape_as"})
+_REORDERING = frozenset({"transpose", "swapaxes", "swapdims", "permute", "movedim",
+                         "moveaxis", "t"})
 
 
 def _arg(args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str,
@@ -79,10 +89,68 @@ def _pool_tiles(name: str, x: torch.Tensor, args: Sequence[Any],
             and x.shape[2] % kernel == 0)
 
 
+def _moves_rows(name: str, x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any],
+                result: Any) -> bool:
+    """Whether a reshape or reorder leaves dim 2 anywhere but at dim 2, whole and alone."""
+    if name in _RESHAPING:
+        shape = tuple(getattr(result, "shape", ()))
+        return not (len(shape) > 2 and shape[2] == x.shape[2]
+                    and shape[0] * shape[1] == x.shape[0] * x.shape[1])
+    rank = x.dim()
+    if name in ("transpose", "swapaxes", "swapdims"):
+        pair = {_arg(args, kwargs, 1, "dim0", 0) % rank, _arg(args, kwargs, 2, "dim1", 0) % rank}
+        return 2 in pair and len(pair) == 2
+    if name == "permute":
+        order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else (
+            args[1:] or kwargs.get("dims", ()))
+        return len(order) > 2 and order[2] % rank != 2
+    if name in ("movedim", "moveaxis"):
+        source, destination = (_arg(args, kwargs, 1, "source", ()),
+                               _arg(args, kwargs, 2, "destination", ()))
+        source, destination = ([d % rank for d in (v if isinstance(v, (tuple, list)) else (v,))]
+                               for v in (source, destination))
+        order: list[int | None] = [None] * rank  # the result's dims, as the input's
+        for src, dst in zip(source, destination):
+            order[dst] = src
+        rest = iter(d for d in range(rank) if d not in source)
+        return [d if d is not None else next(rest) for d in order][2] != 2
+    return name == "t"
+
+
+def _picks_rows(name: str, x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a pick / shift / cut call works along dim 2 (or on the flattened tensor)."""
+    position, param, default = _PICKING[name]
+    dim = _arg(args, kwargs, position, param, default)
+    if dim is None:
+        return True
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return any(isinstance(d, int) and d % x.dim() == 2 for d in dims)
+
+
+def _indexes_rows(x: torch.Tensor, args: Sequence[Any]) -> bool:
+    """Whether ``x[index]`` takes less than every row (dim 2 indexed, sliced or cropped)."""
+    index = args[1] if len(args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    if any(item is None for item in index):
+        return False  # (a new axis moves the dims: not followed)
+    dots = [i for i, item in enumerate(index) if item is Ellipsis]  # (``is``: tensors inside)
+    if dots:
+        at = dots[0]
+        index = index[:at] + (slice(None),) * (x.dim() - len(index) + 1) + index[at + 1:]
+    return len(index) > 2 and not (isinstance(index[2], slice) and index[2] == slice(None))
+
+
 def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
-               kwargs: dict[str, Any]) -> str | None:
-    """Why the call ``name(*args, **kwargs)`` mixes the rows of ``x`` (split along dim 2),
-    or ``None`` when it computes each row, or each tiled window, on its own."""
+               kwargs: dict[str, Any], result: Any = None) -> str | None:
+    """Why the call ``name(*args, **kwargs)`` (which gave ``result``) mixes the rows of ``x``
+    (split along dim 2), or ``None`` when it computes each row, or each tiled window, on its
+    own and leaves the rows at dim 2."""
+    if name in _PICKING and _picks_rows(name, x, args, kwargs):
+        return "picks, shifts or cuts along dim 2 (this rank's rows only)"
+    if name == "__getitem__" and _indexes_rows(x, args):
+        return "indexes dim 2 (this rank's rows only)"
+    if (name in _RESHAPING or name in _REORDERING) and _moves_rows(name, x, args, kwargs, result):
+        return "merges or moves dim 2 (the split rows) into other dimensions"
     if name in _POOL_ARGS:
         return None if _pool_tiles(name, x, args, kwargs) else (
             "pools windows that do not tile this rank's block of rows")
@@ -148,7 +216,7 @@ class _Watch(TorchFunctionMode):
         if split:
             name = getattr(func, "__name__", "")
             x = args[0] if args and self.is_split(args[0]) else split[0]
-            reason = row_mixing(name, x, args, kwargs) if x.dim() >= 3 else None
+            reason = row_mixing(name, x, args, kwargs, result) if x.dim() >= 3 else None
             if reason is not None:
                 raise ValueError(
                     f"spatial_parallel: {name}() in {self._stack[-1]} {reason}, on a tensor "

@@ -149,6 +149,35 @@ def test_a_huge_line_is_passed_on_in_pieces(tmp_path: Path) -> None:
 
 # -- 3. kill -9 of the launcher: what the ranks started goes too -------------------------------
 
+STARTS_A_SESSION = """
+    import os, subprocess, sys
+    # a helper in a session of its own (a daemon's way): in no group the launcher stops
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w").write(str(child.pid))
+    sys.exit(3 if sys.argv[2] == "fail" and os.environ["RANK"] == "1" else 0)
+"""
+
+
+@pytest.mark.parametrize("ending", ["ok", "fail"])
+def test_what_ranks_started_in_a_session_of_its_own_ends_with_the_job(
+        tmp_path: Path, ending: str) -> None:
+    """The launcher is the subreaper of its ranks' descendants (launch/subreaper.py): the
+    sleeps, orphaned when their ranks exit, come to it and end with the job (before stop
+    24 they ran on, re-parented to init)."""
+    mark = uuid.uuid4().hex
+    run = start_run([str(write_job(tmp_path, STARTS_A_SESSION)), str(tmp_path), ending], mark)
+    try:
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == (3 if ending == "fail" else 0), err
+    sleeps = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    assert_all_gone(mark, timeout=5.0)
+    for pid in sleeps:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(
+            f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], pid
+
 STARTS_A_CHILD = """
     import os, subprocess, sys, time
     from scaleout.launch.lifeline import watch_parent

@@ -15,6 +15,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from scaleout.launch.subreaper import note_started
+
 __all__ = ["Guardian"]
 
 _CODE = """
@@ -43,6 +45,7 @@ class Guardian:
                 [sys.executable, "-I", "-S", "-c", _CODE], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                 start_new_session=True)
+            note_started(self._proc.pid)
         except OSError:  # best effort: the parent-death signal still reaches the ranks
             self._proc = None
 

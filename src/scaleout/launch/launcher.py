@@ -36,6 +36,7 @@ from typing import IO
 
 from scaleout.launch.lifeline import REPORT_DIR_VAR, blamed, launcher_env
 from scaleout.launch.ranks import Ranks, signal_name, write_out
+from scaleout.launch.subreaper import become_subreaper
 from scaleout.launch.restarts import STATE_DIR_VAR, attempt_env
 from scaleout.launch.secret import TOKEN_VAR, new_token
 
@@ -179,6 +180,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
     """
     out = sys.stdout if out is None else out
     argv = command_for(target)
+    become_subreaper()  # (orphans of the ranks' descendants come here: Ranks.stop ends them)
     if config.nnodes > 1 and config.node_rank == 0:
         _say(out, _other_nodes(target, config))
     signals = _Signals()

@@ -25,6 +25,7 @@ import time
 from typing import IO
 
 from scaleout.launch.guardian import Guardian
+from scaleout.launch.subreaper import end_adopted, note_started
 from scaleout.launch.lifeline import REPORT_DIR_VAR, die_with_parent, note_exit
 
 __all__ = ["Ranks", "signal_name", "write_out", "PIECE", "TAIL_LINE"]
@@ -102,6 +103,7 @@ class Ranks:
                                     preexec_fn=die_with_parent(os.getpid()))
         except OSError as err:
             raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
+        note_started(proc.pid)
         if self.guard is None:
             self.guard = Guardian()
         self.guard.add(proc.pid)  # (the rank leads its process group)
@@ -177,6 +179,7 @@ class Ranks:
         self._signal_groups(signal.SIGKILL)
         if self.guard is not None:
             self.guard.close()
+        end_adopted()  # what a rank started in a session of its own (``scaleout run`` only)
         for thread in self.threads:
             thread.join(timeout=2.0)
 

@@ -179,7 +179,7 @@ class Ranks:
         self._signal_groups(signal.SIGKILL)
         if self.guard is not None:
             self.guard.close()
-        end_adopted()  # what a rank started in a session of its own (``scaleout run`` only)
+        end_adopted()  # what a rank started in a session of its own, orphaned since
         for thread in self.threads:
             thread.join(timeout=2.0)
 

@@ -22,7 +22,6 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Collection
 
 from scaleout.launch.environment import proc_stat
 from scaleout.launch.lifeline import LAUNCHER_ID_VAR, launcher_env
@@ -36,9 +35,7 @@ _started: set[int] = set()  # the children this process started itself (ranks, g
 
 
 def become_subreaper() -> bool:
-    """Make this process the subreaper of its descendants; whether that worked. Only for a
-    process that launches one job at a time (``scaleout run``): :func:`end_adopted` then
-    ends every child it did not start (:func:`note_started`)."""
+    """Make this process the subreaper of its descendants; whether that worked."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
         _state["on"] = prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
@@ -52,18 +49,17 @@ def note_started(pid: int) -> None:
     _started.add(pid)
 
 
-def adopted(known: Collection[int] = ()) -> list[int]:
-    """This process's children that it did not start itself (not noted, not in ``known``)
-    and that carry its ranks' environment: its ranks' descendants re-parented to it."""
+def adopted() -> list[int]:
+    """This process's children that it did not start itself (:func:`note_started`) and that
+    carry its ranks' environment: its ranks' descendants re-parented to it."""
     me, found = os.getpid(), []
-    known = {*known, *_started}
     mark = launcher_env().get(LAUNCHER_ID_VAR)
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
     for entry in entries:
-        if entry.isdigit() and int(entry) not in known:
+        if entry.isdigit() and int(entry) not in _started:
             fields = proc_stat(entry)
             if (fields is not None and len(fields) > 1 and int(fields[1]) == me
                     and mark is not None and _carries(entry, f"{LAUNCHER_ID_VAR}={mark}")):
@@ -82,12 +78,12 @@ def _carries(pid: str, setting: str) -> bool:
         return False
 
 
-def end_adopted(known: Collection[int] = (), settle: float = 0.05) -> list[int]:
+def end_adopted(settle: float = 0.05) -> list[int]:
     """SIGKILL every adopted process (and its process group) and reap it, in rounds until
     none is left; the pids ended (none unless :func:`become_subreaper` worked)."""
     ended: list[int] = []
     for _ in range(_ROUNDS if _state["on"] else 0):
-        found = adopted(known)
+        found = adopted()
         if not found:
             break
         for pid in found:

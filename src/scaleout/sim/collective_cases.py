@@ -8,9 +8,9 @@ collective (``ours``) and torch's gloo collective (``torch``), timed in the same
 
 What goes in, and nothing else:
 
-* the link: the ``tc`` rate x 0.98 and 50 us per hop through the bridge (a switch), as in
-  :mod:`scaleout.sim.testbed_cases`. The 0.98 is the training split: the 2-rank 1 Gbit/s
-  allreduce (RESULTS.md §1, stop 6: 0.122 GB/s), so those cells are not scored here;
+* the link: the ``tc`` rate x 0.98 and 50 us per hop through the bridge (a switch), as
+  :mod:`scaleout.sim.testbed_cases` had it until stop 25. The 0.98 is the training split:
+  the 2-rank 1 Gbit/s allreduce (RESULTS.md §1, stop 6: 0.122 GB/s), so those cells are not scored here;
 * each op as the code really runs it, read from its source (not from these numbers):
   :data:`GLOO` for torch's collectives, :func:`scaleout_path` for scaleout's (which takes
   its receive-first exchange, ``scaleout.core.pairwise``, for blocks of at least

@@ -18,35 +18,43 @@ What goes in, and nothing else:
   runs exists yet (recording is the runtime's next step), so this split is an assumption;
 * gradient bytes per layer: the table's MB/it (bytes / 1e6: ``BENCH_MB``; until stop 24 they
   were read as MiB, 4.9% too many) spread by the model table's parameter counts;
-* the link: the ``tc`` rate x 0.98, the bus bandwidth that ``bench collectives`` measured on
-  the testbed at 1 Gbit/s (RESULTS.md §1); 50 us per hop, a switch (host - bridge - host);
-* two parameters fitted on a stated training split, the ``lockstep`` and ``lockstep-traffic``
-  rows of the 1 Gbit/s ResNet-18 run (runs that train no shared model, so none of the
-  predicted rows): ranks sharing the two cores compute ``lockstep / single`` slower
-  (:data:`SLOWDOWN`), and every MB moved costs ``(lockstep-traffic - lockstep) / MB`` of CPU
-  (:data:`MS_PER_MB`, ``IterationConfig.host_s_per_byte``; stop 7's split gave 785.3 / 735.7
-  and 3.89 ms). The simulator charges that CPU to the compute only for the share of a
-  transfer that runs while the rank computes (processor sharing), and a transfer takes at
-  least that CPU time (docs/simulator.md).
+* the link and its CPU, measured on the testbed at each rate by
+  ``benchmarks/host_cpu_probe.py`` (``benchmarks/results/stop25/host-probe.json``, two runs per
+  rate, no training; each figure is the slower rank's, the median of the runs, as the
+  autotuner takes it): the line through the autotuner's own all-reduces of 1 KB and 4 MiB
+  (``scaleout.pytorch.tune_measure.measure_link``, a :class:`~scaleout.sim.link.LinkModel`)
+  and its CPU per collective (``host_s_per_message``), and the process's CPU time per byte of
+  a bare 8 MB all-reduce beyond that (``host_s_per_byte``: gloo's threads and the kernel's
+  TCP path, 0.82-1.39 ms per MB). The simulator charges that CPU to the compute only for the
+  share of a transfer that runs while the rank computes (processor sharing), and a transfer
+  takes at least that CPU time (docs/simulator.md);
+* one parameter fitted on a stated training split, the ``lockstep`` row of the 1 Gbit/s
+  ResNet-18 run (a run that trains no shared model, so none of the predicted rows): ranks
+  sharing the two cores compute ``lockstep / single`` slower (:data:`SLOWDOWN`). Until stop
+  25 a second one came from there too, every MB moved costing ``(lockstep-traffic -
+  lockstep) / MB`` of CPU (8.28 ms at stop 24; stop 7's split gave 3.89); the probe measures
+  about a tenth of that, and the per-rate link it replaced was the ``tc`` rate x 0.98.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.config import CodecModel, IterationConfig, codec_model
 from scaleout.sim.iteration import simulate
+from scaleout.sim.link import LinkModel
 from scaleout.sim.models import ModelLayer, ModelSpec, model
-from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 from scaleout.sim.workload import Layer, Workload
 
 __all__ = [
     "BLOCKQUANT_ROWS",
     "TESTBED_ROWS",
+    "HOST_PROBE",
     "SLOWDOWN",
-    "MS_PER_MB",
+    "probed_link",
     "testbed_workload",
     "testbed_scenarios",
 ]
@@ -54,7 +62,15 @@ __all__ = [
 MB = 1 << 20
 BENCH_MB = 1e6  # the bench tables' "MB/it" (bench/train_report.py divides bytes by 1e6)
 SLOWDOWN = 1832.9 / 1743.4
-MS_PER_MB = (2202.7 - 1832.9) / 44.70
+#: rate -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per MB of 1e6
+#: bytes) from benchmarks/results/stop25/host-probe.json (tests/test_sim_testbed_probe.py
+#: derives them again from the file).
+HOST_PROBE = MappingProxyType({
+    "100mbit": (0.611e-3, 338.408e-3, 1.221e-3, 1.388),
+    "1gbit": (0.608e-3, 33.924e-3, 0.677e-3, 0.854),
+    "10gbit": (0.878e-3, 5.365e-3, 1.600e-3, 0.820),
+})
+PROBE_BYTES = (1 << 10, 4 << 20)  # scaleout.pytorch.tune_measure.PROBE_BYTES (a test checks)
 RELATIVE_BOUND = 0.15  # issue 13: none above 15% (median <= 5% is checked by validate())
 
 # (workload, rate, single ms, scaleout ms, ddp ms, MB/it, JSON under benchmarks/results/stop24/testbed)
@@ -117,22 +133,29 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
     )
 
 
+def probed_link(rate: str) -> LinkModel:
+    """The 2-rank link at ``rate`` as the autotuner measured it on the testbed
+    (:data:`HOST_PROBE`), with its CPU per collective."""
+    small, large, per_message, _ = HOST_PROBE[rate]
+    return replace(LinkModel.fit(2, (PROBE_BYTES[0], small), (PROBE_BYTES[1], large)),
+                   cpu_s_per_message=per_message)
+
+
 def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
     codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
-    rate_bps = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}[rate] / 8 * 0.98
-    topology = parse_topology("2", bandwidths=[rate_bps], latencies=["50us"], kinds=["switch"])
-    host = MS_PER_MB / 1e3 / BENCH_MB
+    link = probed_link(rate)
+    topology = link.topology()
+    host = {"host_s_per_byte": HOST_PROBE[rate][3] / 1e3 / BENCH_MB,
+            "host_s_per_message": link.cpu_s_per_message}
     if peer.startswith("scaleout"):
-        config = IterationConfig(
-            scheduler=SchedulerConfig(), mode="overlap", codec=codec, host_s_per_byte=host
-        )
+        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec, **host)
     else:
         config = IterationConfig(
             mode="sync",
             scheduler=SchedulerConfig(
                 policy="fifo", bucket_bytes=25 * MB, first_bucket_bytes=1 * MB
             ),
-            host_s_per_byte=host,
+            **host,
         )
     work = testbed_workload(workload, single_ms, grad_mb)
     return simulate(work, topology, config).iteration_s * 1e3
@@ -155,9 +178,10 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                     bound=RELATIVE_BOUND,
                     source=f"benchmarks/results/stop24/testbed/{table}.json, row {peer}",
                     assumptions=(
-                        f"single rank {single} ms (same table); {mb} MB/it; link {rate} x 0.98, "
-                        "50 us/hop; slowdown and CPU per MB from resnet18-1gbit's lockstep "
-                        "rows, the CPU charged to compute only while both run; "
+                        f"single rank {single} ms (same table); {mb} MB/it; the {rate} link and "
+                        "its CPU per collective and per MB as host_cpu_probe.py measured them "
+                        "(stop25/host-probe.json), the CPU charged to compute only while both "
+                        "run; slowdown from resnet18-1gbit's lockstep row; "
                         + {
                             "scaleout": "priority, overlap",
                             "ddp": "FIFO 25 MB buckets, sync",

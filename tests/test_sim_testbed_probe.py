@@ -1,0 +1,73 @@
+"""The testbed scenarios' link and host CPU are the probe's measurements, taken by the stated
+rule (issue 13: nothing fitted to the predicted rows)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import statistics
+from pathlib import Path
+
+import pytest
+
+from scaleout.pytorch import tune_measure
+from scaleout.sim.collectives import collective_cost
+from scaleout.sim.testbed_cases import HOST_PROBE, PROBE_BYTES, probed_link
+
+PROBE = Path(__file__).resolve().parents[1] / "benchmarks/results/stop25/host-probe.json"
+
+
+def _figures(rows: list[dict], rate: str) -> tuple[float, float, float, float]:
+    """The slower rank's figure of each run, then the median over the runs."""
+    runs: dict[int, list[dict]] = {}
+    for row in rows:
+        if row["rate"] == rate:
+            runs.setdefault(row["repeat"], []).append(row)
+    assert len(runs) >= 2 and all(len(r) == 2 for r in runs.values())
+
+    def figure(get) -> float:
+        return statistics.median(max(get(r) for r in run) for run in runs.values())
+
+    return (figure(lambda r: r["link"]["seconds"][0]), figure(lambda r: r["link"]["seconds"][1]),
+            figure(lambda r: r["link"]["cpu_s_per_message"]), figure(lambda r: r["cpu_ms_per_mb"]))
+
+
+@pytest.mark.parametrize("rate", ["100mbit", "1gbit", "10gbit"])
+def test_host_probe_table_is_the_recorded_probe(rate: str) -> None:
+    rows = json.loads(PROBE.read_text())["rows"]
+    assert all(r["link"]["probe_bytes"] == list(PROBE_BYTES) for r in rows)
+    assert HOST_PROBE[rate] == pytest.approx(_figures(rows, rate), rel=2e-3)
+
+
+def test_probe_sizes_are_the_autotuners() -> None:
+    assert PROBE_BYTES == tune_measure.PROBE_BYTES
+
+
+@pytest.mark.parametrize("rate", ["100mbit", "1gbit", "10gbit"])
+def test_the_simulated_link_reproduces_both_probe_points(rate: str) -> None:
+    small, large, per_message, _ = HOST_PROBE[rate]
+    link = probed_link(rate)
+    assert link.cpu_s_per_message == per_message
+    topology = link.topology()
+    for nbytes, seconds in zip(PROBE_BYTES, (small, large)):
+        assert link.allreduce_s(nbytes) == pytest.approx(seconds, rel=1e-9)
+        cost = collective_cost(topology, op="allreduce", algorithm="ring", nbytes=nbytes)
+        assert cost.time == pytest.approx(seconds, rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_runs_on_two_ranks() -> None:
+    """``benchmarks/host_cpu_probe.py`` over loopback, tiny: each rank prints its figures."""
+    script = PROBE.parents[2] / "host_cpu_probe.py"
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script),
+                           "0.1", "2", "1"], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith("[rank") and "{" in line]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for row in rows:
+        assert row["link"]["probe_bytes"] == list(PROBE_BYTES)
+        small, large = row["link"]["seconds"]
+        assert 0 < small and 0 < large
+        assert row["transfer_alone_cpu_ms"] > 0 and row["small_allreduce_cpu_ms"] > 0

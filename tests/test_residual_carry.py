@@ -5,7 +5,9 @@ with exact gradients, into its next averaged gradient (scaleout.pytorch.residual
 With ``loss = (a * x).sum() + (b * y).sum()`` each gradient is the input and ``SGD(lr=1)``
 makes ``-w`` the sum of what arrived; once the plan is exact again and one step has run,
 nothing may be owed: ``-w`` equals the sum of every step's averaged inputs. Before stop 24
-the re-plan dropped the residuals: -w ended 1.65 off (sign, then blockquant or exact).
+the re-plan dropped the residuals: -w ended 1.65 off (sign, then blockquant or exact). What
+is owed as the next step's gradient travels in a checkpoint taken before that step (stop 25;
+before, ``state_dict()`` left it out).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import scaleout
 from harness import run_ranks
 from scaleout.compression import CompressionConfig
 from scaleout.pytorch import DataParallel, DistributedOptimizer
+from scaleout.pytorch.modules import find_layers
 
 SHAPES = {"a": (64,), "b": (300,)}
 
@@ -67,3 +70,64 @@ def body(mode: str, plans: list[str]) -> float:
 @pytest.mark.parametrize("plans", [["sign"], ["sign", "blockquant"]], ids="-".join)
 def test_a_re_plan_delivers_what_the_codecs_owed(mode: str, plans: list[str]) -> None:
     assert max(run_ranks(2, body, mode, plans, timeout=60)) < 1e-9
+
+
+def saved_between(mode: str) -> tuple[float, int]:
+    """Re-plan to exact gradients (the residuals now owed as ``Layer.carry``), checkpoint
+    before the step that would add them, and finish in a new model loaded from it."""
+    env = scaleout.init(timeout=30)
+    net = Products()
+    model = DataParallel(net, env.create_distribution(),
+                         compression=CompressionConfig(codec="sign", min_numel=0))
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model, mode=mode)
+    g = torch.Generator().manual_seed(env.rank)
+    sent = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(*SHAPES["a"], generator=g, dtype=torch.float64)
+        y = torch.randn(*SHAPES["b"], generator=g, dtype=torch.float64)
+        sent["a"] += x / env.world_size
+        sent["b"] += y / env.world_size
+        return x, y
+
+    for _ in range(3):
+        model(*batch()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    model._rebuild(model._scheduler, None)
+    state = model.state_dict()
+    owed = len(state["_extra_state"]["carry"])
+    model.close()
+    net = Products()
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model, mode=mode)
+    model.load_state_dict(state)
+    model(*batch()).backward()
+    opt.step()
+    model.synchronize()
+    worst = 0.0
+    for name, total in sent.items():
+        torch.distributed.all_reduce(total)
+        worst = max(worst, (-getattr(net, name).detach() - total).abs().max().item())
+    model.close()
+    env.finalize()
+    return worst, owed
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+def test_a_checkpoint_keeps_the_gradient_a_re_plan_still_owes(mode: str) -> None:
+    for worst, owed in run_ranks(2, saved_between, mode, timeout=60):
+        assert owed == 2 and worst < 1e-9
+
+
+def test_a_checkpoint_owing_a_parameter_the_model_lacks_is_refused() -> None:
+    model = DataParallel.__new__(DataParallel)  # (no process group: only the loading rule)
+    nn.Module.__init__(model)
+    model._layers = find_layers(Products())
+    with pytest.raises(ValueError, match="'c/0', a parameter this model does not have"):
+        model._load_carry({"c/0": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"shape \(3,\) to '<root>/1', whose .* \(300,\)"):
+        model._load_carry({"<root>/1": torch.zeros(3)})
+    model._load_carry({"<root>/1": torch.ones(300, dtype=torch.float32)})
+    assert model._layers[0].carry[1].dtype == torch.float64

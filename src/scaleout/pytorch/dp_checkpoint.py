@@ -1,7 +1,8 @@
-"""DataParallel's checkpoint surface: weights after pending updates, and codec state.
+"""DataParallel's checkpoint surface: weights after pending updates, codec state, and the
+gradient a replaced plan still owes.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``synchronize()``,
-``module``, ``updates``, ``_session`` and ``_pending_compression_state``).
+``module``, ``updates``, ``_session``, ``_layers`` and ``_pending_compression_state``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["CheckpointSurface", "fit_compression_state"]
@@ -57,17 +59,50 @@ class CheckpointSurface(nn.Module):
         return result
 
     def get_extra_state(self) -> dict[str, Any]:
-        """Checkpointed with ``state_dict()``: the codecs' error-feedback state."""
+        """Checkpointed with ``state_dict()``: the codecs' error-feedback state, and the
+        averaged gradient a replaced plan still owes (``Layer.carry``, until the next step
+        adds it; the same on every rank), keyed ``"<layer name>/<parameter index>"``."""
+        carry = {f"{layer.name}/{index}": owed.detach().clone()
+                 for layer in self._layers for index, owed in layer.carry.items()}
         if self._session is None:
-            return {"compression": dict(self._pending_compression_state)}
-        return {"compression": self._session.compression_state_dict()}
+            return {"compression": dict(self._pending_compression_state), "carry": carry}
+        return {"compression": self._session.compression_state_dict(), "carry": carry}
 
     def set_extra_state(self, state: Any) -> None:
-        """Restored by ``load_state_dict()`` (applied at the first forward if not yet built)."""
+        """Restored by ``load_state_dict()`` (applied at the first forward if not yet built).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, or its owed gradient names a parameter
+                this model does not have, or has another shape.
+        """
         if not isinstance(state, dict) or "compression" not in state:
             raise ValueError("DataParallel extra state must be a dict with a 'compression' entry")
+        self._load_carry(state.get("carry", {}))  # (checkpoints before stop 25 have none)
         if self._session is None:
             self._pending_compression_state = dict(state["compression"])
         else:
             self._session.load_compression_state_dict(
                 fit_compression_state(self._session, state["compression"]))
+
+    def _load_carry(self, carry: Any) -> None:
+        layers = {layer.name: layer for layer in self._layers}
+        if not isinstance(carry, dict):
+            raise ValueError(f"DataParallel extra state's 'carry' must be a dict, got "
+                             f"{type(carry).__name__}")
+        loaded: list[tuple[Any, int, torch.Tensor]] = []
+        for key, owed in carry.items():
+            name, _, index = str(key).rpartition("/")
+            layer = layers.get(name)
+            param = (layer.params[int(index)] if layer is not None and index.isdigit()
+                     and int(index) < len(layer.params) else None)
+            if param is None or not isinstance(owed, torch.Tensor):
+                raise ValueError(f"the checkpoint owes gradient to {key!r}, a parameter this "
+                                 f"model does not have (its layers: {sorted(layers)})")
+            if owed.shape != param.shape:
+                raise ValueError(f"the checkpoint owes gradient of shape {tuple(owed.shape)} "
+                                 f"to {key!r}, whose parameter has shape {tuple(param.shape)}")
+            loaded.append((layer, int(index), owed.to(param.device, param.dtype)))
+        for layer in self._layers:
+            layer.carry.clear()
+        for layer, index, owed in loaded:
+            layer.carry[index] = owed

@@ -35,32 +35,47 @@ class Products(nn.Module):
         return (self.a * x).sum() + (self.b * y).sum()
 
 
-def body(mode: str, plans: list[str]) -> float:
+def _start(mode: str, codec: str | None) -> tuple:
+    """A 2-parameter model on SGD(lr=1), its inputs' generator, and what was sent so far."""
     env = scaleout.init(timeout=30)
     net = Products()
-    model = DataParallel(net, env.create_distribution(),
-                         compression=CompressionConfig(codec=plans[0], min_numel=0))
+    model = DataParallel(net, env.create_distribution(), compression=None if codec is None
+                         else CompressionConfig(codec=codec, min_numel=0))
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model, mode=mode)
-    g = torch.Generator().manual_seed(env.rank)
     sent = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
+    return env, net, model, opt, torch.Generator().manual_seed(env.rank), sent
+
+
+def _batch(env, g: torch.Generator, sent: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(*SHAPES["a"], generator=g, dtype=torch.float64)
+    y = torch.randn(*SHAPES["b"], generator=g, dtype=torch.float64)
+    sent["a"] += x / env.world_size
+    sent["b"] += y / env.world_size
+    return x, y
+
+
+def _owed(net: nn.Module, sent: dict) -> float:
+    """How far ``-w`` is from the sum of every step's averaged inputs (every rank)."""
+    worst = 0.0
+    for name, total in sent.items():
+        torch.distributed.all_reduce(total)
+        worst = max(worst, (-getattr(net, name).detach() - total).abs().max().item())
+    return worst
+
+
+def body(mode: str, plans: list[str]) -> float:
+    env, net, model, opt, g, sent = _start(mode, plans[0])
     for k, codec in enumerate([*plans, "none"]):
         if k:  # the tuner's re-plan: every rank, nothing in flight
             model.synchronize()
             model._rebuild(model._scheduler, None if codec == "none" else
                            CompressionConfig(codec=codec, min_numel=0))
         for _ in range(1 if codec == "none" else 3):
-            x = torch.randn(*SHAPES["a"], generator=g, dtype=torch.float64)
-            y = torch.randn(*SHAPES["b"], generator=g, dtype=torch.float64)
-            sent["a"] += x / env.world_size
-            sent["b"] += y / env.world_size
-            model(x, y).backward()
+            model(*_batch(env, g, sent)).backward()
             opt.step()
             opt.zero_grad()
     model.synchronize()
-    worst = 0.0
-    for name, total in sent.items():
-        torch.distributed.all_reduce(total)
-        worst = max(worst, (-getattr(net, name).detach() - total).abs().max().item())
+    worst = _owed(net, sent)
     model.close()
     env.finalize()
     return worst
@@ -75,23 +90,9 @@ def test_a_re_plan_delivers_what_the_codecs_owed(mode: str, plans: list[str]) ->
 def saved_between(mode: str) -> tuple[float, int]:
     """Re-plan to exact gradients (the residuals now owed as ``Layer.carry``), checkpoint
     before the step that would add them, and finish in a new model loaded from it."""
-    env = scaleout.init(timeout=30)
-    net = Products()
-    model = DataParallel(net, env.create_distribution(),
-                         compression=CompressionConfig(codec="sign", min_numel=0))
-    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model, mode=mode)
-    g = torch.Generator().manual_seed(env.rank)
-    sent = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
-
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(*SHAPES["a"], generator=g, dtype=torch.float64)
-        y = torch.randn(*SHAPES["b"], generator=g, dtype=torch.float64)
-        sent["a"] += x / env.world_size
-        sent["b"] += y / env.world_size
-        return x, y
-
+    env, net, model, opt, g, sent = _start(mode, "sign")
     for _ in range(3):
-        model(*batch()).backward()
+        model(*_batch(env, g, sent)).backward()
         opt.step()
         opt.zero_grad()
     model.synchronize()
@@ -103,13 +104,10 @@ def saved_between(mode: str) -> tuple[float, int]:
     model = DataParallel(net, env.create_distribution())
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), model, mode=mode)
     model.load_state_dict(state)
-    model(*batch()).backward()
+    model(*_batch(env, g, sent)).backward()
     opt.step()
     model.synchronize()
-    worst = 0.0
-    for name, total in sent.items():
-        torch.distributed.all_reduce(total)
-        worst = max(worst, (-getattr(net, name).detach() - total).abs().max().item())
+    worst = _owed(net, sent)
     model.close()
     env.finalize()
     return worst, owed

@@ -182,18 +182,21 @@ STARTS_A_CHILD = """
     import os, subprocess, sys, time
     from scaleout.launch.lifeline import watch_parent
     watch_parent(os.environ, period=0.2)  # as scaleout.init() does
-    child = subprocess.Popen(["sleep", "300"])  # a helper the rank started
+    # a helper the rank started; in a session of its own with a third argument
+    child = subprocess.Popen(["sleep", "300"], start_new_session=len(sys.argv) > 2)
     open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w").write(str(child.pid))
     time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_what_ranks_started_dies_with_a_killed_launcher(tmp_path: Path, wrapped: bool) -> None:
+@pytest.mark.parametrize("how", ["child", "wrapped", "session"])
+def test_what_ranks_started_dies_with_a_killed_launcher(tmp_path: Path, how: str) -> None:
+    """``session``: the helper leaves the rank's process group, so only the guardian's search
+    by the launcher's identity finds it (before stop 25 it went on, under init)."""
     mark = uuid.uuid4().hex
     script = write_job(tmp_path, STARTS_A_CHILD)
-    target = [str(script), str(tmp_path)]
-    if wrapped:  # a wrapper that does not exec: the rank is its child, not the launcher's
+    target = [str(script), str(tmp_path), *(["session"] if how == "session" else [])]
+    if how == "wrapped":  # a wrapper that does not exec: the rank is its child, not the launcher's
         target = ["sh", "-c", f"{sys.executable} -u {script} {tmp_path}; echo done"]
     run = start_run(target, mark)
     try:

@@ -6,8 +6,12 @@ does not exec (``sh -c "python3 train.py; echo done"``), would be left running. 
 attempt of the launcher starts a :class:`Guardian`: a small Python process in a session of
 its own that reads, from a pipe, the process group of every rank it starts. When the
 attempt ends (its ranks stopped) the launcher says ``done``; when the pipe closes without it
-(the launcher died), the guardian sends SIGKILL to every group. It reads until the pipe
-closes, so it needs no timing and costs nothing meanwhile.
+(the launcher died), the guardian sends SIGKILL to every group, and then, in rounds until
+none is left, to every process that carries this launcher's ``SCALEOUT_LAUNCHER_ID`` in its
+environment: what a rank started in a session of its own (``setsid``, a daemon's double fork),
+which the launcher, the subreaper of such processes (:mod:`scaleout.launch.subreaper`), can
+no longer end. It reads until the pipe closes, so it needs no timing and costs nothing
+meanwhile.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from scaleout.launch.lifeline import LAUNCHER_ID_VAR, launcher_env
 from scaleout.launch.subreaper import note_started
 
 __all__ = ["Guardian"]
 
 _CODE = """
-import os, signal, sys
+import os, signal, sys, time
 for sig in (signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN)
 groups = set()
@@ -33,6 +38,25 @@ for group in groups:
         os.killpg(group, signal.SIGKILL)
     except OSError:
         pass
+mark = sys.argv[1].encode() if len(sys.argv) > 1 else None
+for _ in range(8 if mark else 0):  # the job's processes in sessions of their own
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open("/proc/" + entry + "/environ", "rb") as environ:
+                    if mark in environ.read().split(b"\\0"):
+                        found.append(int(entry))
+            except OSError:  # (gone, a zombie reads empty, or another user's)
+                pass
+    if not found:
+        break
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.05)
 """
 
 
@@ -40,9 +64,11 @@ class Guardian:
     """The process that signals the ranks' process groups if the launcher dies."""
 
     def __init__(self) -> None:
+        mark = launcher_env().get(LAUNCHER_ID_VAR)  # (this process is the launcher)
         try:
             self._proc: subprocess.Popen[str] | None = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _CODE], stdin=subprocess.PIPE,
+                [sys.executable, "-I", "-S", "-c", _CODE,
+                 *([f"{LAUNCHER_ID_VAR}={mark}"] if mark else [])], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                 start_new_session=True)
             note_started(self._proc.pid)

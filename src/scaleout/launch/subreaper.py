@@ -11,9 +11,9 @@ launcher's ``SCALEOUT_LAUNCHER_ID``: a descendant of its ranks, not some other c
 program that launches in-process), and its group, then reaps it; what those had started is
 adopted in turn and ended in the next round. Elsewhere (no ``prctl``) nothing changes.
 
-Not covered: a launcher killed with ``kill -9`` leaves what it adopted to init (the guardian
-knows process groups only), and a descendant that cleared its environment is not known as
-the job's.
+A launcher killed with ``kill -9`` can end nothing: its guardian (:mod:`scaleout.launch.guardian`)
+then ends every process carrying the same ``SCALEOUT_LAUNCHER_ID``. Not covered: a descendant
+that cleared its environment is not known as the job's.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""What moving gradient bytes costs the compute on this machine, per byte or per second.
+"""What moving gradient bytes costs a host on this machine, apart from any trainer.
 
-``scaleout.sim.testbed_cases`` charges the testbed's ranks CPU for the bytes they put on the
-wire (``IterationConfig.host_s_per_byte``), fitted on ResNet-18's ``lockstep`` and
-``lockstep-traffic`` rows at 1 Gbit/s. That charge cannot tell whether the cost follows the
-bytes (copies, sums, the kernel's per-packet path) or the time the transfer lasts (threads
-and timers busy while a shaped link drains). This probe separates them: each rank times a
+``scaleout.sim.testbed_cases`` takes the testbed's link and CPU per collective and per byte
+from this probe (``benchmarks/results/stop25/host-probe.json``). Until stop 25 it charged a
+CPU per MB fitted on ResNet-18's ``lockstep`` and ``lockstep-traffic`` rows at 1 Gbit/s,
+which could not say whether the cost follows the bytes (copies, sums, the kernel's
+per-packet path) or the time a transfer lasts (threads and timers busy while a shaped link
+drains), and read ten times what this probe measures. Each rank times a
 fixed stretch of compute (a small conv net's forward and backward, one torch thread) alone
 and with one allreduce of SIZE bytes started on its own process group just before it and
 waited for after it, and the allreduce alone, the three interleaved, and prints the medians
@@ -16,7 +17,7 @@ it on a testbed at several rates with one size: a cost per byte stays put, a cos
 scales with 1 / rate::
 
     scaleout testbed up --name cal --hosts 2 --rate 1gbit
-    scaleout run -n 2 --testbed cal benchmarks/host_cpu_probe.py 4 21
+    scaleout run -n 2 --testbed cal benchmarks/host_cpu_probe.py 8 11 8   (as recorded)
     scaleout testbed down --name cal
 
 Arguments: MB (1e6 bytes, default 4), trials (default 21), compute steps (default 6), and

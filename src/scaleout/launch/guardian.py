@@ -7,10 +7,12 @@ attempt of the launcher starts a :class:`Guardian`: a small Python process in a 
 its own that reads, from a pipe, the process group of every rank it starts. When the
 attempt ends (its ranks stopped) the launcher says ``done``; when the pipe closes without it
 (the launcher died), the guardian sends SIGKILL to every group, and then, in rounds until
-none is left, to every process that carries this launcher's ``SCALEOUT_LAUNCHER_ID`` in its
-environment: what a rank started in a session of its own (``setsid``, a daemon's double fork),
-which the launcher, the subreaper of such processes (:mod:`scaleout.launch.subreaper`), can
-no longer end. It reads until the pipe closes, so it needs no timing and costs nothing
+none is left, to every process that carries its attempt's :data:`ATTEMPT_VAR` in its
+environment (a random token every rank of the attempt gets): what a rank started in a
+session of its own (``setsid``, a daemon's double fork), which the launcher, the subreaper
+of such processes (:mod:`scaleout.launch.subreaper`), can no longer end. The token is the
+attempt's, not the launcher's identity: a program that launches in-process several times at
+once (``bench train``'s warm ranks) must not have one attempt's guardian end another's ranks. It reads until the pipe closes, so it needs no timing and costs nothing
 meanwhile.
 """
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from scaleout.launch.lifeline import LAUNCHER_ID_VAR, launcher_env
-from scaleout.launch.subreaper import note_started
+from scaleout.launch.subreaper import note_started, starting
 
-__all__ = ["Guardian"]
+__all__ = ["ATTEMPT_VAR", "Guardian"]
+
+#: Every rank of one attempt gets this variable with the attempt's token (``Guardian.mark``).
+ATTEMPT_VAR = "SCALEOUT_ATTEMPT_TOKEN"
 
 _CODE = """
 import os, signal, sys, time
@@ -38,8 +42,8 @@ for group in groups:
         os.killpg(group, signal.SIGKILL)
     except OSError:
         pass
-mark = sys.argv[1].encode() if len(sys.argv) > 1 else None
-for _ in range(8 if mark else 0):  # the job's processes in sessions of their own
+mark = sys.argv[1].encode()
+for _ in range(8):  # the attempt's processes in sessions of their own
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -63,17 +67,18 @@ for _ in range(8 if mark else 0):  # the job's processes in sessions of their ow
 class Guardian:
     """The process that signals the ranks' process groups if the launcher dies."""
 
-    def __init__(self) -> None:
-        mark = launcher_env().get(LAUNCHER_ID_VAR)  # (this process is the launcher)
-        try:
-            self._proc: subprocess.Popen[str] | None = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _CODE,
-                 *([f"{LAUNCHER_ID_VAR}={mark}"] if mark else [])], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                start_new_session=True)
-            note_started(self._proc.pid)
-        except OSError:  # best effort: the parent-death signal still reaches the ranks
-            self._proc = None
+    def __init__(self, token: str) -> None:
+        """``token``: the attempt's :data:`ATTEMPT_VAR` value, which its ranks carry."""
+        with starting():
+            try:
+                self._proc: subprocess.Popen[str] | None = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _CODE, f"{ATTEMPT_VAR}={token}"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                    start_new_session=True)
+                note_started(self._proc.pid)
+            except OSError:  # best effort: the parent-death signal still reaches the ranks
+                self._proc = None
 
     def _send(self, word: str) -> None:
         if self._proc is None or self._proc.stdin is None:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import collections
 import os
+import secrets
 import signal
 import subprocess
 import threading
 import time
 from typing import IO
 
-from scaleout.launch.guardian import Guardian
-from scaleout.launch.subreaper import end_adopted, note_started
+from scaleout.launch.guardian import ATTEMPT_VAR, Guardian
+from scaleout.launch.subreaper import end_adopted, note_started, starting
 from scaleout.launch.lifeline import REPORT_DIR_VAR, die_with_parent, note_exit
 
 __all__ = ["Ranks", "signal_name", "write_out", "PIECE", "TAIL_LINE"]
@@ -94,18 +95,21 @@ class Ranks:
         self.signal: int | None = None
         self.dropping = False  # the output is gone: the pumps drop what they read
         self.guard: Guardian | None = None
+        self.token = secrets.token_hex(8)  # every rank's ATTEMPT_VAR: what its guardian ends
 
     def start(self, rank: int, argv: list[str], env: dict[str, str], prefix: bool) -> None:
-        try:
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                    bufsize=1, start_new_session=True, errors="replace",
-                                    preexec_fn=die_with_parent(os.getpid()))
-        except OSError as err:
-            raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
-        note_started(proc.pid)
+        env = {**env, ATTEMPT_VAR: self.token}
+        with starting():
+            try:
+                proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        text=True, bufsize=1, start_new_session=True,
+                                        errors="replace", preexec_fn=die_with_parent(os.getpid()))
+            except OSError as err:
+                raise ValueError(f"cannot start rank {rank} ({argv[0]}): {err.strerror}") from err
+            note_started(proc.pid)
         if self.guard is None:
-            self.guard = Guardian()
+            self.guard = Guardian(self.token)
         self.guard.add(proc.pid)  # (the rank leads its process group)
         self.procs[rank] = proc
         self.reports = env.get(REPORT_DIR_VAR)

@@ -12,7 +12,7 @@ program that launches in-process), and its group, then reaps it; what those had 
 adopted in turn and ended in the next round. Elsewhere (no ``prctl``) nothing changes.
 
 A launcher killed with ``kill -9`` can end nothing: its guardian (:mod:`scaleout.launch.guardian`)
-then ends every process carrying the same ``SCALEOUT_LAUNCHER_ID``. Not covered: a descendant
+then ends every process carrying its attempt's token. Not covered: a descendant
 that cleared its environment is not known as the job's.
 """
 
@@ -21,17 +21,25 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from scaleout.launch.environment import proc_stat
 from scaleout.launch.lifeline import LAUNCHER_ID_VAR, launcher_env
 
-__all__ = ["become_subreaper", "note_started", "adopted", "end_adopted"]
+__all__ = ["become_subreaper", "starting", "note_started", "adopted", "end_adopted"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _ROUNDS = 8  # adoption rounds: each ends one more level of session-leaving descendants
 _state = {"on": False}
 _started: set[int] = set()  # the children this process started itself (ranks, guardians)
+# held from a child's start to its note, and while adopted ones are found and killed: a
+# launch starting its ranks while another in the same process ends (the bench's warm ranks)
+# must not have a rank taken for an adopted process between its exec and its note (it was
+# killed, reaped there, and its own Popen.wait() then read exit code 0)
+_starting = threading.RLock()
 
 
 def become_subreaper() -> bool:
@@ -42,6 +50,14 @@ def become_subreaper() -> bool:
     except (AttributeError, OSError):
         _state["on"] = False
     return _state["on"]
+
+
+@contextmanager
+def starting() -> Iterator[None]:
+    """Hold while starting a child and calling :func:`note_started` for it, so that
+    :func:`end_adopted` in another thread never finds it in between."""
+    with _starting:
+        yield
 
 
 def note_started(pid: int) -> None:
@@ -83,16 +99,17 @@ def end_adopted(settle: float = 0.05) -> list[int]:
     none is left; the pids ended (none unless :func:`become_subreaper` worked)."""
     ended: list[int] = []
     for _ in range(_ROUNDS if _state["on"] else 0):
-        found = adopted()
+        with _starting:  # (no child of ours is between its start and its note)
+            found = adopted()
+            for pid in found:
+                for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL),
+                             lambda: os.kill(pid, signal.SIGKILL)):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
         if not found:
             break
-        for pid in found:
-            for kill in (lambda: os.killpg(os.getpgid(pid), signal.SIGKILL),
-                         lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
         for pid in found:
             try:
                 os.waitpid(pid, 0)  # (ours since its parent exited: reap it)

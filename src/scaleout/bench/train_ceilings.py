@@ -11,9 +11,12 @@ network rather than a library:
 * ``lockstep-traffic`` — ``lockstep`` plus, on a process group of its own, one allreduce of
   as many floats as the model has parameters, started at each step and waited for at the
   next: a whole iteration to hide the exact gradients' bytes, in one collective, with no
-  framework code. Against ``lockstep`` it shows what moving those bytes costs the compute
-  (gloo's threads and the kernel's network path take the same cores); exact-gradient
-  schemes cannot beat it by more than noise.
+  framework code. Against ``lockstep`` it was meant to show what moving those bytes costs the
+  compute (gloo's threads and the kernel's network path take the same cores), but it costs
+  more than that: on ResNet-18 at 1 Gbit/s ~400 ms per iteration for 44.7 MB, where the
+  transfer's own CPU is ~40 ms (``benchmarks/host_cpu_probe.py``), and scaleout's exact
+  training beat it by 7.7% and 11.7% (benchmarks/RESULTS.md, stop 25; why is not known). Read
+  it as a reference point, not a bound.
 """
 
 from __future__ import annotations

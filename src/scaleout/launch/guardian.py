@@ -12,8 +12,8 @@ environment (a random token every rank of the attempt gets): what a rank started
 session of its own (``setsid``, a daemon's double fork), which the launcher, the subreaper
 of such processes (:mod:`scaleout.launch.subreaper`), can no longer end. The token is the
 attempt's, not the launcher's identity: a program that launches in-process several times at
-once (``bench train``'s warm ranks) must not have one attempt's guardian end another's ranks. It reads until the pipe closes, so it needs no timing and costs nothing
-meanwhile.
+once (``bench train``'s warm ranks) must not have one attempt's guardian end another's
+ranks. It reads until the pipe closes, so it needs no timing and costs nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from scaleout.launch.subreaper import note_started, starting
 
 __all__ = ["ATTEMPT_VAR", "Guardian"]
 
-#: Every rank of one attempt gets this variable with the attempt's token (``Guardian.mark``).
+#: Every rank of one attempt gets this variable with the attempt's token (``Ranks.token``).
 ATTEMPT_VAR = "SCALEOUT_ATTEMPT_TOKEN"
 
 _CODE = """

@@ -71,14 +71,15 @@ def adopted() -> list[int]:
     me, found = os.getpid(), []
     mark = launcher_env().get(LAUNCHER_ID_VAR)
     try:
-        entries = os.listdir("/proc")
+        entries = os.listdir("/proc") if mark is not None else []
     except OSError:
         return []
+    setting = f"{LAUNCHER_ID_VAR}={mark}"
     for entry in entries:
         if entry.isdigit() and int(entry) not in _started:
             fields = proc_stat(entry)
             if (fields is not None and len(fields) > 1 and int(fields[1]) == me
-                    and mark is not None and _carries(entry, f"{LAUNCHER_ID_VAR}={mark}")):
+                    and _carries(entry, setting)):
                 found.append(int(entry))
     return found
 

@@ -64,9 +64,9 @@ class CheckpointSurface(nn.Module):
         adds it; the same on every rank), keyed ``"<layer name>/<parameter index>"``."""
         carry = {f"{layer.name}/{index}": owed.detach().clone()
                  for layer in self._layers for index, owed in layer.carry.items()}
-        if self._session is None:
-            return {"compression": dict(self._pending_compression_state), "carry": carry}
-        return {"compression": self._session.compression_state_dict(), "carry": carry}
+        compression = (dict(self._pending_compression_state) if self._session is None
+                       else self._session.compression_state_dict())
+        return {"compression": compression, "carry": carry}
 
     def set_extra_state(self, state: Any) -> None:
         """Restored by ``load_state_dict()`` (applied at the first forward if not yet built).
@@ -85,6 +85,7 @@ class CheckpointSurface(nn.Module):
                 fit_compression_state(self._session, state["compression"]))
 
     def _load_carry(self, carry: Any) -> None:
+        """Replace every layer's owed gradient with ``carry`` (:meth:`get_extra_state`'s)."""
         layers = {layer.name: layer for layer in self._layers}
         if not isinstance(carry, dict):
             raise ValueError(f"DataParallel extra state's 'carry' must be a dict, got "

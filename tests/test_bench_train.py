@@ -61,7 +61,7 @@ def _check_report(report: dict, *, testbed: bool) -> None:
 
 
 @pytest.mark.testbed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_smoke_on_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _require_testbed()
     out = rank_env / "out.json"
@@ -74,7 +74,7 @@ def test_smoke_on_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) ->
     assert not list((rank_env / "testbeds").glob("*.json")), "the testbed was not removed"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = rank_env / "out.json"
     assert main([*TINY, "--no-testbed", "--json", str(out)]) == 0
@@ -82,7 +82,8 @@ def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str
     assert "NO TESTBED" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.xdist_group("cpu-heavy")
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("cold", [False, True])
 def test_ranks_stay_warm_between_rounds_unless_cold(rank_env: Path, cold: bool,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,7 +116,7 @@ def test_an_idle_warm_rank_leaves_when_no_turn_comes(tmp_path: Path) -> None:
                            "--json", str(tmp_path / "r.json"), "--rounds", "2"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ddp-tuned (bucket view, static graph) at the default and a swept bucket size."""
     assert main([*TINY, "--no-testbed", "--vs", "ddp-tuned,ddp-tuned:5"]) == 0
@@ -123,7 +124,7 @@ def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str])
     assert "ddp-tuned:5" in text and "vs ddp-tuned" in text
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_sharded_update_peer_trains_like_its_peers(rank_env: Path) -> None:
     """scaleout-sharded (distributed_update=True) against zero (DDP + ZeRO): the same steps
     of the same model, so the same loss; exact whatever --compression names."""
@@ -277,7 +278,7 @@ def test_lockstep_trains_each_copy_alone(traffic: bool) -> None:
     assert first != second  # no gradient exchange: the copies drift apart, as documented
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ceilings_are_configurations(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = rank_env / "out.json"
     args = [a if a != "ddp" else "lockstep,lockstep-traffic" for a in TINY]
@@ -290,7 +291,7 @@ def test_ceilings_are_configurations(rank_env: Path, capsys: pytest.CaptureFixtu
     assert "vs lockstep-traffic" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_failing_configuration_is_reported_and_the_others_go_on(
         rank_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """ddp is forced to fail (its ranks run a script that raises); single and scaleout are

@@ -21,7 +21,7 @@ from scaleout.sim.trace import read_trace
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_bench_train_records_every_scaleout_runs_traces(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -194,3 +194,4 @@ def test_torchrun_two_nodes(tmp_path: Path) -> None:
     assert all(node.returncode == 0 for node in nodes), outputs
     assert "rank=0 local=0 node=0 total=2" in outputs[0], outputs
     assert "rank=1 local=0 node=1 total=2" in outputs[1], outputs
+    assert "without the job token" not in outputs[0], outputs  # the agents' entries are theirs

@@ -52,6 +52,25 @@ def test_store_is_bound_and_sealed() -> None:
     assert job.report_outsiders() == []  # each attempt is reported once
 
 
+def test_the_launchers_own_entries_are_not_an_outsiders(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """torchrun's agent serves the store and writes its own entries before it starts the
+    ranks (``<run>/torchelastic/...``): those are the launcher's; what comes later is not."""
+    port = free_port()
+    agent = tdist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=5),
+                           wait_for_workers=False)
+    agent.set("none/torchelastic/assigned_ranks/0", b"x")
+    agent.set("none/torchelastic/role_info/0", b"y")
+    info = LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=port, source="torchrun")
+    job = rendezvous(info, "secret", timeout=5, agent_store=True)  # (rank 0 reports at join)
+    assert job.report_outsiders() == []
+    assert "without the job token" not in capfd.readouterr().err
+    agent.set("written-later", b"z")
+    assert job.report_outsiders() == ["written-later"]
+    assert "wrote 1 store entries ('written-later')" in capfd.readouterr().err
+
+
 JOB = """
     import os, sys, time, torch, scaleout
     go = os.environ.get("GO_FILE")

@@ -114,12 +114,13 @@ class AuthStore(tdist.Store):
 class Rendezvous:
     """The job's authenticated store and, on rank 0, the report of outsiders' attempts."""
 
-    def __init__(self, raw: tdist.Store, store: AuthStore, token: str, rank: int) -> None:
+    def __init__(self, raw: tdist.Store, store: AuthStore, token: str, rank: int,
+                 launcher_keys: frozenset[str] = frozenset()) -> None:
         self.raw = raw
         self.store = store
         self.rank = rank
         self._prefix = namespace(token) + "/"
-        self._reported: set[str] = set()
+        self._reported: set[str] = set(launcher_keys)  # the launcher's own: not outsiders
 
     def connection(self, timeout: float) -> AuthStore:
         """A second connection to the store whose operations give up after ``timeout`` s
@@ -133,12 +134,10 @@ class Rendezvous:
         return json.loads(self.store.get(f"join/{rank}"))
 
     def outsiders(self) -> list[str]:
-        """Store keys written by processes without the token, not reported before."""
-        try:
-            keys = self.raw.list_keys()
-        except (RuntimeError, NotImplementedError):
-            return []
-        new = sorted(k for k in keys if not k.startswith(self._prefix) and k not in self._reported)
+        """Store keys written by processes without the token, not reported before (nor
+        written by the launcher before the job joined its store)."""
+        new = sorted(k for k in _keys(self.raw)
+                     if not k.startswith(self._prefix) and k not in self._reported)
         self._reported.update(new)
         return new
 
@@ -152,6 +151,14 @@ class Rendezvous:
                              "they were ignored\n")
             sys.stderr.flush()
         return new
+
+
+def _keys(raw: tdist.Store) -> list[str]:
+    """Every key of the store (none where the store cannot list them)."""
+    try:
+        return raw.list_keys()
+    except (RuntimeError, NotImplementedError):
+        return []
 
 
 def _salt(raw: tdist.Store, token: str, rank: int) -> bytes:
@@ -180,6 +187,9 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
     """
     rank, world = info.rank, info.world_size
     raw = bound_store(info, timeout, agent_store=agent_store)
+    # torchrun's agent wrote its own entries (``<run>/torchelastic/...``) before it started
+    # the ranks: what its store holds before rank 0's first write is the launcher's.
+    launcher_keys = frozenset(_keys(raw)) if agent_store and rank == 0 else frozenset()
     sealer = Sealer(token, _salt(raw, token, rank))
     store = AuthStore(raw, sealer)
     claims = store.add(f"claim/{rank}", 1)
@@ -188,7 +198,7 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
                             f"as rank {rank} ({claims} claims): a duplicate or an impostor")
     store.set(f"join/{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                           "machine": machine()}))
-    job = Rendezvous(raw, store, token, rank)
+    job = Rendezvous(raw, store, token, rank, launcher_keys)
     if rank == 0:
         store.set("admitted", json.dumps({"refused": _verify(job, world)}))
     try:

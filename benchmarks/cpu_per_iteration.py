@@ -13,10 +13,13 @@ with torchrun (one process per rank), on loopback::
 ``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``), ``SCALEOUT_MODE`` (``overlap``,
 ``sync``) and ``SCALEOUT_COMPRESSION`` (a codec spec, e.g. ``powersgd:2``) choose scaleout's
 set-up; ``BUDGET`` (e.g. ``4m``) is ``bench train``'s ``--memory-budget`` (the hybrid's plan),
-and a configuration that prefetches (the hybrid) gets each next batch's ids as there. Rank 0 prints one line. Interleave configurations and
-repeat (the machine's speed drifts by 20-30% over minutes here).
+and a configuration that prefetches (the hybrid) gets each next batch's ids as there. Rank 0
+prints one line; with ``CPU_JSON=PATH`` every rank also appends its figures to PATH as one
+JSON line. Interleave configurations and repeat (the machine's speed drifts by 20-30% over
+minutes here).
 """
 
+import json
 import os
 import resource
 import sys
@@ -122,6 +125,16 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     system = (after.ru_stime - before.ru_stime) / iters
     voluntary = (after.ru_nvcsw - before.ru_nvcsw) / iters  # waits
     switches = voluntary + (after.ru_nivcsw - before.ru_nivcsw) / iters  # + preempted
+    if os.environ.get("CPU_JSON"):  # one JSON line per rank, appended
+        record = {"config": config, "workload": workload_name, "rank": rank, "world": world,
+                  "iters": iters, "wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu,
+                  "main_ms": dict(zip(("forward", "backward", "step"),
+                                      (1e3 * p / iters for p in phases))),
+                  "threads_ms": {n: 1e3 * v[0] for n, v in threads.items()},
+                  "policy": os.environ.get("SCALEOUT_POLICY", "default"),
+                  "mode": os.environ.get("SCALEOUT_MODE", "overlap")}
+        with open(os.environ["CPU_JSON"], "a") as handle:
+            handle.write(json.dumps(record) + "\n")
     if rank == 0:
         forward, backward, step = (1e3 * p / iters for p in phases)
         print(f"{config} {workload_name} {world} ranks: {1e3 * wall:.2f} ms/it wall, "

@@ -48,6 +48,7 @@ def test_store_is_bound_and_sealed() -> None:
     with pytest.raises(ForgedValue, match="does not authenticate"):
         job.store.get("join/0")
     outsider.set("torch-style-key", b"x")
+    outsider.get("torch-style-key")  # (a set is not answered: a get after it is)
     assert job.report_outsiders() == ["torch-style-key"]
     assert job.report_outsiders() == []  # each attempt is reported once
 
@@ -61,12 +62,14 @@ def test_the_launchers_own_entries_are_not_an_outsiders(
                            wait_for_workers=False)
     agent.set("none/torchelastic/assigned_ranks/0", b"x")
     agent.set("none/torchelastic/role_info/0", b"y")
+    agent.get("none/torchelastic/role_info/0")  # (a set is not answered: a get after it is)
     info = LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                       master_port=port, source="torchrun")
     job = rendezvous(info, "secret", timeout=5, agent_store=True)  # (rank 0 reports at join)
     assert job.report_outsiders() == []
     assert "without the job token" not in capfd.readouterr().err
     agent.set("written-later", b"z")
+    agent.get("written-later")  # through: another connection's list_keys sees it now
     assert job.report_outsiders() == ["written-later"]
     assert "wrote 1 store entries ('written-later')" in capfd.readouterr().err
 

@@ -80,7 +80,9 @@ def test_loopback_with_no_rate_limit_chooses_nothing_lossy() -> None:
     results = run_ranks(2, body, "lossy", "sgd", timeout=120)
     assert results[0]["key"] == results[1]["key"]
     assert results[0]["codecs"] == {}, results[0]["summary"]
-    assert "codecs: the best" in results[0]["summary"]  # they were priced, and lost
+    # not priced at all: over loopback a busy machine's measured link once made powersgd
+    # look 10.4% faster (a test run beside another); the bytes are memory copies there
+    assert "every rank is on this machine (rendezvous on 127.0.0.1)" in results[0]["summary"]
     assert results[0]["bytes"] == results[0]["raw_bytes"]
 
 

@@ -320,7 +320,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
         torch.cuda.set_device(device)
     token = job_token(environ)
     limit_silence = watchdog.heartbeat_limit(environ)
-    if not token and info.world_size > 1 and not _loopback(info.master_addr):
+    if not token and info.world_size > 1 and not info.loopback:
         warnings.warn(f"{TOKEN_VAR} is not set: any process that reaches "
                       f"{info.master_addr}:{info.master_port} can join this job; set the same "
                       "secret on every node (scaleout run sets one for single-node jobs)",
@@ -367,7 +367,3 @@ def _check_mode(check: bool | str | None, environ: Mapping[str, str]) -> str:
         raise ValueError(f"check_consistency (or SCALEOUT_CHECK) must be one of {CHECK_MODES}, "
                          f"a bool, 0 or 1; got {check!r}")
     return mode
-
-
-def _loopback(address: str) -> bool:
-    return address in ("localhost", "::1") or address.startswith("127.")

@@ -49,6 +49,12 @@ class LaunchInfo:
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master port must be in 1..65535, got {self.master_port}")
 
+    @property
+    def loopback(self) -> bool:
+        """Whether the rendezvous is on a loopback address: every rank on this one machine,
+        their traffic through the kernel's loopback (memory copies, not a network)."""
+        return self.master_addr in ("localhost", "::1") or self.master_addr.startswith("127.")
+
 
 def _int(environ: Mapping[str, str], name: str) -> int:
     value = environ[name]

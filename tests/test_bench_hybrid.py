@@ -22,7 +22,6 @@ def rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", SRC if not path else f"{SRC}{os.pathsep}{path}")
 
 
-@pytest.mark.xdist_group("cpu-heavy")
 @pytest.mark.timeout(240)
 def test_hybrid_beside_ddp_under_a_budget(rank_env: None, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

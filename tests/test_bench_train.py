@@ -82,7 +82,6 @@ def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str
     assert "NO TESTBED" in capsys.readouterr().out
 
 
-@pytest.mark.xdist_group("cpu-heavy")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cold", [False, True])
 def test_ranks_stay_warm_between_rounds_unless_cold(rank_env: Path, cold: bool,

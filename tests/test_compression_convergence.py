@@ -209,7 +209,6 @@ def _unsuited(spec: str, opt: str, lr: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("cpu-heavy")
 @pytest.mark.timeout(300)  # above run_ranks' 240 s, so a stall shows the ranks' stacks
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
 def test_every_codec_converges_or_is_warned_about(arch: str) -> None:

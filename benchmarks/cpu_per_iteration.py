@@ -131,8 +131,7 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
                   "main_ms": dict(zip(("forward", "backward", "step"),
                                       (1e3 * p / iters for p in phases))),
                   "threads_ms": {n: 1e3 * v[0] for n, v in threads.items()},
-                  "policy": os.environ.get("SCALEOUT_POLICY", "default"),
-                  "mode": os.environ.get("SCALEOUT_MODE", "overlap")}
+                  "policy": options.policy, "mode": options.mode}
         with open(os.environ["CPU_JSON"], "a") as handle:
             handle.write(json.dumps(record) + "\n")
     if rank == 0:

@@ -70,8 +70,10 @@ def adopted() -> list[int]:
     carry its ranks' environment: its ranks' descendants re-parented to it."""
     me, found = os.getpid(), []
     mark = launcher_env().get(LAUNCHER_ID_VAR)
+    if mark is None:  # (not a launcher: no ranks, nothing of theirs to adopt)
+        return []
     try:
-        entries = os.listdir("/proc") if mark is not None else []
+        entries = os.listdir("/proc")
     except OSError:
         return []
     setting = f"{LAUNCHER_ID_VAR}={mark}"

@@ -155,10 +155,9 @@ def test_ending_without_finalize_is_not_failing(tmp_path: Path) -> None:
                             env=env, capture_output=True, text=True, timeout=60)
     out = result.stdout + result.stderr
     assert "scaleout: rank" not in out and "PeerFailedError" not in out, out  # no watchdog report
-    # torch 2.13's gloo can abort in interpreter teardown without finalize() (see
-    # test_launcher's _TEARDOWN); that abort is not what this test is about
-    teardown_abort = result.returncode == 134 and "terminate called without an active" in out
-    assert result.returncode == 0 or teardown_abort, out
+    # (torch.distributed is torn down at exit: no gloo abort in interpreter teardown, see
+    # test_watchdog_exits.py::test_a_rank_that_returns_without_finalize_is_torn_down_at_exit)
+    assert result.returncode == 0, out
 
 
 def test_wait_event_fails_fast_once_a_peer_failed() -> None:

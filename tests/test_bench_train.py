@@ -37,7 +37,7 @@ def rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _check_report(report: dict, *, testbed: bool) -> None:
+def _check_report(report: dict, *, testbed: bool, rounds: int = 1) -> None:
     assert report["network"]["testbed"] is testbed
     assert set(report["summary"]) == {"single", "scaleout", "ddp"}
     for name, entry in report["summary"].items():
@@ -53,7 +53,8 @@ def _check_report(report: dict, *, testbed: bool) -> None:
     assert so["bytes_per_iter"] > 0 and so["comm_ms_per_iter"] >= 0 and so["exposed_ms_per_iter"] >= 0
     # the same data, seeds and optimizer: exact scaleout and DDP train the same model
     assert so["final_loss"] == pytest.approx(report["summary"]["ddp"]["final_loss"], rel=1e-5)
-    assert len(report["runs"]) == 3 and all(len(r["iter_s"]) == 3 for r in report["runs"])
+    assert len(report["runs"]) == 3 * rounds
+    assert all(len(r["iter_s"]) == 3 for r in report["runs"])
     assert {r["config"] for r in report["runs"]} == {"single", "scaleout", "ddp"}
     assert report["command"].startswith("scaleout ") and report["date"]
     assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
@@ -74,32 +75,28 @@ def test_smoke_on_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) ->
     assert not list((rank_env / "testbeds").glob("*.json")), "the testbed was not removed"
 
 
-@pytest.mark.timeout(240)
-def test_smoke_without_testbed(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = rank_env / "out.json"
-    assert main([*TINY, "--no-testbed", "--json", str(out)]) == 0
-    _check_report(json.loads(out.read_text()), testbed=False)
-    assert "NO TESTBED" in capsys.readouterr().out
+TWO_ROUNDS = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index("--rounds") + 2:]]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cold", [False, True])
-def test_ranks_stay_warm_between_rounds_unless_cold(rank_env: Path, cold: bool,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """Warm (the default): one process set per configuration runs every round, each round
-    measured again; --cold: fresh processes every round."""
+def test_smoke_without_testbed_warm_or_cold(rank_env: Path, cold: bool,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Over loopback. Warm (the default): one process set per configuration runs every
+    round, each round measured again; --cold: fresh processes every round."""
     out = rank_env / "out.json"
-    args = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index("--rounds") + 2:]]
-    assert main([*args, "--no-testbed", "--json", str(out), *(["--cold"] if cold else [])]) == 0
+    assert main([*TWO_ROUNDS, "--no-testbed", "--json", str(out),
+                 *(["--cold"] if cold else [])]) == 0
     report = json.loads(out.read_text())
+    _check_report(report, testbed=False, rounds=2)
     assert report["warm_ranks"] is not cold
-    assert ("fresh ranks every round" if cold else "warm ranks") in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "NO TESTBED" in text
+    assert ("fresh ranks every round" if cold else "warm ranks") in text
     for name in ("single", "scaleout", "ddp"):
         runs = sorted((r for r in report["runs"] if r["config"] == name), key=lambda r: r["round"])
         assert [r["round"] for r in runs] == [0, 1] and all(len(r["iter_s"]) == 3 for r in runs)
         assert len({r["pid"] for r in runs}) == (2 if cold else 1), name
-    so, ddp = report["summary"]["scaleout"], report["summary"]["ddp"]
-    assert so["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)  # same steps, same model
 
 
 def test_an_idle_warm_rank_leaves_when_no_turn_comes(tmp_path: Path) -> None:
@@ -113,14 +110,6 @@ def test_an_idle_warm_rank_leaves_when_no_turn_comes(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="needs --go"):
         train_worker.main(["--config", "single", "--workload", "digits-mlp", "--batch", "4",
                            "--json", str(tmp_path / "r.json"), "--rounds", "2"])
-
-
-@pytest.mark.timeout(240)
-def test_tuned_ddp_peers_run(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """ddp-tuned (bucket view, static graph) at the default and a swept bucket size."""
-    assert main([*TINY, "--no-testbed", "--vs", "ddp-tuned,ddp-tuned:5"]) == 0
-    text = capsys.readouterr().out
-    assert "ddp-tuned:5" in text and "vs ddp-tuned" in text
 
 
 @pytest.mark.timeout(240)
@@ -278,16 +267,21 @@ def test_lockstep_trains_each_copy_alone(traffic: bool) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_ceilings_are_configurations(rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tuned_ddp_peers_and_ceilings_are_configurations(
+        rank_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ddp-tuned (bucket view, static graph) at the default and a swept bucket size, and the
+    two ceilings, in one run."""
     out = rank_env / "out.json"
-    args = [a if a != "ddp" else "lockstep,lockstep-traffic" for a in TINY]
+    peers = "ddp-tuned,ddp-tuned:5,lockstep,lockstep-traffic"
+    args = [a if a != "ddp" else peers for a in TINY]
     assert main([*args, "--no-testbed", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"single", "scaleout", "lockstep", "lockstep-traffic"}
-    for name in ("lockstep", "lockstep-traffic"):
+    assert set(summary) == {"single", "scaleout", *peers.split(",")}
+    for name in peers.split(","):
         assert summary[name]["efficiency"] > 0
         assert summary["scaleout"]["over_peers"][name] > 0
-    assert "vs lockstep-traffic" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "ddp-tuned:5" in text and "vs ddp-tuned" in text and "vs lockstep-traffic" in text
 
 
 @pytest.mark.timeout(240)
@@ -304,8 +298,7 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(
 
     monkeypatch.setattr(train, "_worker_args", worker_args)
     out = rank_env / "out.json"
-    args = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index("--rounds") + 2:]]
-    assert main([*args, "--no-testbed", "--json", str(out)]) == 1
+    assert main([*TWO_ROUNDS, "--no-testbed", "--json", str(out)]) == 1
     captured = capsys.readouterr()
     assert "ddp FAILED: RuntimeError: forced failure for the test" in captured.out
     assert "1 configuration(s) failed: ddp" in captured.err

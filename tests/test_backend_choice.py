@@ -8,7 +8,7 @@ import torch
 
 import scaleout
 from harness import cuda_available, run_ranks
-from scaleout.core.env import _choose_backend, local_world_size
+from scaleout.core.backend import _choose_backend, local_world_size
 
 CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 

@@ -180,3 +180,51 @@ def test_a_rank_claimed_twice_is_refused() -> None:
     assert [proc.returncode for proc in procs] == [1, 1], outputs
     assert "ScaleoutError" in outputs[0] and "rank 1 was claimed by 2 processes" in outputs[0]
     assert "another process already joined this job as rank 1" in outputs[1]
+
+
+DELETED = """
+    import os, sys, time, torch, scaleout
+    env = scaleout.init(timeout=30)
+    d = env.create_distribution()
+    d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+    time.sleep(1.5)  # (> 2 heartbeat periods: each watchdog has read its peer's heartbeat)
+    open(os.environ["GO_FILE"] + f".{env.rank}", "w").close()  # let the outsider in
+    started = time.monotonic()
+    while time.monotonic() - started < 6:
+        d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+        time.sleep(0.01)
+    env.finalize()
+    print("finished", flush=True)
+"""
+
+
+def test_an_outsider_deleting_store_entries_is_reported_and_blames_no_rank(
+        tmp_path: Path) -> None:
+    """A process without the token deletes every store entry, 50 times a second, while the
+    ranks train (heartbeat limit 2 s): the watchdog says a heartbeat entry was deleted and
+    blames no rank for its absence (before: `rank 1 failed: no heartbeat for 2.0 s`)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(DELETED))
+    port, go = free_port(), tmp_path / "go"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "scaleout", "run", "-n", "2", "--master-port", str(port),
+         str(script)], env={**os.environ, "PYTHONPATH": SRC, "GO_FILE": str(go),
+                            "SCALEOUT_HEARTBEAT": "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 40
+        while not all(Path(f"{go}.{rank}").exists() for rank in (0, 1)):
+            assert time.monotonic() < deadline and job.poll() is None, "the job never started"
+            time.sleep(0.05)
+        outsider = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
+        deleted, until = 0, time.monotonic() + 4.5
+        while time.monotonic() < until:
+            for key in outsider.list_keys():
+                deleted += outsider.delete_key(key)
+            time.sleep(0.02)
+        output = job.communicate(timeout=40)[0]
+    finally:
+        job.kill()
+    assert deleted > 0 and job.returncode == 0, output
+    assert "heartbeat entry was deleted from the job's store by a process outside" in output
+    assert "failed" not in output and output.count("finished") == 2, output

@@ -164,7 +164,7 @@ def test_wait_event_fails_fast_once_a_peer_failed() -> None:
     """The helper for wait loops outside Request (the scheduler's Job.wait)."""
     import threading
 
-    from scaleout.core import watchdog
+    from scaleout.core import peer_waits, watchdog
     from scaleout.core.errors import PeerFailedError
 
     class Found:
@@ -180,13 +180,13 @@ def test_wait_event_fails_fast_once_a_peer_failed() -> None:
             pass
 
     event = threading.Event()
-    assert watchdog.wait_event(event, 0.3, 0, "lane 0", "gradient comm") is False
+    assert peer_waits.wait_event(event, 0.3, 0, "lane 0", "gradient comm") is False
     watchdog._active.append(Found())  # type: ignore[arg-type]
     try:
         started = time.monotonic()
         with pytest.raises(PeerFailedError, match="rank 0: gradient comm on group lane 0 cannot "
                                                   "complete: rank 2 failed: process exited") as info:
-            watchdog.wait_event(event, 30, 0, "lane 0", "gradient comm")
+            peer_waits.wait_event(event, 30, 0, "lane 0", "gradient comm")
         assert info.value.failed_rank == 2 and time.monotonic() - started < 1.0
     finally:
         watchdog._active.clear()

@@ -7,8 +7,9 @@ process is gone or stopped (seen at once in ``/proc`` when it shares this machin
 failed; so has the store's host (rank 0) when its process is gone or stopped, when its
 store breaks the connection, or when it stops answering for ``limit`` seconds. The rank that
 notices writes the failure to the store; every rank reads it within one period. Waits then
-fail fast: :func:`wait_work` (used by :class:`~scaleout.core.request.Request`) waits in
-slices and raises :class:`~scaleout.core.errors.PeerFailedError` naming the *failing* rank.
+fail fast: :func:`~scaleout.core.peer_waits.wait_work` (used by
+:class:`~scaleout.core.request.Request`) waits in slices and raises
+:class:`~scaleout.core.errors.PeerFailedError` naming the *failing* rank.
 
 ``SCALEOUT_HEARTBEAT`` sets ``limit`` (seconds, default 15; ``0`` turns the watchdog off).
 A rank that calls ``finalize()`` marks itself as left, so finishing is not failing. A rank
@@ -26,11 +27,9 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from scaleout.core import progress
-from scaleout.core.errors import PeerFailedError
 from scaleout.core.failures import (DEFAULT_LIMIT, DEPARTED, HEARTBEAT_VAR, PeerFailure,
                                     StoreHostDown, broken_by_communication, first_line,
                                     heartbeat_limit, process_state)
@@ -41,9 +40,7 @@ if TYPE_CHECKING:  # (a run-time import would make core and launch import each o
     from scaleout.launch.rendezvous import Rendezvous
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
-           "failure", "lagging", "raise_if_failed", "wait_event", "wait_work", "heartbeat_limit"]
-
-_SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
+           "failure", "blocked", "active", "note_raised", "lagging", "heartbeat_limit"]
 
 
 @dataclass
@@ -85,6 +82,7 @@ class Watchdog:
         self._departed: tuple[PeerFailure, float] | None = None
         self._host_pid = 0  # the store host's pid when it runs on this machine
         self._store_lost = False  # the thread's store operation failed: the store is gone
+        self._tamper_seen = False  # a heartbeat entry was deleted (reported once)
         self._lock = threading.Lock()
         self._last_round = time.monotonic()
         self._stop = threading.Event()
@@ -229,6 +227,9 @@ class Watchdog:
             beat = self._store.get(f"hb/{watch.rank}")
             if beat != watch.last_beat:
                 watch.last_beat, watch.last_seen = beat, now
+        elif watch.last_beat is not None:  # seen before, gone now: deleted by an outsider
+            self._deleted(watch)
+            watch.last_seen = now
         silent = now - watch.last_seen
         if state is None and silent <= self.limit:
             return None
@@ -236,6 +237,21 @@ class Watchdog:
             watch.left = True  # it finished normally: keep beating, stop watching it
             return None
         return state or f"no heartbeat for {silent:.1f} s (frozen, stopped or unreachable)"
+
+    def _deleted(self, watch: _PeerWatch) -> None:
+        """The watched peer's heartbeat entry vanished after it had been read. No rank ever
+        deletes one, so a process outside the job did (the store's port is open to anyone
+        who reaches it; values are sealed, names are not protected from deletion). Its
+        absence is not the peer's silence: say so, once, and do not blame the peer for it.
+        Under continuous deletion a peer frozen on another host is then found by the
+        collective timeout instead (a local one still by ``/proc``)."""
+        if self._tamper_seen:
+            return
+        self._tamper_seen = True
+        sys.stderr.write(f"scaleout: rank {self.rank}: rank {watch.rank}'s heartbeat entry "
+                         "was deleted from the job's store by a process outside the job (no "
+                         f"rank deletes one); rank {watch.rank} is not blamed for its absence\n")
+        sys.stderr.flush()
 
     def _read_news(self) -> bool:
         """What the other ranks wrote: a failure (then True, recorded) or a departure."""
@@ -315,6 +331,16 @@ def stop(departed: bool = False) -> None:
         _active.pop().leave(departed)
 
 
+def active() -> Watchdog | None:
+    """This process's watchdog, or None when none runs."""
+    return _active[0] if _active else None
+
+
+def note_raised() -> None:
+    """A PeerFailedError was raised: at exit this rank leaves at once (see :func:`_at_exit`)."""
+    _exit_state["raised"] = True
+
+
 def failure() -> PeerFailure | None:
     """The failure this process's watchdog knows of, or None (also when none runs)."""
     return _active[0].failure() if _active else None
@@ -337,64 +363,3 @@ def lagging(group: str) -> str | None:
             store.get(f"hb/{rank}")) if store.check([f"hb/{rank}"]) else {})
     except (RuntimeError, ValueError, TypeError, AttributeError):
         return None  # (a store that does not answer, or a heartbeat of another format)
-
-
-def raise_if_failed(rank: int, group: str, operation: str) -> None:
-    """Raise PeerFailedError (naming the failed rank, this rank, group and operation) if the
-    watchdog knows of a failed rank; for wait loops and ``Request.test()``."""
-    found = blocked()
-    if found is not None:
-        _active[0].settle()
-        _exit_state["raised"] = True
-        raise PeerFailedError(
-            f"rank {rank}: {operation} on group {group} cannot complete: {found.describe()}",
-            rank=rank, group=group, operation=operation, failed_rank=found.rank)
-
-
-def wait_event(event: threading.Event, seconds: float, rank: int, group: str,
-               operation: str) -> bool:
-    """``event.wait(seconds)`` in slices, raising PeerFailedError once a peer has failed.
-
-    Returns:
-        True when the event was set, False on timeout (as ``Event.wait``).
-    """
-    deadline = time.monotonic() + seconds
-    while not event.wait(min(_SLICE, max(deadline - time.monotonic(), 0.0))):
-        raise_if_failed(rank, group, operation)
-        if time.monotonic() >= deadline:
-            return False
-    return True
-
-
-def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) -> None:
-    """``work.wait(timeout=seconds)``, in slices, raising at once when a peer has failed.
-
-    Raises:
-        PeerFailedError: the watchdog found a failed rank; names it, this rank, the group
-            and the operation.
-        RuntimeError: the wait timed out (as ``work.wait`` raises it) or the work failed.
-    """
-    deadline = time.monotonic() + seconds
-    while True:
-        raise_if_failed(rank, group, operation)
-        remaining = deadline - time.monotonic()
-        step = min(remaining, _SLICE) if _active else remaining
-        try:
-            work.wait(timeout=timedelta(seconds=max(step, 1e-3)))
-            return
-        except RuntimeError as err:
-            if "timed out" in str(err).lower() and remaining > _SLICE:
-                continue
-            if _active and "timed out" not in str(err).lower():
-                # a peer died or left: let the watchdogs name it (within their limit)
-                _verdict(_active[0].limit + 2 * _active[0].period)
-                if failure() is not None:  # (blocked() recorded a departure as one)
-                    continue
-            raise
-
-
-def _verdict(seconds: float) -> None:
-    """Wait up to ``seconds`` for the watchdog to find a failed rank."""
-    deadline = time.monotonic() + seconds
-    while blocked() is None and time.monotonic() < deadline:
-        time.sleep(0.05)

@@ -21,7 +21,7 @@ import torch
 from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Deadline, Request
-from scaleout.core.watchdog import wait_event
+from scaleout.core.peer_waits import wait_event
 from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]

@@ -1,0 +1,79 @@
+"""Waits that fail fast once the watchdog (:mod:`scaleout.core.watchdog`) knows of a failed
+peer: they block in slices of ``_SLICE`` seconds and raise
+:class:`~scaleout.core.errors.PeerFailedError` naming the *failing* rank between slices."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from scaleout.core import watchdog
+from scaleout.core.errors import PeerFailedError
+
+__all__ = ["raise_if_failed", "wait_event", "wait_work"]
+
+_SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
+
+
+def raise_if_failed(rank: int, group: str, operation: str) -> None:
+    """Raise PeerFailedError (naming the failed rank, this rank, group and operation) if the
+    watchdog knows of a failed rank; for wait loops and ``Request.test()``."""
+    found = watchdog.blocked()
+    if found is not None:
+        watchdog.active().settle()  # type: ignore[union-attr]  # (found: one runs)
+        watchdog.note_raised()
+        raise PeerFailedError(
+            f"rank {rank}: {operation} on group {group} cannot complete: {found.describe()}",
+            rank=rank, group=group, operation=operation, failed_rank=found.rank)
+
+
+def wait_event(event: threading.Event, seconds: float, rank: int, group: str,
+               operation: str) -> bool:
+    """``event.wait(seconds)`` in slices, raising PeerFailedError once a peer has failed.
+
+    Returns:
+        True when the event was set, False on timeout (as ``Event.wait``).
+    """
+    deadline = time.monotonic() + seconds
+    while not event.wait(min(_SLICE, max(deadline - time.monotonic(), 0.0))):
+        raise_if_failed(rank, group, operation)
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) -> None:
+    """``work.wait(timeout=seconds)``, in slices, raising at once when a peer has failed.
+
+    Raises:
+        PeerFailedError: the watchdog found a failed rank; names it, this rank, the group
+            and the operation.
+        RuntimeError: the wait timed out (as ``work.wait`` raises it) or the work failed.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        raise_if_failed(rank, group, operation)
+        remaining = deadline - time.monotonic()
+        dog = watchdog.active()
+        step = min(remaining, _SLICE) if dog is not None else remaining
+        try:
+            work.wait(timeout=timedelta(seconds=max(step, 1e-3)))
+            return
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() and remaining > _SLICE:
+                continue
+            if dog is not None and "timed out" not in str(err).lower():
+                # a peer died or left: let the watchdogs name it (within their limit)
+                _verdict(dog.limit + 2 * dog.period)
+                if watchdog.failure() is not None:  # (blocked() recorded a departure as one)
+                    continue
+            raise
+
+
+def _verdict(seconds: float) -> None:
+    """Wait up to ``seconds`` for the watchdog to find a failed rank."""
+    deadline = time.monotonic() + seconds
+    while watchdog.blocked() is None and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -31,7 +31,8 @@ from scaleout.pytorch.embeddings.batched import TableBatch
 
 @pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch", [
     (2, 1, "sync", "planned", "none"), (3, 1, "overlap", "planned", "none"),
-    (2, 2, "overlap", "planned", "none"), (2, 1, "overlap", "explicit", "none"),
+    (2, 2, "overlap", "planned", "none"), (1, 2, "overlap", "planned", "none"),
+    (2, 1, "overlap", "explicit", "none"),
     (3, 1, "sync", "budget", "none"), (2, 1, "sync", "columns", "none"),
     (3, 1, "overlap", "columns", "none"), (3, 1, "overlap", "idle", "none"),
     # the ids of the next batch (or two) exchanged while a batch trains: the same weights

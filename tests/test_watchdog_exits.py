@@ -257,6 +257,29 @@ def test_a_rank_that_returns_without_finalize_is_torn_down_at_exit(tmp_path: Pat
         assert code == 0 and "at the end, initialised: False" in out, out
 
 
+def test_a_ranks_last_heartbeat_says_it_left(tmp_path: Path) -> None:
+    """Rank 1 returns without finalize() while rank 0 goes on alone (no collective); the
+    ``left/1`` entry rank 1 writes at exit is lost (as if an outsider deleted it). Its last
+    heartbeat says it left, so rank 0, seeing its process gone, names no failure (before:
+    ``rank 1 failed: process exited``)."""
+    body = """
+        import os, time, torch, scaleout
+        if os.environ["RANK"] == "1":  # its left/1 entry never reaches the store
+            import scaleout.launch.rendezvous as rv
+            real = rv.AuthStore.set
+            rv.AuthStore.set = lambda self, key, value: (
+                None if key.startswith("left/") else real(self, key, value))
+        env = scaleout.init(timeout=30)
+        d = env.create_distribution()
+        d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+        if env.rank == 0:
+            time.sleep(4)  # its watchdog sees rank 1's process gone within a period (1 s)
+        print("done", flush=True)
+    """
+    for code, out in launch(tmp_path, body, 2):
+        assert code == 0 and "done" in out and "failed" not in out, out
+
+
 def test_a_teardown_at_exit_that_cannot_end_is_bounded(tmp_path: Path) -> None:
     """Rank 0 returns with a collective its peer never joins (checks off): the teardown at
     exit waits for it at most EXIT_TEARDOWN_S, then the rank leaves with status 1 and every

@@ -54,6 +54,10 @@ class _PeerWatch:
     left: bool = False
 
 
+#: the ``beat`` of a rank's last heartbeat, written as it leaves (finalize() or exit)
+_LEFT = "left"
+
+
 class Watchdog:
     """The heartbeat thread of one rank (see the module's docstring).
 
@@ -132,6 +136,8 @@ class Watchdog:
             if departed and self._failure is None and not self._store.check(["departed"]):
                 self._store.set("departed", json.dumps(asdict(PeerFailure(
                     rank=self.rank, reason=DEPARTED, detected_by=self.rank, silent_for=0.0))))
+            # the last heartbeat says it too: an outsider may delete left/R, not forge this
+            self._store.set(f"hb/{self.rank}", json.dumps({"beat": _LEFT, **progress.snapshot()}))
             self._store.set(f"left/{self.rank}", "1")
             if self.rank == self.store_host:
                 self._outlive_peers()
@@ -227,6 +233,9 @@ class Watchdog:
             beat = self._store.get(f"hb/{watch.rank}")
             if beat != watch.last_beat:
                 watch.last_beat, watch.last_seen = beat, now
+                if json.loads(beat).get("beat") == _LEFT:  # its last: it finished normally
+                    watch.left = True
+                    return None
         elif watch.last_beat is not None:  # seen before, gone now: deleted by an outsider
             self._deleted(watch)
             watch.last_seen = now

@@ -284,8 +284,7 @@ def _leave_at_exit() -> None:
     process with status 1 and every thread's traceback (``faulthandler``: no new thread can
     be started this late on every Python).
     """
-    while _open:
-        env = _open[-1]
+    for env in reversed(list(_open)):  # (each teardown takes itself out of _open)
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
@@ -293,8 +292,6 @@ def _leave_at_exit() -> None:
         try:
             env._teardown(meet=False)
         except Exception as err:  # noqa: BLE001 (at exit nobody can handle it: say it)
-            if env in _open:
-                _open.remove(env)
             print(f"scaleout: rank {env.rank}: tearing torch.distributed down at exit failed: "
                   f"{err}", file=sys.stderr, flush=True)
         finally:

@@ -172,3 +172,28 @@ def body_setting_differs() -> str:
 def test_ranks_with_different_exchange_settings_get_an_error_not_a_hang() -> None:
     for message in run_ranks(2, body_setting_differs, timeout=60):
         assert "recv_first=on" in message and "recv_first=off" in message, message
+
+
+def body_polled() -> bool:
+    env = scaleout.init(timeout=20)
+    comm = env.create_distribution().communicator(scaleout.GroupType.DATA)
+    rows = pairwise.MIN_BLOCK_BYTES // 4
+    x = torch.arange(2 * rows, dtype=torch.float32) + 1000 * env.rank
+    request = collectives.alltoall(comm, x)  # through the exchange (blocks at the threshold)
+    deadline = time.monotonic() + 10
+    while not request.test() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    done = request.test()
+    if done:  # (else the ranks would leave the exchange in flight: wait it out)
+        peer = 1 - env.rank
+        assert torch.equal(request.wait()[rows * peer: rows * (peer + 1)],
+                           x[rows * env.rank: rows * (env.rank + 1)] + 1000 * (peer - env.rank))
+    else:
+        request.wait()
+    env.finalize()
+    return done
+
+
+def test_an_exchange_only_polled_with_test_completes() -> None:
+    """Only the waiter thread completes the point-to-point works: polling must start it."""
+    assert run_ranks(2, body_polled, timeout=60) == [True, True]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as tdist
 
+from scaleout.core import direct
 from scaleout.core.checks import check_counts, check_divisible, check_root, check_tensor
 from scaleout.core.communicator import (
     _TORCH_OPS,
@@ -124,16 +125,37 @@ def _blocks(comm: Communicator, name: str, sends: Sequence[torch.Tensor],
 
 
 def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Request:
-    """Reduce ``tensor`` over the group, in place on every rank."""
+    """Reduce ``tensor`` over the group, in place on every rank (a small CPU tensor on gloo
+    in one exchange: :mod:`scaleout.core.direct`)."""
     name = "allreduce"
-    tensor = _checked(comm, name, tensor, op)
+    tensor = _checked(comm, name, tensor, op, *direct.setting())
     op = _op(op, tensor.dtype, name)
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+    divisor = comm.size if op is ReduceOp.AVG else 1
+    if op in _COMBINE and direct.applies(comm.group, buffer, comm.size):
+        return _allreduce_direct(comm, name, tensor, buffer, op, divisor)
     work = _start(comm, name, lambda: tdist.all_reduce(
         buffer, op=_TORCH_OPS[op], group=comm.group, async_op=True))
-    divisor = comm.size if op is ReduceOp.AVG else 1
     return comm.request(name, [work], lambda: average_into(tensor, buffer, divisor),
                         _nbytes(buffer))
+
+
+def _allreduce_direct(comm: Communicator, name: str, tensor: torch.Tensor,
+                      buffer: torch.Tensor, op: ReduceOp, divisor: int) -> Request:
+    """Every rank's whole ``buffer`` to every other rank in one all-to-all of ``size`` copies
+    of it, reduced here in rank order. (Through gloo's own all-to-all: a direct tensor is
+    under the receive-first exchange's blocks, ``direct.MAX_BYTES`` < ``MIN_BLOCK_BYTES``.)"""
+    flat = buffer.reshape(-1)
+    received = flat.new_empty((comm.size, flat.numel()))
+    send = flat.repeat(comm.size)
+    work = _start(comm, name, lambda: tdist.all_to_all_single(
+        received.view(-1), send, group=comm.group, async_op=True))
+
+    def finish() -> torch.Tensor:
+        direct.reduce_in_rank_order(received, flat, _COMBINE[op])
+        return average_into(tensor, buffer, divisor)
+
+    return comm.request(name, [work], finish, _nbytes(buffer))
 
 
 def reduce(comm: Communicator, tensor: torch.Tensor, root: int,

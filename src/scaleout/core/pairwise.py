@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-__all__ = ["ENV_VAR", "MIN_BLOCK_BYTES", "PairwiseWork", "recv_first", "exchange_blocks",
-           "setting"]
+__all__ = ["ENV_VAR", "MIN_BLOCK_BYTES", "PairwiseWork", "cpu_on_gloo", "recv_first",
+           "exchange_blocks", "setting"]
 
 ENV_VAR = "SCALEOUT_GLOO_RECV_FIRST"
 
@@ -62,6 +62,11 @@ def recv_first(group: Any, tensor: torch.Tensor, block_bytes: int, *, ranks: int
     if (tensor.device.type != "cpu" or block_bytes < MIN_BLOCK_BYTES or (gather and ranks != 2)
             or os.environ.get(ENV_VAR, "1") == "0"):
         return False
+    return cpu_on_gloo(group)
+
+
+def cpu_on_gloo(group: Any) -> bool:
+    """Whether ``group`` is a torch process group whose CPU backend is gloo."""
     try:
         backend = str(tdist.get_backend(group))
     except (RuntimeError, ValueError):  # not a torch process group
@@ -77,10 +82,10 @@ class PairwiseWork:
     thread beside the training loop's wait, as when an exchange is also timed) blocks
     until its timeout although the messages went through, and a ``wait(timeout)`` that
     times out aborts the work. Here one waiter thread, started at the first
-    :meth:`wait` or :meth:`get_future`, waits on them all for the communicator's timeout;
-    every caller waits for that thread's outcome instead, in slices if it likes (so the
-    watchdog can name a dead peer between slices). A peer that dies still ends the wait
-    at once (gloo reports the closed connection).
+    :meth:`wait`, :meth:`is_completed` or :meth:`get_future`, waits on them all for the
+    communicator's timeout; every caller waits for that thread's outcome instead, in slices
+    if it likes (so the watchdog can name a dead peer between slices). A peer that dies
+    still ends the wait at once (gloo reports the closed connection).
 
     Args:
         works: the started ``isend`` / ``irecv`` works.
@@ -136,6 +141,9 @@ class PairwiseWork:
         return True
 
     def is_completed(self) -> bool:
+        """Whether every message is through (starts the waiter thread: only it completes the
+        works, so a caller that only polls would otherwise poll forever)."""
+        self._waiter()
         return self._finished.is_set()
 
     def get_future(self) -> torch.futures.Future:

@@ -14,7 +14,8 @@ What goes in, and nothing else:
 * each op as the code really runs it, read from its source (not from these numbers):
   :data:`GLOO` for torch's collectives, :func:`scaleout_path` for scaleout's (which takes
   its receive-first exchange, ``scaleout.core.pairwise``, for blocks of at least
-  :data:`EXCHANGE_MIN_BLOCK`, and gloo's collective below). Where gloo posts a ``send``
+  :data:`EXCHANGE_MIN_BLOCK`, and gloo's collective below; a small all-reduce, none of the
+  measured cells, as one all-to-all, ``scaleout.core.direct``). Where gloo posts a ``send``
   before the ``recv`` on a pair that carries data both ways (all-to-all; the all-gather
   ring at 2 ranks), and for scaleout's exchange, the cell is priced by
   :mod:`scaleout.sim.gloo_pairs`, gloo's recv-ready protocol as a fluid model; the rest by
@@ -30,8 +31,8 @@ from scaleout.sim.gloo_pairs import call_time
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 
-__all__ = ["EXCHANGE_MIN_BLOCK", "GLOO", "IMPLEMENTATIONS", "MEASURED", "LINK_EFFICIENCY",
-           "predicted_busbw", "scaleout_path", "collective_scenarios"]
+__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_SENT_BYTES", "EXCHANGE_MIN_BLOCK", "GLOO", "IMPLEMENTATIONS", "MEASURED",
+           "LINK_EFFICIENCY", "predicted_busbw", "scaleout_path", "collective_scenarios"]
 
 LINK_EFFICIENCY = 0.98  # bus bandwidth / tc rate, the 2-rank 1 Gbit/s allreduce (training split)
 HOP_LATENCY = "50us"
@@ -71,12 +72,26 @@ _EXCHANGE = ("exchange", "scaleout.core.pairwise.exchange_blocks: every receive 
              "(sim/gloo_pairs.py, exchange_program)")
 
 
+#: ``scaleout.core.direct.MAX_BYTES`` and ``MAX_SENT_BYTES`` (a test checks they agree):
+#: scaleout's allreduce of a tensor of at most the first, whose ``ranks - 1`` copies are at
+#: most the second, is one all-to-all of ``ranks`` copies of it (gloo's, blocks of the tensor).
+DIRECT_MAX_BYTES = 128 * 1024
+DIRECT_MAX_SENT_BYTES = 256 * 1024
+_DIRECT = ("scaleout.core.direct: every rank's whole tensor to every other rank in one "
+           "all-to-all ((p-1) n out of each rank), reduced locally; ")
+
+
 def scaleout_path(op: str, ranks: int, nbytes: int) -> tuple[str, str, str]:
     """(the simulator's op, algorithm, why) of scaleout's collective ``op`` on CPU tensors of
-    a gloo group, as ``scaleout.core.collectives`` chooses: all-to-all and reduce-scatter
+    a gloo group, as ``scaleout.core.collectives`` chooses: a small all-reduce
+    (:data:`DIRECT_MAX_BYTES`, :data:`DIRECT_MAX_SENT_BYTES`) as gloo's all-to-all of
+    ``ranks`` copies of it (priced so by :func:`predicted_busbw`); all-to-all and reduce-scatter
     (any group size) and all-gather (2 ranks) through the receive-first exchange when each
     peer's block (``nbytes / ranks``) is at least :data:`EXCHANGE_MIN_BLOCK`; otherwise
     gloo's collective (:data:`GLOO`)."""
+    if (op == "allreduce" and nbytes <= DIRECT_MAX_BYTES
+            and (ranks - 1) * nbytes <= DIRECT_MAX_SENT_BYTES):
+        return ("alltoall", GLOO["alltoall"][1], _DIRECT + GLOO["alltoall"][2])
     exchanged = ("alltoall", "reduce_scatter") + (("allgather",) if ranks == 2 else ())
     if op in exchanged and nbytes / ranks >= EXCHANGE_MIN_BLOCK:
         return ("alltoall", *_EXCHANGE)
@@ -168,7 +183,8 @@ def predicted_busbw(op: str, ranks: int, rate: str, nbytes: int,
                               latencies=[HOP_LATENCY], kinds=["switch"])
     if algorithm in ("gloo_pairs", "exchange"):
         dim = topology.dims[0]
-        time = call_time(sim_op if algorithm == "gloo_pairs" else "exchange", ranks, nbytes,
+        moved = nbytes * ranks if op == "allreduce" else nbytes  # (direct: ranks copies)
+        time = call_time(sim_op if algorithm == "gloo_pairs" else "exchange", ranks, moved,
                          bandwidth=dim.bandwidth, latency=dim.hops() * dim.latency)
     else:
         time = collective_cost(topology, op=sim_op, algorithm=algorithm, nbytes=nbytes).time

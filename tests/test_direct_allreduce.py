@@ -64,7 +64,7 @@ def body_direct(numel: int) -> list[bool]:
 def test_a_small_allreduce_is_one_exchange_equal_on_every_rank(world: int) -> None:
     """Under the bounds gloo's allreduce is never called, and every rank holds the
     rank-order reduction, bit for bit."""
-    sizes = [1, 1000, direct.MAX_BYTES // 8]  # (int64 and float64: at the bound)
+    sizes = [1, 1000, direct.MAX_BYTES[world] // 8]  # (int64 and float64: at the bound)
     for numel in sizes:
         assert run_ranks(world, body_direct, numel, timeout=60) == [[True] * 5] * world
 
@@ -93,13 +93,11 @@ def body_ring(numel: int, off: bool) -> int:
 
 
 def test_above_the_bound_or_turned_off_gloo_reduces() -> None:
-    """Two bounds: the tensor's bytes, and (ranks - 1) x them (what leaves each rank)."""
-    assert run_ranks(2, body_ring, direct.MAX_BYTES // 4, False, timeout=60) == [0] * 2
-    assert run_ranks(2, body_ring, direct.MAX_BYTES // 4 + 1, False, timeout=60) == [1] * 2
-    at_four = direct.MAX_SENT_BYTES // 4 // 3
-    assert at_four < direct.MAX_BYTES // 4
-    assert run_ranks(4, body_ring, at_four, False, timeout=60) == [0] * 4
-    assert run_ranks(4, body_ring, at_four + 1, False, timeout=60) == [1] * 4
+    """The bound by group size (none from 4 ranks: gloo's ring), and the setting."""
+    for world, bound in direct.MAX_BYTES.items():
+        assert run_ranks(world, body_ring, bound // 4, False, timeout=60) == [0] * world
+        assert run_ranks(world, body_ring, bound // 4 + 1, False, timeout=60) == [1] * world
+    assert run_ranks(4, body_ring, 1, False, timeout=60) == [1] * 4
     assert run_ranks(2, body_ring, 100, True, timeout=60) == [1] * 2
 
 

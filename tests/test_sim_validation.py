@@ -13,7 +13,6 @@ from scaleout.cli.main import main
 from scaleout.core import direct, pairwise
 from scaleout.sim.collective_cases import (
     DIRECT_MAX_BYTES,
-    DIRECT_MAX_SENT_BYTES,
     EXCHANGE_MIN_BLOCK,
     GLOO,
     IMPLEMENTATIONS,
@@ -104,16 +103,15 @@ def test_scaleouts_paths_are_the_runtimes() -> None:
     """The simulator's copy of the exchange's threshold is the runtime's, and the cells
     measured on the testbed took the path the model prices (blocks of n/p per peer)."""
     assert EXCHANGE_MIN_BLOCK == pairwise.MIN_BLOCK_BYTES
-    assert (DIRECT_MAX_BYTES, DIRECT_MAX_SENT_BYTES) == (direct.MAX_BYTES, direct.MAX_SENT_BYTES)
+    assert DIRECT_MAX_BYTES == direct.MAX_BYTES
     # a small all-reduce: gloo's all-to-all of p copies of the tensor
-    assert scaleout_path("allreduce", 2, DIRECT_MAX_BYTES)[:2] == ("alltoall", "gloo_pairs")
-    assert scaleout_path("allreduce", 2, DIRECT_MAX_BYTES + 4) == GLOO["allreduce"]
-    assert scaleout_path("allreduce", 3, DIRECT_MAX_SENT_BYTES // 2)[:2] == ("alltoall",
-                                                                            "gloo_pairs")
-    assert scaleout_path("allreduce", 4, DIRECT_MAX_SENT_BYTES // 2) == GLOO["allreduce"]
-    assert all(n > DIRECT_MAX_BYTES for _, _, op, n, *_ in MEASURED if op == "allreduce")
+    for p, bound in DIRECT_MAX_BYTES.items():
+        assert scaleout_path("allreduce", p, bound)[:2] == ("alltoall", "gloo_pairs")
+        assert scaleout_path("allreduce", p, bound + 4) == GLOO["allreduce"]
+    assert scaleout_path("allreduce", 4, 4) == GLOO["allreduce"]
+    assert all(n > DIRECT_MAX_BYTES[p] for p, _, op, n, *_ in MEASURED if op == "allreduce")
     # priced as p copies of the tensor through gloo's all-to-all
-    n = DIRECT_MAX_BYTES
+    n = DIRECT_MAX_BYTES[2]
     assert predicted_busbw("allreduce", 2, "1gbit", n, "scaleout") == pytest.approx(
         predicted_busbw("alltoall", 2, "1gbit", 2 * n, "scaleout"))
     assert scaleout_path("alltoall", 3, 3 * EXCHANGE_MIN_BLOCK)[1] == "exchange"

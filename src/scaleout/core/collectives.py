@@ -143,8 +143,8 @@ def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.
 def _allreduce_direct(comm: Communicator, name: str, tensor: torch.Tensor,
                       buffer: torch.Tensor, op: ReduceOp, divisor: int) -> Request:
     """Every rank's whole ``buffer`` to every other rank in one all-to-all of ``size`` copies
-    of it, reduced here in rank order. (Through gloo's own all-to-all: a direct tensor is
-    under the receive-first exchange's blocks, ``direct.MAX_BYTES`` < ``MIN_BLOCK_BYTES``.)"""
+    of it, reduced here in rank order. (Through gloo's own all-to-all: a direct tensor, 96 KB
+    at most, is under the receive-first exchange's blocks.)"""
     flat = buffer.reshape(-1)
     received = flat.new_empty((comm.size, flat.numel()))
     send = flat.repeat(comm.size)

@@ -31,7 +31,7 @@ from scaleout.sim.gloo_pairs import call_time
 from scaleout.sim.network import parse_topology
 from scaleout.sim.validation import Scenario
 
-__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_SENT_BYTES", "EXCHANGE_MIN_BLOCK", "GLOO", "IMPLEMENTATIONS", "MEASURED",
+__all__ = ["DIRECT_MAX_BYTES", "EXCHANGE_MIN_BLOCK", "GLOO", "IMPLEMENTATIONS", "MEASURED",
            "LINK_EFFICIENCY", "predicted_busbw", "scaleout_path", "collective_scenarios"]
 
 LINK_EFFICIENCY = 0.98  # bus bandwidth / tc rate, the 2-rank 1 Gbit/s allreduce (training split)
@@ -72,11 +72,9 @@ _EXCHANGE = ("exchange", "scaleout.core.pairwise.exchange_blocks: every receive 
              "(sim/gloo_pairs.py, exchange_program)")
 
 
-#: ``scaleout.core.direct.MAX_BYTES`` and ``MAX_SENT_BYTES`` (a test checks they agree):
-#: scaleout's allreduce of a tensor of at most the first, whose ``ranks - 1`` copies are at
-#: most the second, is one all-to-all of ``ranks`` copies of it (gloo's, blocks of the tensor).
-DIRECT_MAX_BYTES = 128 * 1024
-DIRECT_MAX_SENT_BYTES = 256 * 1024
+#: ``scaleout.core.direct.MAX_BYTES`` (a test checks they agree): by group size, the largest
+#: tensor scaleout all-reduces in one all-to-all of ``ranks`` copies of it (gloo's).
+DIRECT_MAX_BYTES = MappingProxyType({2: 96 * 1024, 3: 16 * 1024})
 _DIRECT = ("scaleout.core.direct: every rank's whole tensor to every other rank in one "
            "all-to-all ((p-1) n out of each rank), reduced locally; ")
 
@@ -84,13 +82,11 @@ _DIRECT = ("scaleout.core.direct: every rank's whole tensor to every other rank 
 def scaleout_path(op: str, ranks: int, nbytes: int) -> tuple[str, str, str]:
     """(the simulator's op, algorithm, why) of scaleout's collective ``op`` on CPU tensors of
     a gloo group, as ``scaleout.core.collectives`` chooses: a small all-reduce
-    (:data:`DIRECT_MAX_BYTES`, :data:`DIRECT_MAX_SENT_BYTES`) as gloo's all-to-all of
-    ``ranks`` copies of it (priced so by :func:`predicted_busbw`); all-to-all and reduce-scatter
-    (any group size) and all-gather (2 ranks) through the receive-first exchange when each
-    peer's block (``nbytes / ranks``) is at least :data:`EXCHANGE_MIN_BLOCK`; otherwise
-    gloo's collective (:data:`GLOO`)."""
-    if (op == "allreduce" and nbytes <= DIRECT_MAX_BYTES
-            and (ranks - 1) * nbytes <= DIRECT_MAX_SENT_BYTES):
+    (:data:`DIRECT_MAX_BYTES`) as gloo's all-to-all of ``ranks`` copies of it (priced so by
+    :func:`predicted_busbw`); all-to-all and reduce-scatter (any group size) and all-gather
+    (2 ranks) through the receive-first exchange when each peer's block (``nbytes / ranks``)
+    is at least :data:`EXCHANGE_MIN_BLOCK`; otherwise gloo's collective (:data:`GLOO`)."""
+    if op == "allreduce" and nbytes <= DIRECT_MAX_BYTES.get(ranks, -1):
         return ("alltoall", GLOO["alltoall"][1], _DIRECT + GLOO["alltoall"][2])
     exchanged = ("alltoall", "reduce_scatter") + (("allgather",) if ranks == 2 else ())
     if op in exchanged and nbytes / ranks >= EXCHANGE_MIN_BLOCK:

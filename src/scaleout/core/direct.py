@@ -50,7 +50,11 @@ def setting() -> tuple[str, ...]:
     """What the consistency check adds to an all-reduce's description: nothing when direct
     all-reduces are on (the default), ``direct_allreduce=off`` when this process turned them
     off (ranks that differ would run different collectives for one call)."""
-    return ("direct_allreduce=off",) if os.environ.get(ENV_VAR, "1") == "0" else ()
+    return () if _on() else ("direct_allreduce=off",)
+
+
+def _on() -> bool:
+    return os.environ.get(ENV_VAR, "1") != "0"
 
 
 def applies(group: Any, tensor: torch.Tensor, ranks: int) -> bool:
@@ -61,7 +65,7 @@ def applies(group: Any, tensor: torch.Tensor, ranks: int) -> bool:
     and on the group."""
     if (tensor.device.type != "cpu" or tensor.dtype == torch.bool or tensor.is_complex()
             or tensor.numel() * tensor.element_size() > MAX_BYTES.get(ranks, -1)
-            or os.environ.get(ENV_VAR, "1") == "0"):
+            or not _on()):
         return False
     return cpu_on_gloo(group)
 

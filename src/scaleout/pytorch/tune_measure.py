@@ -34,9 +34,10 @@ def _wait(request: Any, device: torch.device) -> None:
 
 def measure_link(comm: Any, device: torch.device) -> list[float]:
     """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds),
-    then the process's CPU time per small all-reduce (every thread's: the call and the
-    communication library's threads; their mean over the repetitions)."""
-    times, cpu = [], 0.0
+    then the process's CPU time per all-reduce of each size (every thread's: the call, the
+    communication library's threads and the kernel's; their mean over the repetitions):
+    ``[small s, large s, small CPU s, large CPU s]``."""
+    times, cpu = [], []
     for nbytes in PROBE_BYTES:
         buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
         _wait(allreduce(comm, buffer), device)  # connections and buffers warm
@@ -46,10 +47,9 @@ def measure_link(comm: Any, device: torch.device) -> list[float]:
             start = time.perf_counter()
             _wait(allreduce(comm, buffer), device)
             best = min(best, time.perf_counter() - start)
-        if nbytes == PROBE_BYTES[0]:
-            cpu = (time.process_time() - began) / PROBE_REPEATS
+        cpu.append((time.process_time() - began) / PROBE_REPEATS)
         times.append(best)
-    return [*times, cpu]
+    return [*times, *cpu]
 
 
 def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],

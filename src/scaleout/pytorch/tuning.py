@@ -250,19 +250,15 @@ class Tuner:
         min_numel = CompressionConfig().min_numel
         codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
         link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
-                else [0.0, 0.0, 0.0])
+                else [0.0] * 4)
         # the slowest rank's figures: every rank then decides alike
         values = slowest(comm, model._device, [*link, *compute, *(s for _, s in codecs)])
-        # a collective's CPU competes with the compute only where the compute is on the CPU
-        cpu = values[2] if model._device.type == "cpu" else 0.0
-        link_model = config.link or replace(
-            LinkModel.fit(comm.size, (PROBE_BYTES[0], values[0]), (PROBE_BYTES[1], values[1])),
-            cpu_s_per_message=cpu)
+        link_model = config.link or _link_model(comm.size, values[:4], model._device)
         if link_model.ranks != comm.size:
             raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
                              f"has {comm.size}")
-        workload = _workload(layers, values[3:3 + 2 * len(layers)], 1)
-        seconds = values[3 + 2 * len(layers):]
+        workload = _workload(layers, values[4:4 + 2 * len(layers)], 1)
+        seconds = values[4 + 2 * len(layers):]
         models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                   in zip(codecs, seconds)])
         choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
@@ -316,6 +312,18 @@ def compression_for(model: Any, codecs: Mapping[str, str]) -> CompressionConfig 
     return CompressionConfig(codec="none", layers={
         names[id(p)]: spec for layer_name, spec in sorted(codecs.items())
         for p in layers[layer_name].params})
+
+
+def _link_model(ranks: int, link: Sequence[float], device: torch.device) -> LinkModel:
+    """The line through :func:`measure_link`'s two all-reduces, with their CPU: per
+    collective (the small one's) and per byte beyond it (the large one's extra over the
+    small one's), which compete with the compute only where the compute is on the CPU."""
+    small_s, large_s, small_cpu, large_cpu = link
+    on_cpu = device.type == "cpu"
+    per_byte = max(large_cpu - small_cpu, 0.0) / (PROBE_BYTES[1] - PROBE_BYTES[0])
+    return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small_s), (PROBE_BYTES[1], large_s)),
+                   cpu_s_per_message=small_cpu if on_cpu else 0.0,
+                   cpu_s_per_byte=per_byte if on_cpu else 0.0)
 
 
 def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, float]]:

@@ -17,7 +17,8 @@ __all__ = ["LinkModel"]
 class LinkModel:
     """A measured data-parallel link: an all-reduce of ``m`` bytes over ``ranks`` ranks takes
     ``latency_s + m * seconds_per_byte``; each costs a rank ``cpu_s_per_message`` of CPU on
-    the cores its compute uses (measured on CPU runs; 0 where the compute has cores or a
+    the cores its compute uses, and ``cpu_s_per_byte`` more per byte it moves (gloo's threads
+    and the kernel's TCP path; both measured on CPU runs; 0 where the compute has cores or a
     device of its own).
 
     Raises:
@@ -28,11 +29,12 @@ class LinkModel:
     latency_s: float
     seconds_per_byte: float
     cpu_s_per_message: float = 0.0
+    cpu_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"ranks must be an int >= 1, got {self.ranks!r}")
-        for name in ("latency_s", "seconds_per_byte", "cpu_s_per_message"):
+        for name in ("latency_s", "seconds_per_byte", "cpu_s_per_message", "cpu_s_per_byte"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < 0:
@@ -79,5 +81,8 @@ class LinkModel:
                 f"{format_bytes(self.bandwidth)}/s" if self.seconds_per_byte else
                 f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)}, no measurable "
                 "per-byte cost")
-        return text + (f", {format_time(self.cpu_s_per_message)} of CPU per collective"
-                       if self.cpu_s_per_message else "")
+        cpu = [f"{format_time(self.cpu_s_per_message)} of CPU per collective"] * bool(
+            self.cpu_s_per_message)
+        cpu += [f"{format_time(self.cpu_s_per_byte * MB)} of CPU per MiB moved"] * bool(
+            self.cpu_s_per_byte)
+        return ", ".join([text, *cpu])

@@ -65,8 +65,11 @@ class _Search:
     def __init__(self, workload: Workload, link: LinkModel, mode: str,
                  models: Mapping[str, Mapping[str, CodecModel]], codec_competes: bool) -> None:
         self.w, self.topo, self.mode, self.models = workload, link.topology(), mode, models
-        self.cpu_per_message = link.cpu_s_per_message
-        self.codec_competes = codec_competes
+        self.cpu_per_message, self.cpu_per_byte = link.cpu_s_per_message, link.cpu_s_per_byte
+        # with a CPU per byte the iteration model charges a codec's work to the compute's
+        # cores itself (its share done while the rank computes, as the testbed's validated
+        # model does): charged to the backward as well, it would count twice
+        self.codec_competes = codec_competes and not link.cpu_s_per_byte
         self.priced: dict[tuple[Any, ...], Candidate] = {}
 
     def workload(self, codecs: Mapping[str, str]) -> Workload:
@@ -84,7 +87,8 @@ class _Search:
         if key not in self.priced:
             layer_codecs = {name: self.models[name][spec] for name, spec in codecs.items()}
             config = IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs,
-                                     host_s_per_message=self.cpu_per_message)
+                                     host_s_per_message=self.cpu_per_message,
+                                     host_s_per_byte=self.cpu_per_byte)
             seconds = simulate(self.workload(codecs), self.topo, config).iteration_s
             self.priced[key] = Candidate(label, sched, MappingProxyType(dict(codecs)), seconds)
         return self.priced[key]
@@ -185,7 +189,9 @@ def choose(workload: Workload, link: LinkModel, *, mode: str = "overlap",
             ``min_gain_lossy`` is its runner-up if predicted within this fraction of the
             chosen one's time (0: no runner-up).
         codec_competes: the codecs' work takes cores from the compute (a CPU run): it is
-            charged to the layer's backward as well as to its exchange (conservative).
+            charged to the layer's backward as well as to its exchange (conservative), or,
+            where ``link`` has a CPU per byte, as the iteration model charges the link's
+            CPU (the share done while the rank computes).
 
     Returns:
         The :class:`TuneChoice`.

@@ -64,7 +64,7 @@ def test_run_refuses_a_missing_script_once() -> None:
 
 
 def test_bench_help_names_every_workload_and_the_auto_warmup() -> None:
-    from scaleout.bench.train_config import AUTO_WARMUP
+    from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT
     from scaleout.cli.bench_train import WORKLOADS_HELP
     from scaleout.workloads.registry import workload_names
 
@@ -72,3 +72,4 @@ def test_bench_help_names_every_workload_and_the_auto_warmup() -> None:
         workload_names())
     out = _run(PROBE.format(argv=["bench", "train", "--help"]))
     assert f"{AUTO_WARMUP}, the least it takes" in " ".join(out.split())
+    assert f"{AUTO_WARMUP_DEFAULT} with --compression auto" in " ".join(out.split())

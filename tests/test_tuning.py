@@ -316,6 +316,21 @@ def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> No
         TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=8, testbed=False)
 
 
+def test_a_longer_warm_up_lengthens_the_tuners_windows_and_fits_in_it() -> None:
+    from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
+
+    assert tune_windows(AUTO_WARMUP) == (1, 2)  # the least: one measured, two timed a trial
+    assert tune_windows(AUTO_WARMUP_DEFAULT) == (3, 4)
+    verifies = []
+    for warmup in range(AUTO_WARMUP, 40):
+        measure, verify = tune_windows(warmup)
+        # build, measure, then two trials of one to settle and verify timed, then the kept one
+        assert 1 + measure + 2 * (1 + verify) + 1 == warmup and measure >= 1, warmup
+        verifies.append(verify)
+    assert verifies == sorted(verifies) and verifies[-1] > 2
+    assert tune_windows(3) == (1, 2)  # (a direct build below the bench's minimum)
+
+
 def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
     from scaleout.cli.main import main
 

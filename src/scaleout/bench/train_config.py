@@ -6,17 +6,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
+from scaleout.bench.train_setup import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
 from scaleout.core.checks import check_cuda_asked
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
-__all__ = ["AUTO_WARMUP", "TrainBenchConfig", "split_variant", "variant_name"]
-
-
-#: The fewest warm-up iterations with ``compression="auto"``: one builds the plan, one is
-#: measured, then the tuned plan and its runner-up (when it has one) each run one iteration to
-#: settle and two timed ones (``TuneConfig.verify``), and one runs the plan that check kept.
-AUTO_WARMUP = 9
+__all__ = ["AUTO_WARMUP", "AUTO_WARMUP_DEFAULT", "TrainBenchConfig", "split_variant",
+           "tune_windows", "variant_name"]
 
 
 @dataclass(frozen=True, kw_only=True)

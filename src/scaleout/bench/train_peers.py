@@ -60,7 +60,7 @@ from scaleout.bench.ddp_hooks import one_bucket_at_a_time
 from scaleout.bench.train_ceilings import CEILINGS, build_lockstep
 from scaleout.bench.train_hybrid import build_hybrid, build_hybrid_lockstep
 from scaleout.bench.train_setup import (LR, MOMENTUM, Setup, SetupOptions, nothing,
-                                       param_groups, sgd, statistics_of)
+                                       param_groups, sgd, statistics_of, tune_windows)
 
 __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
            "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
@@ -100,11 +100,12 @@ def _scaleout(options: SetupOptions, sharded: bool = False) -> Setup:
     net = options.build_model()
     compression = None if sharded else options.compression
     auto = compression in AUTO
+    measure, verify = tune_windows(options.warmup)
     model = DataParallel(net, env.create_distribution(),
                          scheduler=options.scheduler(),
                          compression=None if auto else compression,
                          tune=TuneConfig(allow_lossy=AUTO[compression], skip=1,
-                                         measure=max(options.warmup - 8, 1), verify=2)
+                                         measure=measure, verify=verify)
                          if auto else None, distributed_update=sharded)
     optimizer = DistributedOptimizer(sgd(param_groups(net)), model, mode=options.mode)
     statistics, reset = statistics_of(model)

@@ -13,12 +13,32 @@ from torch import nn
 
 from scaleout.workloads import Workload
 
-__all__ = ["LR", "MOMENTUM", "Setup", "SetupOptions", "nothing", "param_groups", "sgd",
-           "statistics_of"]
+__all__ = ["AUTO_WARMUP", "AUTO_WARMUP_DEFAULT", "LR", "MOMENTUM", "Setup", "SetupOptions",
+           "nothing", "param_groups", "sgd", "statistics_of", "tune_windows"]
 
 #: The SGD every configuration trains with.
 LR = 0.01
 MOMENTUM = 0.9
+
+#: The fewest warm-up iterations with ``compression="auto"``: one builds the plan, one is
+#: measured, then the tuned plan and its runner-up (when it has one) each run one iteration to
+#: settle and two timed ones (``TuneConfig.verify``), and one runs the plan that check kept.
+AUTO_WARMUP = 9
+#: ``bench train``'s and ``scaleout tune``'s warm-up with ``auto`` when none is given: the
+#: six iterations beyond :data:`AUTO_WARMUP` lengthen the windows that time the defaults (3
+#: iterations instead of 1) and each trial of the check (4 instead of 2) (:func:`tune_windows`).
+#: DLRM's iterations on this machine spread by +-20% (11-25 ms at 10 Gbit/s): with one and two,
+#: the check restored the defaults in 2 of 4 runs where its choice ran 1.2x faster.
+AUTO_WARMUP_DEFAULT = 15
+
+
+def tune_windows(warmup: int) -> tuple[int, int]:
+    """``(measure, verify)`` of the tuner in a warm-up of ``warmup`` iterations: four run the
+    plan's build, each trial's settling and the kept plan; of the rest, every third one beyond
+    :data:`AUTO_WARMUP` goes to each of the two trials' ``verify``, the others to ``measure``
+    (9 -> (1, 2), 12 -> (2, 3), 15 -> (3, 4); fewer than 9 -> (1, 2))."""
+    verify = 2 + max(warmup - AUTO_WARMUP, 0) // 3
+    return max(warmup - 4 - 2 * verify, 1), verify
 
 
 @dataclass(frozen=True, kw_only=True)

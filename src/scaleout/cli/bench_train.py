@@ -79,9 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed iterations before them (default 2; 9, the least it takes, "
-                             "with --compression auto, which tunes and checks its choice "
-                             "during them)")
+                        help="untimed iterations before them (default 2; 15 with "
+                             "--compression auto, which tunes and checks its choice during "
+                             "them; 9, the least it takes)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",
@@ -176,13 +176,13 @@ def _error(message: str) -> int:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    """``--warmup``, or its default: 2, or :data:`AUTO_WARMUP` when a variant tunes itself
-    (``auto``)."""
+    """``--warmup``, or its default: 2, or :data:`AUTO_WARMUP_DEFAULT` when a variant tunes
+    itself (``auto``)."""
     if args.warmup is not None:
         return args.warmup
-    from scaleout.bench.train_config import AUTO_WARMUP
+    from scaleout.bench.train_config import AUTO_WARMUP_DEFAULT
 
-    return AUTO_WARMUP if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+    return AUTO_WARMUP_DEFAULT if {"auto", "auto-exact"} & set(args.compression or ()) else 2
 
 
 def handler(args: argparse.Namespace) -> int:

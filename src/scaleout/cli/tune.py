@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from scaleout.bench.train_config import AUTO_WARMUP
+from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT
 from scaleout.cli.bench_train import add_cluster_arguments
 
 EXAMPLE = """examples:
@@ -15,10 +15,10 @@ EXAMPLE = """examples:
   scaleout tune --workload digits-mlp --no-testbed           # loopback: nothing lossy
 
 It starts the ranks of `scaleout bench train` with DataParallel(tune=...) (SGD, momentum 0.9),
-runs --warmup iterations (the tuner measures all but the first and the last seven, measures
-the link and the codecs, chooses, and times its choice, and a close runner-up, for two
-iterations each against the defaults, keeping the fastest), then --iters timed iterations
-on the plan kept, and
+runs --warmup iterations (the tuner measures the defaults from the second on, measures the
+link and the codecs, chooses, and times its choice, and a close runner-up, against the
+defaults, keeping the fastest: of 9 warm-up iterations 1 measures and 2 time each trial, of
+the default 15, 3 and 4), then --iters timed iterations on the plan kept, and
 prints the choice, why, the predicted time of the best candidates and the measured one.
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and tc.
 """
@@ -36,9 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="exact gradients only (default: lossy codecs allowed, as with "
                              "bench train --compression auto)")
-    parser.add_argument("--warmup", type=int, default=AUTO_WARMUP,
-                        help=f"iterations before the timed ones (>= {AUTO_WARMUP}); tuning "
-                             f"happens before the last seven (default {AUTO_WARMUP})")
+    parser.add_argument("--warmup", type=int, default=AUTO_WARMUP_DEFAULT,
+                        help=f"iterations before the timed ones (>= {AUTO_WARMUP}; default "
+                             f"{AUTO_WARMUP_DEFAULT}): the tuner measures and checks its "
+                             "choice during them")
     parser.add_argument("--iters", type=int, default=3,
                         help="timed iterations on the chosen plan (default 3)")
     parser.add_argument("--batch", type=int, default=None,

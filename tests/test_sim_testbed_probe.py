@@ -46,9 +46,10 @@ def test_probe_sizes_are_the_autotuners() -> None:
 
 @pytest.mark.parametrize("rate", ["100mbit", "1gbit", "10gbit"])
 def test_the_simulated_link_reproduces_both_probe_points(rate: str) -> None:
-    small, large, per_message, _ = HOST_PROBE[rate]
+    small, large, per_message, ms_per_mb = HOST_PROBE[rate]
     link = probed_link(rate)
     assert link.cpu_s_per_message == per_message
+    assert link.cpu_s_per_byte * 1e6 * 1e3 == pytest.approx(ms_per_mb)  # (ms per 1e6 bytes)
     topology = link.topology()
     for nbytes, seconds in zip(PROBE_BYTES, (small, large)):
         assert link.allreduce_s(nbytes) == pytest.approx(seconds, rel=1e-9)

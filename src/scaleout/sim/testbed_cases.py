@@ -135,18 +135,18 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
 
 def probed_link(rate: str) -> LinkModel:
     """The 2-rank link at ``rate`` as the autotuner measured it on the testbed
-    (:data:`HOST_PROBE`), with its CPU per collective."""
-    small, large, per_message, _ = HOST_PROBE[rate]
+    (:data:`HOST_PROBE`), with its CPU per collective and per byte (of a bare 8 MB
+    all-reduce: the probe's)."""
+    small, large, per_message, ms_per_mb = HOST_PROBE[rate]
     return replace(LinkModel.fit(2, (PROBE_BYTES[0], small), (PROBE_BYTES[1], large)),
-                   cpu_s_per_message=per_message)
+                   cpu_s_per_message=per_message, cpu_s_per_byte=ms_per_mb / 1e3 / BENCH_MB)
 
 
 def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
     codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
     link = probed_link(rate)
     topology = link.topology()
-    host = {"host_s_per_byte": HOST_PROBE[rate][3] / 1e3 / BENCH_MB,
-            "host_s_per_message": link.cpu_s_per_message}
+    host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
     if peer.startswith("scaleout"):
         config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec, **host)
     else:

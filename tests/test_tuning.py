@@ -56,7 +56,8 @@ def body(tune: object, optimizer: str, distributed: bool = True, steps: int = 6,
            "compressed_in_use": model._compression is not None,
            "params": [p.detach().cpu() for p in net.parameters()],
            "bytes": total.bytes, "raw_bytes": total.raw_bytes,
-           "cpu_per_message": model.tuning.link.cpu_s_per_message}
+           "cpu_per_message": model.tuning.link.cpu_s_per_message,
+           "cpu_per_byte": model.tuning.link.cpu_s_per_byte}
     model.close()
     env.finalize()
     return out
@@ -71,6 +72,9 @@ def test_every_rank_agrees_and_the_replicas_stay_identical() -> None:
     assert len({r["cpu_per_message"] for r in results}) == 1
     assert results[0]["cpu_per_message"] > 0
     assert "of CPU per collective" in results[0]["summary"]
+    # and what a 4 MiB all-reduce costs beyond it, per byte (gloo's threads, the kernel)
+    assert len({r["cpu_per_byte"] for r in results}) == 1
+    assert results[0]["cpu_per_byte"] > 0 and "of CPU per MiB moved" in results[0]["summary"]
     for other in results[1:]:
         for a, b in zip(results[0]["params"], other["params"]):
             assert torch.equal(a, b)

@@ -81,8 +81,9 @@ class LinkModel:
                 f"{format_bytes(self.bandwidth)}/s" if self.seconds_per_byte else
                 f"{self.ranks} ranks, all-reduce {format_time(self.latency_s)}, no measurable "
                 "per-byte cost")
-        cpu = [f"{format_time(self.cpu_s_per_message)} of CPU per collective"] * bool(
-            self.cpu_s_per_message)
-        cpu += [f"{format_time(self.cpu_s_per_byte * MB)} of CPU per MiB moved"] * bool(
-            self.cpu_s_per_byte)
-        return ", ".join([text, *cpu])
+        parts = [text]
+        if self.cpu_s_per_message:
+            parts.append(f"{format_time(self.cpu_s_per_message)} of CPU per collective")
+        if self.cpu_s_per_byte:
+            parts.append(f"{format_time(self.cpu_s_per_byte * MB)} of CPU per MiB moved")
+        return ", ".join(parts)

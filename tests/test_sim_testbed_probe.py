@@ -13,7 +13,15 @@ import pytest
 
 from scaleout.pytorch import tune_measure
 from scaleout.sim.collectives import collective_cost
-from scaleout.sim.testbed_cases import HOST_PROBE, PROBE_BYTES, probed_link
+from scaleout.sim.testbed_cases import (
+    HOST_PROBE,
+    PROBE_BYTES,
+    SLOWDOWN,
+    TESTBED_ROWS,
+    probed_link,
+    single_rank_trace,
+)
+from scaleout.sim.testbed_cases import testbed_workload as row_workload  # (not a test)
 
 PROBE = Path(__file__).resolve().parents[1] / "benchmarks/results/stop25/host-probe.json"
 
@@ -72,3 +80,18 @@ def test_the_probe_runs_on_two_ranks() -> None:
         small, large = row["link"]["seconds"]
         assert 0 < small and 0 < large
         assert row["transfer_alone_cpu_ms"] > 0 and row["small_allreduce_cpu_ms"] > 0
+
+
+@pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_a_rows_layers_are_its_single_rank_trace_scaled(row) -> None:
+    workload, _, single_ms, _, _, mb, _ = row
+    trace = single_rank_trace(workload)
+    # the trace is the bench's workload: the same gradient bytes as the table's MB/it
+    assert sum(lay.grad_bytes for lay in trace.layers) / 1e6 == pytest.approx(mb, abs=0.005)
+    w = row_workload(workload, single_ms, mb)
+    assert [lay.name for lay in w.layers] == [lay.name for lay in trace.layers]
+    total = sum(lay.forward_s + lay.backward_s for lay in w.layers)
+    assert total * 1e3 == pytest.approx(single_ms * SLOWDOWN)
+    ratio = w.layers[0].backward_s / trace.layers[0].backward_s
+    assert all(lay.forward_s == pytest.approx(t.forward_s * ratio)
+               for lay, t in zip(w.layers, trace.layers))

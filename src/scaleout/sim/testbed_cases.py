@@ -14,10 +14,15 @@ whose ResNet-18 then took 0.73 s per iteration alone (1.6-1.7 s at stop 24).
 What goes in, and nothing else:
 
 * the ``single (1 rank)`` iteration time of the same table (a one-rank run), split over the
-  layers by the model table's FLOPs (1/3 forward, 2/3 backward); no per-layer trace of these
-  runs exists yet (recording is the runtime's next step), so this split is an assumption;
+  layers, forward and backward, by the shares of a single-rank trace of the workload
+  (``testbed_traces/<workload>.json``, recorded by ``benchmarks/record_single_trace.py``:
+  one rank, one thread, DataParallel's per-layer timing; each sample the median over the
+  iterations). Until stop 29 the split was the model table's FLOPs (1/3 forward, 2/3
+  backward; DLRM as two stylised layers, half each), an assumption: the traces moved the
+  median error from 4.9% to 3.6% with the same three rows over 15%, and were adopted after
+  both results had been seen (docs/simulator.md);
 * gradient bytes per layer: the table's MB/it (bytes / 1e6: ``BENCH_MB``; until stop 24 they
-  were read as MiB, 4.9% too many) spread by the model table's parameter counts;
+  were read as MiB, 4.9% too many) spread by the trace's per-layer gradient bytes;
 * the link and its CPU, measured on the testbed at each rate by
   ``benchmarks/host_cpu_probe.py`` (``benchmarks/results/stop25/host-probe.json``, two runs per
   rate, no training; each figure is the slower rank's, the median of the runs, as the
@@ -39,13 +44,14 @@ What goes in, and nothing else:
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib import resources
 from types import MappingProxyType
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.config import CodecModel, IterationConfig, codec_model
 from scaleout.sim.iteration import simulate
 from scaleout.sim.link import LinkModel
-from scaleout.sim.models import ModelLayer, ModelSpec, model
+from scaleout.sim.trace import read_trace
 from scaleout.sim.validation import Scenario
 from scaleout.sim.workload import Layer, Workload
 
@@ -55,6 +61,7 @@ __all__ = [
     "HOST_PROBE",
     "SLOWDOWN",
     "probed_link",
+    "single_rank_trace",
     "testbed_workload",
     "testbed_scenarios",
 ]
@@ -100,35 +107,31 @@ BLOCKQUANT_ROWS = MappingProxyType(
 )
 
 
-def _spec(workload: str) -> ModelSpec:
-    if workload == "resnet18":
-        return model("resnet18")
-    if workload == "transformer":  # scaleout.workloads.transformer's defaults
-        return model("gpt:4:256:128:4096")
-    # scaleout.workloads.dlrm: dense embedding gradients dominate; compute split evenly (assumed)
-    return ModelSpec(
-        name="dlrm-testbed",
-        source="scaleout.workloads.dlrm, two stylised layers",
-        layers=(ModelLayer("embeddings", 1.0, 1_300_000), ModelLayer("mlp", 1.0, 20_000)),
-    )
+def single_rank_trace(workload: str) -> Workload:
+    """The recorded single-rank trace of ``workload`` (``resnet18``, ``transformer`` or
+    ``dlrm``) that splits its testbed rows' time over the layers."""
+    source = resources.files("scaleout.sim") / "testbed_traces" / f"{workload}.json"
+    with resources.as_file(source) as path:
+        return read_trace(path)
 
 
 def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
-    """One rank's layers for a testbed row: measured time (x ``SLOWDOWN``) split by FLOPs,
-    bytes by parameters."""
-    spec = _spec(workload)
-    flops, params = spec.flops, spec.params
-    compute_s = single_ms * SLOWDOWN / 1e3
+    """One rank's layers for a testbed row: measured time (x ``SLOWDOWN``) and ``grad_mb``
+    split by the single-rank trace's per-layer shares (:func:`single_rank_trace`)."""
+    trace = single_rank_trace(workload)
+    total_s = sum(lay.forward_s + lay.backward_s for lay in trace.layers)
+    total_bytes = sum(lay.grad_bytes for lay in trace.layers)
+    scale = single_ms * SLOWDOWN / 1e3 / total_s
     return Workload(
         name=workload,
         layers=tuple(
             Layer(
                 name=lay.name,
-                forward_s=compute_s * lay.flops / flops / 3,
-                backward_s=compute_s * lay.flops / flops * 2 / 3,
-                grad_bytes=int(grad_mb * BENCH_MB * lay.params / params),
+                forward_s=lay.forward_s * scale,
+                backward_s=lay.backward_s * scale,
+                grad_bytes=int(grad_mb * BENCH_MB * lay.grad_bytes / total_bytes),
             )
-            for lay in spec.layers
+            for lay in trace.layers
         ),
     )
 
@@ -178,7 +181,8 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                     bound=RELATIVE_BOUND,
                     source=f"benchmarks/results/stop24/testbed/{table}.json, row {peer}",
                     assumptions=(
-                        f"single rank {single} ms (same table); {mb} MB/it; the {rate} link and "
+                        f"single rank {single} ms (same table), split over the layers as in "
+                        f"testbed_traces/{workload}.json; {mb} MB/it; the {rate} link and "
                         "its CPU per collective and per MB as host_cpu_probe.py measured them "
                         "(stop25/host-probe.json), the CPU charged to compute only while both "
                         "run; slowdown from resnet18-1gbit's lockstep row; "

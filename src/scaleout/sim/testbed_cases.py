@@ -44,6 +44,7 @@ What goes in, and nothing else:
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from importlib import resources
 from types import MappingProxyType
 
@@ -107,9 +108,11 @@ BLOCKQUANT_ROWS = MappingProxyType(
 )
 
 
+@cache
 def single_rank_trace(workload: str) -> Workload:
     """The recorded single-rank trace of ``workload`` (``resnet18``, ``transformer`` or
-    ``dlrm``) that splits its testbed rows' time over the layers."""
+    ``dlrm``) that splits its testbed rows' time over the layers (read once: a
+    :class:`Workload` is immutable)."""
     source = resources.files("scaleout.sim") / "testbed_traces" / f"{workload}.json"
     with resources.as_file(source) as path:
         return read_trace(path)
@@ -119,9 +122,7 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
     """One rank's layers for a testbed row: measured time (x ``SLOWDOWN``) and ``grad_mb``
     split by the single-rank trace's per-layer shares (:func:`single_rank_trace`)."""
     trace = single_rank_trace(workload)
-    total_s = sum(lay.forward_s + lay.backward_s for lay in trace.layers)
-    total_bytes = sum(lay.grad_bytes for lay in trace.layers)
-    scale = single_ms * SLOWDOWN / 1e3 / total_s
+    scale = single_ms * SLOWDOWN / 1e3 / (trace.forward_s + trace.backward_s)
     return Workload(
         name=workload,
         layers=tuple(
@@ -129,7 +130,7 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
                 name=lay.name,
                 forward_s=lay.forward_s * scale,
                 backward_s=lay.backward_s * scale,
-                grad_bytes=int(grad_mb * BENCH_MB * lay.grad_bytes / total_bytes),
+                grad_bytes=int(grad_mb * BENCH_MB * lay.grad_bytes / trace.grad_bytes),
             )
             for lay in trace.layers
         ),

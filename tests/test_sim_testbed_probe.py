@@ -91,7 +91,23 @@ def test_a_rows_layers_are_its_single_rank_trace_scaled(row) -> None:
     w = row_workload(workload, single_ms, mb)
     assert [lay.name for lay in w.layers] == [lay.name for lay in trace.layers]
     total = sum(lay.forward_s + lay.backward_s for lay in w.layers)
-    assert total * 1e3 == pytest.approx(single_ms * SLOWDOWN)
+    assert total * 1e3 == pytest.approx(single_ms * SLOWDOWN[workload])
     ratio = w.layers[0].backward_s / trace.layers[0].backward_s
     assert all(lay.forward_s == pytest.approx(t.forward_s * ratio)
                for lay, t in zip(w.layers, trace.layers))
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
+
+
+@pytest.mark.parametrize("workload,table", [
+    ("resnet18", "stop24/testbed/resnet18-1gbit.json"),
+    ("transformer", "stop30/transformer-1gbit-lockstep.json"),
+    ("dlrm", "stop30/dlrm-1gbit-lockstep.json")])
+def test_each_workloads_slowdown_is_its_own_lockstep_row(workload: str, table: str) -> None:
+    # the one fitted figure per workload: a run that trains no shared model (lockstep), at
+    # 1 Gbit/s, against the one-rank run of the same table
+    summary = json.loads((RESULTS / table).read_text())["summary"]
+    ratio = summary["lockstep"]["iter_ms"] / summary["single"]["iter_ms"]
+    assert SLOWDOWN[workload] == pytest.approx(ratio, rel=1e-4)
+    assert set(SLOWDOWN) == {row[0] for row in TESTBED_ROWS}

@@ -33,12 +33,18 @@ What goes in, and nothing else:
   TCP path, 0.82-1.39 ms per MB). The simulator charges that CPU to the compute only for the
   share of a transfer that runs while the rank computes (processor sharing), and a transfer
   takes at least that CPU time (docs/simulator.md);
-* one parameter fitted on a stated training split, the ``lockstep`` row of the 1 Gbit/s
-  ResNet-18 run (a run that trains no shared model, so none of the predicted rows): ranks
-  sharing the two cores compute ``lockstep / single`` slower (:data:`SLOWDOWN`). Until stop
-  25 a second one came from there too, every MB moved costing ``(lockstep-traffic -
-  lockstep) / MB`` of CPU (8.28 ms at stop 24; stop 7's split gave 3.89); the probe measures
-  about a tenth of that, and the per-rate link it replaced was the ``tc`` rate x 0.98.
+* one parameter per workload fitted on a stated training split, the ``lockstep`` row of a
+  1 Gbit/s run of that workload (a run that trains no shared model, so none of the predicted
+  rows): ranks sharing the two cores do their own work ``lockstep / single`` slower
+  (:data:`SLOWDOWN`), the compute and (since stop 30) a codec's CPU alike. ResNet-18's comes
+  from its stop 24 table; the DLRM's and the transformer's from stop 30's runs
+  (``benchmarks/results/stop30/*-lockstep.json``), whose stop 24 tables have no lockstep row.
+  Until stop 30 ResNet-18's figure (1.05) stood for all three workloads, and DLRM's compute,
+  bound by memory, slows 1.69x beside another rank: its rows were 9-32% short. Until stop
+  25 a second parameter came from ResNet-18's run too, every MB moved costing
+  ``(lockstep-traffic - lockstep) / MB`` of CPU (8.28 ms at stop 24; stop 7's split gave
+  3.89); the probe measures about a tenth of that, and the per-rate link it replaced was the
+  ``tc`` rate x 0.98.
 """
 
 from __future__ import annotations
@@ -69,7 +75,13 @@ __all__ = [
 
 MB = 1 << 20
 BENCH_MB = 1e6  # the bench tables' "MB/it" (bench/train_report.py divides bytes by 1e6)
-SLOWDOWN = 1832.9 / 1743.4
+#: workload -> ``lockstep / single`` iteration ms of its 1 Gbit/s run (the files named in the
+#: module docstring; tests/test_sim_testbed_probe.py derives them again from the files)
+SLOWDOWN = MappingProxyType({
+    "resnet18": 1832.854 / 1743.427,  # stop24/testbed/resnet18-1gbit.json
+    "transformer": 835.041 / 782.563,  # stop30/transformer-1gbit-lockstep.json
+    "dlrm": 8.2516 / 4.8775,  # stop30/dlrm-1gbit-lockstep.json
+})
 #: rate -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per MB of 1e6
 #: bytes) from benchmarks/results/stop25/host-probe.json (tests/test_sim_testbed_probe.py
 #: derives them again from the file).
@@ -119,10 +131,11 @@ def single_rank_trace(workload: str) -> Workload:
 
 
 def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
-    """One rank's layers for a testbed row: measured time (x ``SLOWDOWN``) and ``grad_mb``
-    split by the single-rank trace's per-layer shares (:func:`single_rank_trace`)."""
+    """One rank's layers for a testbed row: measured time (x the workload's ``SLOWDOWN``)
+    and ``grad_mb`` split by the single-rank trace's per-layer shares
+    (:func:`single_rank_trace`)."""
     trace = single_rank_trace(workload)
-    scale = single_ms * SLOWDOWN / 1e3 / (trace.forward_s + trace.backward_s)
+    scale = single_ms * SLOWDOWN[workload] / 1e3 / (trace.forward_s + trace.backward_s)
     return Workload(
         name=workload,
         layers=tuple(
@@ -147,7 +160,10 @@ def probed_link(rate: str) -> LinkModel:
 
 
 def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
-    codec = codec_model("blockquant") if peer == "scaleout+blockquant" else CodecModel()
+    codec = CodecModel()
+    if peer == "scaleout+blockquant":  # its CPU (one thread alone) slows as the compute does
+        codec = codec_model("blockquant")
+        codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * SLOWDOWN[workload])
     link = probed_link(rate)
     topology = link.topology()
     host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
@@ -186,13 +202,14 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                         f"testbed_traces/{workload}.json; {mb} MB/it; the {rate} link and "
                         "its CPU per collective and per MB as host_cpu_probe.py measured them "
                         "(stop25/host-probe.json), the CPU charged to compute only while both "
-                        "run; slowdown from resnet18-1gbit's lockstep row; "
+                        f"run; compute and codec CPU x {SLOWDOWN[workload]:.3f}, the lockstep "
+                        f"row of {workload}'s 1 Gbit/s run; "
                         + {
                             "scaleout": "priority, overlap",
                             "ddp": "FIFO 25 MB buckets, sync",
                             "scaleout+blockquant": "priority, overlap, blockquant as "
-                            "CODECS['blockquant'] (ratio 0.252, 1.47 ms of CPU per MB on the "
-                            "compute's cores, two rounds)",
+                            "CODECS['blockquant'] (ratio 0.252, 1.47 ms of CPU per MB alone, "
+                            "on the compute's cores, two rounds)",
                         }[peer]
                     ),
                     predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(

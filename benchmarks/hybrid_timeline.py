@@ -30,9 +30,11 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from cpu_per_iteration import _budget  # (this folder: the same BUDGET reading)
 from scaleout.bench.train_peers import build_setup
 from scaleout.bench.train_setup import SetupOptions
 from scaleout.pytorch import updates
@@ -48,30 +50,24 @@ def mark(name: str) -> None:
     MARKS.append((name, time.perf_counter() - BEGAN[0]))
 
 
+def _marked(original: Callable[..., Any], label: Callable[..., str]) -> Callable[..., Any]:
+    """``original`` with its entry (``<``) and exit (``>``) marked as ``label(first, *args)``."""
+    def marked(first, *args, **kwargs):
+        name = label(first, *args)
+        mark(name + "<")
+        try:
+            return original(first, *args, **kwargs)
+        finally:
+            mark(name + ">")
+    return marked
+
+
 def wrap(owner: type, method: str, label: Callable[..., str]) -> None:
-    """Mark entry (``<``) and exit (``>``) of ``owner.method`` as ``label(self, *args)``."""
-    original = getattr(owner, method)
-
-    def marked(self, *args, **kwargs):
-        name = label(self, *args)
-        mark(name + "<")
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            mark(name + ">")
-    setattr(owner, method, marked)
+    setattr(owner, method, _marked(getattr(owner, method), label))
 
 
-def wrap_static(owner: type, method: str, name: str) -> None:
-    original = getattr(owner, method)
-
-    def marked(ctx, *args):
-        mark(name + "<")
-        try:
-            return original(ctx, *args)
-        finally:
-            mark(name + ">")
-    setattr(owner, method, staticmethod(marked))
+def wrap_static(owner: type, method: str, name: str) -> None:  # (an autograd Function's)
+    setattr(owner, method, staticmethod(_marked(getattr(owner, method), lambda *_: name)))
 
 
 wrap(updates.LazyUpdates, "complete", lambda _self, layer: "pre:" + layer.name)
@@ -79,13 +75,6 @@ wrap(lookahead.Lookahead, "_backward_done", lambda _self: "bdone")
 wrap(ride.Ride, "_wait", lambda _self: "ridewait")
 wrap_static(rows_exchange._Exchange, "forward", "rows")
 wrap_static(rows_exchange._Exchange, "backward", "rbwd")
-
-
-def _budget(text: str | None) -> int | None:
-    if not text:
-        return None
-    from scaleout.cli.bench_train import _memory_budget
-    return _memory_budget(text)
 
 
 def main(config: str, iters: int) -> None:

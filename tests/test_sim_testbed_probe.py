@@ -23,16 +23,19 @@ from scaleout.sim.testbed_cases import (
 )
 from scaleout.sim.testbed_cases import testbed_workload as row_workload  # (not a test)
 
-PROBE = Path(__file__).resolve().parents[1] / "benchmarks/results/stop25/host-probe.json"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
+#: ranks -> the probe's recorded runs on the testbed at that many ranks
+PROBES = {2: RESULTS / "stop25/host-probe.json", 3: RESULTS / "stop31/host-probe-3.json"}
+LINKS = sorted(HOST_PROBE)  # (ranks, rate)
 
 
-def _figures(rows: list[dict], rate: str) -> tuple[float, float, float, float]:
+def _figures(rows: list[dict], ranks: int, rate: str) -> tuple[float, float, float, float]:
     """The slower rank's figure of each run, then the median over the runs."""
     runs: dict[int, list[dict]] = {}
     for row in rows:
         if row["rate"] == rate:
             runs.setdefault(row["repeat"], []).append(row)
-    assert len(runs) >= 2 and all(len(r) == 2 for r in runs.values())
+    assert len(runs) >= 2 and all(len(r) == ranks for r in runs.values())
 
     def figure(get) -> float:
         return statistics.median(max(get(r) for r in run) for run in runs.values())
@@ -41,21 +44,26 @@ def _figures(rows: list[dict], rate: str) -> tuple[float, float, float, float]:
             figure(lambda r: r["link"]["cpu_s_per_message"]), figure(lambda r: r["cpu_ms_per_mb"]))
 
 
-@pytest.mark.parametrize("rate", ["100mbit", "1gbit", "10gbit"])
-def test_host_probe_table_is_the_recorded_probe(rate: str) -> None:
-    rows = json.loads(PROBE.read_text())["rows"]
+@pytest.mark.parametrize("ranks,rate", LINKS)
+def test_host_probe_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
+    rows = json.loads(PROBES[ranks].read_text())["rows"]
     assert all(r["link"]["probe_bytes"] == list(PROBE_BYTES) for r in rows)
-    assert HOST_PROBE[rate] == pytest.approx(_figures(rows, rate), rel=2e-3)
+    assert HOST_PROBE[ranks, rate] == pytest.approx(_figures(rows, ranks, rate), rel=2e-3)
+
+
+def test_every_rows_link_was_probed_at_its_ranks_and_rate() -> None:
+    assert {(ranks, rate) for _, ranks, rate, *_ in TESTBED_ROWS} <= set(HOST_PROBE)
 
 
 def test_probe_sizes_are_the_autotuners() -> None:
     assert PROBE_BYTES == tune_measure.PROBE_BYTES
 
 
-@pytest.mark.parametrize("rate", ["100mbit", "1gbit", "10gbit"])
-def test_the_simulated_link_reproduces_both_probe_points(rate: str) -> None:
-    small, large, per_message, ms_per_mb = HOST_PROBE[rate]
-    link = probed_link(rate)
+@pytest.mark.parametrize("ranks,rate", LINKS)
+def test_the_simulated_link_reproduces_both_probe_points(ranks: int, rate: str) -> None:
+    small, large, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
+    link = probed_link(rate, ranks)
+    assert link.ranks == ranks
     assert link.cpu_s_per_message == per_message
     assert link.cpu_s_per_byte * 1e6 * 1e3 == pytest.approx(ms_per_mb)  # (ms per 1e6 bytes)
     topology = link.topology()
@@ -68,7 +76,7 @@ def test_the_simulated_link_reproduces_both_probe_points(rate: str) -> None:
 @pytest.mark.timeout(120)
 def test_the_probe_runs_on_two_ranks() -> None:
     """``benchmarks/host_cpu_probe.py`` over loopback, tiny: each rank prints its figures."""
-    script = PROBE.parents[2] / "host_cpu_probe.py"
+    script = RESULTS.parent / "host_cpu_probe.py"
     done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script),
                            "0.1", "2", "1"], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -82,32 +90,51 @@ def test_the_probe_runs_on_two_ranks() -> None:
         assert row["transfer_alone_cpu_ms"] > 0 and row["small_allreduce_cpu_ms"] > 0
 
 
-@pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}")
+@pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
 def test_a_rows_layers_are_its_single_rank_trace_scaled(row) -> None:
-    workload, _, single_ms, _, _, mb, _ = row
+    workload, ranks, _, single_ms, _, _, mb, _ = row
     trace = single_rank_trace(workload)
     # the trace is the bench's workload: the same gradient bytes as the table's MB/it
     assert sum(lay.grad_bytes for lay in trace.layers) / 1e6 == pytest.approx(mb, abs=0.005)
-    w = row_workload(workload, single_ms, mb)
+    w = row_workload(workload, single_ms, mb, ranks)
     assert [lay.name for lay in w.layers] == [lay.name for lay in trace.layers]
     total = sum(lay.forward_s + lay.backward_s for lay in w.layers)
-    assert total * 1e3 == pytest.approx(single_ms * SLOWDOWN[workload])
+    assert total * 1e3 == pytest.approx(single_ms * SLOWDOWN[workload, ranks])
     ratio = w.layers[0].backward_s / trace.layers[0].backward_s
     assert all(lay.forward_s == pytest.approx(t.forward_s * ratio)
                for lay, t in zip(w.layers, trace.layers))
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
+SLOWDOWN_TABLES = {
+    ("resnet18", 2): "stop24/testbed/resnet18-1gbit.json",
+    ("transformer", 2): "stop30/transformer-1gbit-lockstep.json",
+    ("dlrm", 2): "stop30/dlrm-1gbit-lockstep.json",
+    ("resnet18", 3): "stop31/testbed3/resnet18-1gbit.json",
+    ("transformer", 3): "stop31/testbed3/transformer-1gbit.json",
+    ("dlrm", 3): "stop31/testbed3/dlrm-1gbit.json",
+}
 
 
-@pytest.mark.parametrize("workload,table", [
-    ("resnet18", "stop24/testbed/resnet18-1gbit.json"),
-    ("transformer", "stop30/transformer-1gbit-lockstep.json"),
-    ("dlrm", "stop30/dlrm-1gbit-lockstep.json")])
-def test_each_workloads_slowdown_is_its_own_lockstep_row(workload: str, table: str) -> None:
-    # the one fitted figure per workload: a run that trains no shared model (lockstep), at
-    # 1 Gbit/s, against the one-rank run of the same table
-    summary = json.loads((RESULTS / table).read_text())["summary"]
+@pytest.mark.parametrize("key", sorted(SLOWDOWN_TABLES), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_each_workloads_slowdown_is_its_own_lockstep_row(key: tuple[str, int]) -> None:
+    # the one fitted figure per workload and rank count: a run that trains no shared model
+    # (lockstep), at 1 Gbit/s, against the one-rank run of the same table
+    data = json.loads((RESULTS / SLOWDOWN_TABLES[key]).read_text())
+    assert data["settings"]["ranks"] == key[1]
+    summary = data["summary"]
     ratio = summary["lockstep"]["iter_ms"] / summary["single"]["iter_ms"]
-    assert SLOWDOWN[workload] == pytest.approx(ratio, rel=1e-4)
-    assert set(SLOWDOWN) == {row[0] for row in TESTBED_ROWS}
+    assert SLOWDOWN[key] == pytest.approx(ratio, rel=1e-4)
+    assert set(SLOWDOWN) == {(row[0], row[1]) for row in TESTBED_ROWS} == set(SLOWDOWN_TABLES)
+
+
+@pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
+def test_a_rows_figures_are_its_tables(row) -> None:
+    # what each scenario predicts from and is scored against is the recorded bench run
+    workload, ranks, rate, single_ms, ours_ms, ddp_ms, mb, table = row
+    data = json.loads((RESULTS / f"{table}.json").read_text())
+    assert (data["settings"]["workload"], data["settings"]["ranks"],
+            data["settings"]["rate"]) == (workload, ranks, rate)
+    summary = data["summary"]
+    for figure, name in ((single_ms, "single"), (ours_ms, "scaleout"), (ddp_ms, "ddp")):
+        assert figure == pytest.approx(summary[name]["iter_ms"], abs=0.051)
+    assert mb == pytest.approx(summary["scaleout"]["bytes_per_iter"] / 1e6, abs=0.005)

@@ -9,7 +9,10 @@ commands in benchmarks/RESULTS.md), and the ``scaleout+blockquant`` row of the 1
 count for the CPU-per-MB charge, and its own CPU, measured by
 ``benchmarks/codec_cpu_probe.py``, is charged on the compute's cores the same way). Until
 stop 24 the rows were stop 7's tables (RESULTS.md §3), of code since rebuilt, on a machine
-whose ResNet-18 then took 0.73 s per iteration alone (1.6-1.7 s at stop 24).
+whose ResNet-18 then took 0.73 s per iteration alone (1.6-1.7 s at stop 24). Since stop 31
+also the ``scaleout`` and ``ddp`` rows of the same nine tables at 3 ranks (three hosts on the
+two cores; ``benchmarks/results/stop31/testbed3/*.json``): 18 more, predicted with the model
+unchanged, from the 3-rank link and CPU the probe measured and the 3-rank ``lockstep`` rows.
 
 What goes in, and nothing else:
 
@@ -23,28 +26,30 @@ What goes in, and nothing else:
   both results had been seen (docs/simulator.md);
 * gradient bytes per layer: the table's MB/it (bytes / 1e6: ``BENCH_MB``; until stop 24 they
   were read as MiB, 4.9% too many) spread by the trace's per-layer gradient bytes;
-* the link and its CPU, measured on the testbed at each rate by
-  ``benchmarks/host_cpu_probe.py`` (``benchmarks/results/stop25/host-probe.json``, two runs per
-  rate, no training; each figure is the slower rank's, the median of the runs, as the
-  autotuner takes it): the line through the autotuner's own all-reduces of 1 KB and 4 MiB
-  (``scaleout.pytorch.tune_measure.measure_link``, a :class:`~scaleout.sim.link.LinkModel`)
-  and its CPU per collective (``host_s_per_message``), and the process's CPU time per byte of
-  a bare 8 MB all-reduce beyond that (``host_s_per_byte``: gloo's threads and the kernel's
-  TCP path, 0.82-1.39 ms per MB). The simulator charges that CPU to the compute only for the
-  share of a transfer that runs while the rank computes (processor sharing), and a transfer
-  takes at least that CPU time (docs/simulator.md);
-* one parameter per workload fitted on a stated training split, the ``lockstep`` row of a
-  1 Gbit/s run of that workload (a run that trains no shared model, so none of the predicted
-  rows): ranks sharing the two cores do their own work ``lockstep / single`` slower
-  (:data:`SLOWDOWN`), the compute and (since stop 30) a codec's CPU alike. ResNet-18's comes
-  from its stop 24 table; the DLRM's and the transformer's from stop 30's runs
-  (``benchmarks/results/stop30/*-lockstep.json``), whose stop 24 tables have no lockstep row.
-  Until stop 30 ResNet-18's figure (1.05) stood for all three workloads, and DLRM's compute,
-  bound by memory, slows 1.69x beside another rank: its rows were 9-32% short. Until stop
-  25 a second parameter came from ResNet-18's run too, every MB moved costing
-  ``(lockstep-traffic - lockstep) / MB`` of CPU (8.28 ms at stop 24; stop 7's split gave
-  3.89); the probe measures about a tenth of that, and the per-rate link it replaced was the
-  ``tc`` rate x 0.98.
+* the link and its CPU, measured on the testbed at each rate and rank count by
+  ``benchmarks/host_cpu_probe.py`` (``benchmarks/results/stop25/host-probe.json`` at 2 ranks,
+  ``stop31/host-probe-3.json`` at 3; two runs per rate, no training; each figure is the slower
+  rank's, the median of the runs, as the autotuner takes it): the line through the autotuner's
+  own all-reduces of 1 KB and 4 MiB (``scaleout.pytorch.tune_measure.measure_link``, a
+  :class:`~scaleout.sim.link.LinkModel`) and its CPU per collective (``host_s_per_message``),
+  and the process's CPU time per byte of a bare 8 MB all-reduce beyond that
+  (``host_s_per_byte``: gloo's threads and the kernel's TCP path, 0.82-1.39 ms per MB at 2
+  ranks, 0.68-0.77 at 3). The simulator charges that CPU to the compute only for the share of
+  a transfer that runs while the rank computes (processor sharing), and a transfer takes at
+  least that CPU time (docs/simulator.md);
+* one parameter per workload and rank count fitted on a stated training split, the ``lockstep``
+  row of a 1 Gbit/s run of that workload at that many ranks (a run that trains no shared
+  model, so none of the predicted rows): ranks sharing the two cores do their own work
+  ``lockstep / single`` slower (:data:`SLOWDOWN`), the compute and (since stop 30) a codec's
+  CPU alike. ResNet-18's comes from its stop 24 table; the DLRM's and the transformer's from
+  stop 30's runs (``benchmarks/results/stop30/*-lockstep.json``), whose stop 24 tables have no
+  lockstep row; the 3-rank figures from the 3-rank 1 Gbit/s tables (1.70, 1.66, 2.43: three
+  ranks on two cores). Until stop 30 ResNet-18's figure (1.05) stood for all three workloads,
+  and DLRM's compute, bound by memory, slows 1.69x beside another rank: its rows were 9-32%
+  short. Until stop 25 a second parameter came from ResNet-18's run too, every MB moved
+  costing ``(lockstep-traffic - lockstep) / MB`` of CPU (8.28 ms at stop 24; stop 7's split
+  gave 3.89); the probe measures about a tenth of that, and the per-rate link it replaced was
+  the ``tc`` rate x 0.98.
 """
 
 from __future__ import annotations
@@ -75,47 +80,67 @@ __all__ = [
 
 MB = 1 << 20
 BENCH_MB = 1e6  # the bench tables' "MB/it" (bench/train_report.py divides bytes by 1e6)
-#: workload -> ``lockstep / single`` iteration ms of its 1 Gbit/s run (the files named in the
-#: module docstring; tests/test_sim_testbed_probe.py derives them again from the files)
+#: (workload, ranks) -> ``lockstep / single`` iteration ms of its 1 Gbit/s run at that many
+#: ranks (the files named in the module docstring; tests/test_sim_testbed_probe.py derives them
+#: again from the files)
 SLOWDOWN = MappingProxyType({
-    "resnet18": 1832.854 / 1743.427,  # stop24/testbed/resnet18-1gbit.json
-    "transformer": 835.041 / 782.563,  # stop30/transformer-1gbit-lockstep.json
-    "dlrm": 8.2516 / 4.8775,  # stop30/dlrm-1gbit-lockstep.json
+    ("resnet18", 2): 1832.854 / 1743.427,  # stop24/testbed/resnet18-1gbit.json
+    ("transformer", 2): 835.041 / 782.563,  # stop30/transformer-1gbit-lockstep.json
+    ("dlrm", 2): 8.2516 / 4.8775,  # stop30/dlrm-1gbit-lockstep.json
+    ("resnet18", 3): 2643.3315 / 1553.1134,  # stop31/testbed3/resnet18-1gbit.json
+    ("transformer", 3): 1317.8782 / 794.6677,  # stop31/testbed3/transformer-1gbit.json
+    ("dlrm", 3): 12.8809 / 5.3091,  # stop31/testbed3/dlrm-1gbit.json
 })
-#: rate -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per MB of 1e6
-#: bytes) from benchmarks/results/stop25/host-probe.json (tests/test_sim_testbed_probe.py
-#: derives them again from the file).
+#: (ranks, rate) -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per
+#: MB of 1e6 bytes) from benchmarks/results/stop25/host-probe.json (2 ranks) and
+#: stop31/host-probe-3.json (3 ranks) (tests/test_sim_testbed_probe.py derives them again
+#: from the files).
 HOST_PROBE = MappingProxyType({
-    "100mbit": (0.611e-3, 338.408e-3, 1.221e-3, 1.388),
-    "1gbit": (0.608e-3, 33.924e-3, 0.677e-3, 0.854),
-    "10gbit": (0.878e-3, 5.365e-3, 1.600e-3, 0.820),
+    (2, "100mbit"): (0.611e-3, 338.408e-3, 1.221e-3, 1.388),
+    (2, "1gbit"): (0.608e-3, 33.924e-3, 0.677e-3, 0.854),
+    (2, "10gbit"): (0.878e-3, 5.365e-3, 1.600e-3, 0.820),
+    (3, "100mbit"): (0.640e-3, 452.185e-3, 0.450e-3, 0.766),
+    (3, "1gbit"): (0.726e-3, 45.221e-3, 0.476e-3, 0.677),
+    (3, "10gbit"): (0.755e-3, 5.896e-3, 0.521e-3, 0.684),
 })
 PROBE_BYTES = (1 << 10, 4 << 20)  # scaleout.pytorch.tune_measure.PROBE_BYTES (a test checks)
 RELATIVE_BOUND = 0.15  # issue 13: none above 15% (median <= 5% is checked by validate())
 
-# (workload, rate, single ms, scaleout ms, ddp ms, MB/it, JSON under benchmarks/results/stop24/testbed)
+# (workload, ranks, rate, single ms, scaleout ms, ddp ms, MB/it, JSON under benchmarks/results)
 TESTBED_ROWS = (
-    ("resnet18", "100mbit", 1724.1, 4056.8, 4497.1, 44.70, "resnet18-100mbit"),
-    ("resnet18", "1gbit", 1743.4, 1972.0, 2125.8, 44.70, "resnet18-1gbit"),
-    ("resnet18", "10gbit", 1599.1, 1801.2, 1768.0, 44.70, "resnet18-10gbit"),
-    ("transformer", "100mbit", 846.9, 2232.9, 2256.9, 16.96, "transformer-100mbit"),
-    ("transformer", "1gbit", 886.3, 1083.1, 1085.6, 16.96, "transformer-1gbit"),
-    ("transformer", "10gbit", 841.4, 944.3, 897.0, 16.96, "transformer-10gbit"),
-    ("dlrm", "100mbit", 7.1, 435.1, 432.8, 5.21, "dlrm-100mbit"),
-    ("dlrm", "1gbit", 6.4, 53.7, 53.1, 5.21, "dlrm-1gbit"),
-    ("dlrm", "10gbit", 6.1, 20.7, 17.0, 5.21, "dlrm-10gbit"),
+    ("resnet18", 2, "100mbit", 1724.1, 4056.8, 4497.1, 44.70, "stop24/testbed/resnet18-100mbit"),
+    ("resnet18", 2, "1gbit", 1743.4, 1972.0, 2125.8, 44.70, "stop24/testbed/resnet18-1gbit"),
+    ("resnet18", 2, "10gbit", 1599.1, 1801.2, 1768.0, 44.70, "stop24/testbed/resnet18-10gbit"),
+    ("transformer", 2, "100mbit", 846.9, 2232.9, 2256.9, 16.96,
+     "stop24/testbed/transformer-100mbit"),
+    ("transformer", 2, "1gbit", 886.3, 1083.1, 1085.6, 16.96, "stop24/testbed/transformer-1gbit"),
+    ("transformer", 2, "10gbit", 841.4, 944.3, 897.0, 16.96, "stop24/testbed/transformer-10gbit"),
+    ("dlrm", 2, "100mbit", 7.1, 435.1, 432.8, 5.21, "stop24/testbed/dlrm-100mbit"),
+    ("dlrm", 2, "1gbit", 6.4, 53.7, 53.1, 5.21, "stop24/testbed/dlrm-1gbit"),
+    ("dlrm", 2, "10gbit", 6.1, 20.7, 17.0, 5.21, "stop24/testbed/dlrm-10gbit"),
+    ("resnet18", 3, "100mbit", 1612.1, 6275.9, 5970.1, 44.70, "stop31/testbed3/resnet18-100mbit"),
+    ("resnet18", 3, "1gbit", 1553.1, 2715.6, 2831.3, 44.70, "stop31/testbed3/resnet18-1gbit"),
+    ("resnet18", 3, "10gbit", 1593.5, 2886.2, 2621.3, 44.70, "stop31/testbed3/resnet18-10gbit"),
+    ("transformer", 3, "100mbit", 839.7, 3007.0, 3018.4, 16.96,
+     "stop31/testbed3/transformer-100mbit"),
+    ("transformer", 3, "1gbit", 794.7, 1388.0, 1457.8, 16.96, "stop31/testbed3/transformer-1gbit"),
+    ("transformer", 3, "10gbit", 826.3, 1409.4, 1411.7, 16.96,
+     "stop31/testbed3/transformer-10gbit"),
+    ("dlrm", 3, "100mbit", 6.8, 590.7, 577.7, 5.21, "stop31/testbed3/dlrm-100mbit"),
+    ("dlrm", 3, "1gbit", 5.3, 73.7, 69.8, 5.21, "stop31/testbed3/dlrm-1gbit"),
+    ("dlrm", 3, "10gbit", 7.4, 36.0, 26.3, 5.21, "stop31/testbed3/dlrm-10gbit"),
 )
-# the same tables' scaleout+blockquant rows (iteration ms); blockquant is only at 100 Mbit/s and
-# 1 Gbit/s there. Its CPU cost is CODECS["blockquant"]'s (the CPU time of its whole exchange
-# on one thread, benchmarks/codec_cpu_probe.py).
+# the 2-rank tables' scaleout+blockquant rows (iteration ms); blockquant is only at 100 Mbit/s
+# and 1 Gbit/s there. Its CPU cost is CODECS["blockquant"]'s (the CPU time of its whole
+# exchange on one thread, benchmarks/codec_cpu_probe.py).
 BLOCKQUANT_ROWS = MappingProxyType(
     {
-        ("resnet18", "100mbit"): 1963.0,
-        ("resnet18", "1gbit"): 2039.7,
-        ("transformer", "100mbit"): 1191.3,
-        ("transformer", "1gbit"): 1038.3,
-        ("dlrm", "100mbit"): 134.1,
-        ("dlrm", "1gbit"): 36.3,
+        ("resnet18", 2, "100mbit"): 1963.0,
+        ("resnet18", 2, "1gbit"): 2039.7,
+        ("transformer", 2, "100mbit"): 1191.3,
+        ("transformer", 2, "1gbit"): 1038.3,
+        ("dlrm", 2, "100mbit"): 134.1,
+        ("dlrm", 2, "1gbit"): 36.3,
     }
 )
 
@@ -130,12 +155,13 @@ def single_rank_trace(workload: str) -> Workload:
         return read_trace(path)
 
 
-def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workload:
-    """One rank's layers for a testbed row: measured time (x the workload's ``SLOWDOWN``)
-    and ``grad_mb`` split by the single-rank trace's per-layer shares
+def testbed_workload(workload: str, single_ms: float, grad_mb: float,
+                     ranks: int = 2) -> Workload:
+    """One rank's layers for a testbed row: measured time (x the workload's ``SLOWDOWN`` at
+    ``ranks`` ranks) and ``grad_mb`` split by the single-rank trace's per-layer shares
     (:func:`single_rank_trace`)."""
     trace = single_rank_trace(workload)
-    scale = single_ms * SLOWDOWN[workload] / 1e3 / (trace.forward_s + trace.backward_s)
+    scale = single_ms * SLOWDOWN[workload, ranks] / 1e3 / (trace.forward_s + trace.backward_s)
     return Workload(
         name=workload,
         layers=tuple(
@@ -150,21 +176,23 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float) -> Workloa
     )
 
 
-def probed_link(rate: str) -> LinkModel:
-    """The 2-rank link at ``rate`` as the autotuner measured it on the testbed
+def probed_link(rate: str, ranks: int = 2) -> LinkModel:
+    """The link of ``ranks`` ranks at ``rate`` as the autotuner measured it on the testbed
     (:data:`HOST_PROBE`), with its CPU per collective and per byte (of a bare 8 MB
     all-reduce: the probe's)."""
-    small, large, per_message, ms_per_mb = HOST_PROBE[rate]
-    return replace(LinkModel.fit(2, (PROBE_BYTES[0], small), (PROBE_BYTES[1], large)),
+    small, large, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
+    return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small), (PROBE_BYTES[1], large)),
                    cpu_s_per_message=per_message, cpu_s_per_byte=ms_per_mb / 1e3 / BENCH_MB)
 
 
-def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: str) -> float:
+def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: float,
+             peer: str) -> float:
     codec = CodecModel()
+    slowdown = SLOWDOWN[workload, ranks]
     if peer == "scaleout+blockquant":  # its CPU (one thread alone) slows as the compute does
         codec = codec_model("blockquant")
-        codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * SLOWDOWN[workload])
-    link = probed_link(rate)
+        codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * slowdown)
+    link = probed_link(rate, ranks)
     topology = link.topology()
     host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
     if peer.startswith("scaleout"):
@@ -177,43 +205,46 @@ def _predict(workload: str, rate: str, single_ms: float, grad_mb: float, peer: s
             ),
             **host,
         )
-    work = testbed_workload(workload, single_ms, grad_mb)
+    work = testbed_workload(workload, single_ms, grad_mb, ranks)
     return simulate(work, topology, config).iteration_s * 1e3
 
 
+_PEERS = MappingProxyType({
+    "scaleout": "priority, overlap",
+    "ddp": "FIFO 25 MB buckets, sync",
+    "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
+    "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
+})
+
+
 def testbed_scenarios() -> tuple[Scenario, ...]:
-    """24 scenarios: every table's scaleout and ddp rows, and its blockquant row."""
+    """Every table's scaleout and ddp rows, and its blockquant row where it has one."""
     out = []
-    for workload, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
+    for workload, ranks, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
         peers = [("scaleout", ours), ("ddp", ddp)]
-        if (workload, rate) in BLOCKQUANT_ROWS:
-            peers.append(("scaleout+blockquant", BLOCKQUANT_ROWS[(workload, rate)]))
+        if (workload, ranks, rate) in BLOCKQUANT_ROWS:
+            peers.append(("scaleout+blockquant", BLOCKQUANT_ROWS[workload, ranks, rate]))
+        probe = "stop25/host-probe.json" if ranks == 2 else f"stop31/host-probe-{ranks}.json"
         for peer, measured in peers:
             out.append(
                 Scenario(
-                    name=f"{workload} {rate} {peer}",
+                    name=f"{workload} {rate} {peer}" + ("" if ranks == 2 else f" {ranks} ranks"),
                     group="testbed",
                     measured=measured,
                     unit="ms",
                     bound=RELATIVE_BOUND,
-                    source=f"benchmarks/results/stop24/testbed/{table}.json, row {peer}",
+                    source=f"benchmarks/results/{table}.json, row {peer}",
                     assumptions=(
-                        f"single rank {single} ms (same table), split over the layers as in "
-                        f"testbed_traces/{workload}.json; {mb} MB/it; the {rate} link and "
-                        "its CPU per collective and per MB as host_cpu_probe.py measured them "
-                        "(stop25/host-probe.json), the CPU charged to compute only while both "
-                        f"run; compute and codec CPU x {SLOWDOWN[workload]:.3f}, the lockstep "
-                        f"row of {workload}'s 1 Gbit/s run; "
-                        + {
-                            "scaleout": "priority, overlap",
-                            "ddp": "FIFO 25 MB buckets, sync",
-                            "scaleout+blockquant": "priority, overlap, blockquant as "
-                            "CODECS['blockquant'] (ratio 0.252, 1.47 ms of CPU per MB alone, "
-                            "on the compute's cores, two rounds)",
-                        }[peer]
+                        f"{ranks} ranks; single rank {single} ms (same table), split over the "
+                        f"layers as in testbed_traces/{workload}.json; {mb} MB/it; the {rate} "
+                        f"link of {ranks} ranks and its CPU per collective and per MB as "
+                        f"host_cpu_probe.py measured them ({probe}), the CPU charged to "
+                        "compute only while both run; compute and codec CPU x "
+                        f"{SLOWDOWN[workload, ranks]:.3f}, the lockstep row of {workload}'s "
+                        f"{ranks}-rank 1 Gbit/s run; {_PEERS[peer]}"
                     ),
-                    predict=lambda w=workload, r=rate, s=single, m=mb, p=peer: _predict(
-                        w, r, s, m, p
+                    predict=lambda w=workload, n=ranks, r=rate, s=single, m=mb, p=peer: _predict(
+                        w, n, r, s, m, p
                     ),
                 )
             )

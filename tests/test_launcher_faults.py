@@ -32,9 +32,12 @@ def start_run(tmp_path: Path, nprocs: int, body: str) -> subprocess.Popen[str]:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONPATH": SRC}
+    # SIGHUP at its default, as in a terminal, even where this test runs under nohup (a
+    # launcher keeps an inherited SIG_IGN: test_launcher_robustness.py's nohup test)
     return subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", str(nprocs),
                              str(script), str(tmp_path)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def rank_pids(tmp_path: Path, nprocs: int, timeout: float = 15.0) -> list[int]:

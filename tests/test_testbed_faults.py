@@ -109,29 +109,50 @@ def test_sighup_and_sigint_stop_the_benchmark_like_sigterm() -> None:
     from scaleout.bench.train import Interrupted, _launcher_stopped
     from scaleout.cli.bench_train import _terminate_as_interrupt
 
-    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+    # SIGHUP at its default, as in a terminal, even where the tests run under nohup
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(Interrupted) as caught:
+                with _terminate_as_interrupt():
+                    try:
+                        os.kill(os.getpid(), sig)
+                        time.sleep(5)
+                    finally:
+                        os.kill(os.getpid(), sig)  # a second one, during clean-up: ignored
+            assert caught.value.signum == sig
+            name = signal.Signals(sig).name
+            assert _launcher_stopped(128 + sig, ["...", f"scaleout run: got {name}; "
+                                                    "stopped every rank"])
+            # a rank killed by the same signal from outside: a failed configuration, not a stop
+            assert not _launcher_stopped(128 + sig, [f"scaleout run: rank 1 failed first, with "
+                                                     f"signal {name}"])
+        # the launcher took the first signal and the benchmark raised: a second one is ignored
         with pytest.raises(Interrupted) as caught:
             with _terminate_as_interrupt():
                 try:
-                    os.kill(os.getpid(), sig)
-                    time.sleep(5)
+                    raise Interrupted(signal.SIGTERM)
                 finally:
-                    os.kill(os.getpid(), sig)  # a second one, during clean-up: ignored
-        assert caught.value.signum == sig
-        name = signal.Signals(sig).name
-        assert _launcher_stopped(128 + sig, ["...", f"scaleout run: got {name}; stopped every rank"])
-        # a rank killed by the same signal from outside: a failed configuration, not a stop
-        assert not _launcher_stopped(128 + sig, [f"scaleout run: rank 1 failed first, with "
-                                                 f"signal {name}"])
-    # the launcher took the first signal and the benchmark raised: a second one is ignored
-    with pytest.raises(Interrupted) as caught:
+                    os.kill(os.getpid(), signal.SIGHUP)
+        assert caught.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # handlers restored
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
+
+
+def test_an_ignored_sighup_stays_ignored_by_the_benchmark() -> None:
+    """Under nohup (SIGHUP ignored) a closed terminal does not stop ``bench train``, as it
+    does not stop ``scaleout run``; the disposition is the same afterwards."""
+    from scaleout.cli.bench_train import _terminate_as_interrupt
+
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
         with _terminate_as_interrupt():
-            try:
-                raise Interrupted(signal.SIGTERM)
-            finally:
-                os.kill(os.getpid(), signal.SIGHUP)
-    assert caught.value.signum == signal.SIGTERM
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # handlers restored
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)  # (a handler would have raised by now)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
 
 
 @pytest.mark.testbed

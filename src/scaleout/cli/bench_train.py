@@ -137,7 +137,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
     Ctrl-C: ranks stopped, testbed removed. The first signal raises ``Interrupted``; later
     ones, and any while an interrupt unwinds (while ranks run, the launcher takes the signal,
     stops the ranks and the benchmark raises ``Interrupted`` itself), are ignored so that
-    they cannot cut the clean-up short. Only in the main thread, where Python can take
+    they cannot cut the clean-up short. A signal this process ignores stays ignored, as in
+    the launcher (``nohup``: SIGHUP). Only in the main thread, where Python can take
     signals."""
     from scaleout.bench.train import Interrupted
 
@@ -149,7 +150,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
             raise Interrupted(signum)
 
     try:
-        previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
+        previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS
+                    if signal.getsignal(sig) != signal.SIG_IGN}
     except ValueError:  # not the main thread
         yield
         return

@@ -109,8 +109,11 @@ def test_sighup_and_sigint_stop_the_benchmark_like_sigterm() -> None:
     from scaleout.bench.train import Interrupted, _launcher_stopped
     from scaleout.cli.bench_train import _terminate_as_interrupt
 
-    # SIGHUP at its default, as in a terminal, even where the tests run under nohup
-    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    # the dispositions of a terminal's foreground job, even where the tests run under nohup
+    # or in the background of a script (SIGHUP, SIGINT ignored: they would stay so)
+    terminal = {signal.SIGHUP: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler,
+                signal.SIGTERM: signal.SIG_DFL}
+    inherited = {sig: signal.signal(sig, handler) for sig, handler in terminal.items()}
     try:
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             with pytest.raises(Interrupted) as caught:
@@ -135,9 +138,10 @@ def test_sighup_and_sigint_stop_the_benchmark_like_sigterm() -> None:
                 finally:
                     os.kill(os.getpid(), signal.SIGHUP)
         assert caught.value.signum == signal.SIGTERM
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # handlers restored
+        assert {sig: signal.getsignal(sig) for sig in terminal} == terminal  # restored
     finally:
-        signal.signal(signal.SIGHUP, hangup)
+        for sig, handler in inherited.items():
+            signal.signal(sig, handler)
 
 
 def test_an_ignored_sighup_stays_ignored_by_the_benchmark() -> None:

@@ -16,6 +16,7 @@ from scaleout.sim.collectives import collective_cost
 from scaleout.sim.testbed_cases import (
     HOST_PROBE,
     PROBE_BYTES,
+    PROBE_FILES,
     SLOWDOWN,
     TESTBED_ROWS,
     probed_link,
@@ -24,8 +25,6 @@ from scaleout.sim.testbed_cases import (
 from scaleout.sim.testbed_cases import testbed_workload as row_workload  # (not a test)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
-#: ranks -> the probe's recorded runs on the testbed at that many ranks
-PROBES = {2: RESULTS / "stop25/host-probe.json", 3: RESULTS / "stop31/host-probe-3.json"}
 LINKS = sorted(HOST_PROBE)  # (ranks, rate)
 
 
@@ -46,7 +45,7 @@ def _figures(rows: list[dict], ranks: int, rate: str) -> tuple[float, float, flo
 
 @pytest.mark.parametrize("ranks,rate", LINKS)
 def test_host_probe_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
-    rows = json.loads(PROBES[ranks].read_text())["rows"]
+    rows = json.loads((RESULTS / PROBE_FILES[ranks]).read_text())["rows"]
     assert all(r["link"]["probe_bytes"] == list(PROBE_BYTES) for r in rows)
     assert HOST_PROBE[ranks, rate] == pytest.approx(_figures(rows, ranks, rate), rel=2e-3)
 

@@ -10,6 +10,8 @@ import signal
 import sys
 from collections.abc import Iterator
 
+from scaleout.launch.stop_signals import restore_signals, take_stop_signals
+
 EXAMPLE = """examples:
   scaleout bench train --workload resnet18 --ranks 2 --rate 1gbit --vs ddp,ddp-fp16 --rounds 3
   scaleout bench train --workload digits-mlp --rounds 1 --iters 3 --warmup 1 --no-testbed
@@ -128,9 +130,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=handler)
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM, SIGHUP (``kill``, a job scheduler, a closed terminal) stop the run like
@@ -150,16 +149,14 @@ def _terminate_as_interrupt() -> Iterator[None]:
             raise Interrupted(signum)
 
     try:
-        previous = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS
-                    if signal.getsignal(sig) != signal.SIG_IGN}
+        previous = take_stop_signals(stop)
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals(previous)
 
 
 def _memory_budget(text: str) -> int:

@@ -39,6 +39,7 @@ from scaleout.launch.ranks import Ranks, signal_name, write_out
 from scaleout.launch.subreaper import become_subreaper
 from scaleout.launch.restarts import STATE_DIR_VAR, attempt_env
 from scaleout.launch.secret import TOKEN_VAR, new_token
+from scaleout.launch.stop_signals import restore_signals, take_stop_signals
 
 __all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for", "node_command"]
 
@@ -139,9 +140,6 @@ class LaunchConfig:
                              "print(secrets.token_hex(32))') and pass it to every node")
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
 class _Signals:
     """The launcher's stop signal, forwarded to the ranks of the current attempt."""
 
@@ -185,9 +183,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
         _say(out, _other_nodes(target, config))
     signals = _Signals()
     in_main = threading.current_thread() is threading.main_thread()
-    previous = ({sig: signal.signal(sig, signals.handle) for sig in _STOP_SIGNALS
-                 if signal.getsignal(sig) != signal.SIG_IGN}  # (nohup: SIGHUP stays ignored)
-                if in_main else {})
+    previous = take_stop_signals(signals.handle) if in_main else {}
     ended = threading.Event()
     if stop is not None:
         threading.Thread(target=_forward_stop, args=(stop, ended, signals), daemon=True,
@@ -204,8 +200,7 @@ def launch(target: Sequence[str], config: LaunchConfig, *, wrapper: RankWrapper 
             return _attempts(argv, config, wrapper, out, signals, workdir, state)
     finally:
         ended.set()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals(previous)
 
 
 def _forward_stop(stop: threading.Event, ended: threading.Event, signals: _Signals) -> None:

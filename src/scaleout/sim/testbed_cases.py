@@ -71,6 +71,7 @@ __all__ = [
     "BLOCKQUANT_ROWS",
     "TESTBED_ROWS",
     "HOST_PROBE",
+    "PROBE_FILES",
     "SLOWDOWN",
     "probed_link",
     "single_rank_trace",
@@ -91,10 +92,11 @@ SLOWDOWN = MappingProxyType({
     ("transformer", 3): 1317.8782 / 794.6677,  # stop31/testbed3/transformer-1gbit.json
     ("dlrm", 3): 12.8809 / 5.3091,  # stop31/testbed3/dlrm-1gbit.json
 })
+#: ranks -> the probe's recorded runs on the testbed at that many ranks (under benchmarks/results)
+PROBE_FILES = MappingProxyType({2: "stop25/host-probe.json", 3: "stop31/host-probe-3.json"})
 #: (ranks, rate) -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per
-#: MB of 1e6 bytes) from benchmarks/results/stop25/host-probe.json (2 ranks) and
-#: stop31/host-probe-3.json (3 ranks) (tests/test_sim_testbed_probe.py derives them again
-#: from the files).
+#: MB of 1e6 bytes) from ``PROBE_FILES[ranks]`` (tests/test_sim_testbed_probe.py derives them
+#: again from the files).
 HOST_PROBE = MappingProxyType({
     (2, "100mbit"): (0.611e-3, 338.408e-3, 1.221e-3, 1.388),
     (2, "1gbit"): (0.608e-3, 33.924e-3, 0.677e-3, 0.854),
@@ -188,10 +190,9 @@ def probed_link(rate: str, ranks: int = 2) -> LinkModel:
 def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: float,
              peer: str) -> float:
     codec = CodecModel()
-    slowdown = SLOWDOWN[workload, ranks]
     if peer == "scaleout+blockquant":  # its CPU (one thread alone) slows as the compute does
         codec = codec_model("blockquant")
-        codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * slowdown)
+        codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * SLOWDOWN[workload, ranks])
     link = probed_link(rate, ranks)
     topology = link.topology()
     host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
@@ -224,7 +225,6 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
         peers = [("scaleout", ours), ("ddp", ddp)]
         if (workload, ranks, rate) in BLOCKQUANT_ROWS:
             peers.append(("scaleout+blockquant", BLOCKQUANT_ROWS[workload, ranks, rate]))
-        probe = "stop25/host-probe.json" if ranks == 2 else f"stop31/host-probe-{ranks}.json"
         for peer, measured in peers:
             out.append(
                 Scenario(
@@ -238,8 +238,8 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                         f"{ranks} ranks; single rank {single} ms (same table), split over the "
                         f"layers as in testbed_traces/{workload}.json; {mb} MB/it; the {rate} "
                         f"link of {ranks} ranks and its CPU per collective and per MB as "
-                        f"host_cpu_probe.py measured them ({probe}), the CPU charged to "
-                        "compute only while both run; compute and codec CPU x "
+                        f"host_cpu_probe.py measured them ({PROBE_FILES[ranks]}), the CPU "
+                        "charged to compute only while both run; compute and codec CPU x "
                         f"{SLOWDOWN[workload, ranks]:.3f}, the lockstep row of {workload}'s "
                         f"{ranks}-rank 1 Gbit/s run; {_PEERS[peer]}"
                     ),

@@ -2,8 +2,9 @@
 # The GPU checks of issue 11, for a machine with a GPU (one H100 here, torch 2.11+cu130,
 # the checkout installed with `pip install --no-deps --no-build-isolation -e .`).
 # Run from the repository root; results go to $OUT (default benchmarks/results/gpu).
-# At most 7 minutes: every step has its own time limit (20 + 300 + 70 + 30 s), a failing
-# step does not stop the others, and $OUT/summary.txt lists each step's exit code.
+# At most 9.5 minutes: every step has its own time limit (20 + 300 + 70 + 130 + 60 + 25 s;
+# the two halves of the gpu tests run at once), a failing step does not stop the others,
+# and $OUT/summary.txt lists each step's exit code.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu.sh
 set -u
@@ -24,14 +25,25 @@ step() {  # name, time limit in seconds, then the command
 
 step device 20 bash -c 'date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1;
   python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"'
-# Every gpu-marked test; a skip (no CUDA) is a failure here.
-step gpu-tests 300 env SCALEOUT_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  --timeout 280 --junitxml "$OUT/gpu-tests.xml" tests/
+# Every gpu-marked test; a skip (no CUDA) is a failure here. The convergence grid (about 90 s
+# alone) runs beside the others: one GPU, 16 cores, and neither half asserts a timing.
+GPU_PYTEST="env SCALEOUT_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 280"
+step gpu-tests 300 $GPU_PYTEST --junitxml "$OUT/gpu-tests.xml" \
+  --ignore tests/test_compression_convergence.py tests/ &
+step gpu-convergence 300 $GPU_PYTEST --junitxml "$OUT/gpu-convergence.xml" \
+  tests/test_compression_convergence.py &
+wait
 # The codec targets: 25M fp32 values, encode + decode vs one device-to-device copy, beside
 # torch's fp16 and PowerSGD hooks on the same tensors.
 step codecs-cuda 70 python3 -m scaleout.cli.main bench codecs --device cuda --sizes 25M \
   --repeats 10 --warmup 3 --json "$OUT/codecs-cuda.json"
-# The same on the CPU (4 threads), for the record: CUDA is hidden from that run.
-step codecs-cpu 30 python3 -m scaleout.cli.main bench codecs --device cpu --sizes 1M \
+# Training targets: ResNet-18, two ranks sharing the GPU over gloo, against DDP (>= 1.0x),
+# and a lone rank over NCCL against the plain model in the same process (<= 3% over it).
+step train-cuda-2 130 python3 -m scaleout.cli.main bench train --workload resnet18 --device cuda \
+  --no-testbed --ranks 2 --vs ddp --rounds 3 --iters 20 --warmup 5 --threads 4 --no-progress \
+  --json "$OUT/train-cuda-2.json"
+step alone-cuda 60 env ROUNDS=5 python3 -m scaleout.cli.main run -n 1 benchmarks/gpu_alone.py
+# The codecs on the CPU (4 threads), for the record: CUDA is hidden from that run.
+step codecs-cpu 25 python3 -m scaleout.cli.main bench codecs --device cpu --sizes 1M \
   --threads 4 --repeats 3 --json "$OUT/codecs-cpu.json"
 cat "$summary"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 16's scaling table: `scaleout bench train` at several rank counts and rates on the
+# testbed, for a machine with spare cores (the device machine: 16 cores, CUDA hidden). Each
+# argument is one run, WORKLOAD:RANKS:RATE; every run has scaleout (exact gradients), DDP and
+# the ceiling lockstep-traffic, and lockstep too at 1 Gbit/s (the simulator's slowdown), with
+# 2 torch threads per rank at every rank count (8 x 2 = 16 cores), 2 interleaved rounds.
+# Runs go in the order given; one is skipped when less than MIN_LEFT seconds remain before
+# DEADLINE (seconds from the start), and the last is cut off at the deadline. Results:
+# $OUT/<workload>-<ranks>-<rate>.{json,txt}, and $OUT/summary.txt. PROBE=1 runs the host
+# probe of the simulator's testbed rows (issue 13: `benchmarks/host_cpu_probe.py 8 11 8`,
+# twice) on a testbed of the same size and rate before each run: $OUT/probe-<ranks>-<rate>.txt.
+# The device tool brings back at most eight files: pack them (`cd $OUT && tar czf all.tgz *`).
+#
+#   OUT=/tmp/scaling DEADLINE=570 bash benchmarks/scaling.sh resnet18:8:1gbit resnet18:4:1gbit
+set -u
+OUT=${OUT:-benchmarks/results/scaling}
+DEADLINE=${DEADLINE:-3600}
+MIN_LEFT=${MIN_LEFT:-90}
+ROUNDS=${ROUNDS:-2}
+PROBE=${PROBE:-0}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
+summary="$OUT/summary.txt"
+for spec in "$@"; do
+  IFS=: read -r workload ranks rate <<< "$spec"
+  name="$workload-$ranks-$rate"
+  left=$((DEADLINE - SECONDS))
+  if (( left < MIN_LEFT )); then
+    echo "$name: skipped, $left s left" | tee -a "$summary"; continue
+  fi
+  if [[ $PROBE == 1 && ! -e $OUT/probe-$ranks-$rate.txt ]]; then
+    probe=$OUT/probe-$ranks-$rate.txt testbed=probe$ranks
+    echo "=== probe: $ranks hosts at $rate" | tee "$probe"
+    scaleout testbed up --name $testbed --hosts $ranks --rate $rate >> "$probe" 2>&1
+    for _ in 1 2; do
+      SCALEOUT_PROBE_RATE=$rate timeout $((left / 4)) scaleout run -n $ranks --testbed $testbed \
+        benchmarks/host_cpu_probe.py 8 11 8 >> "$probe" 2>&1
+    done
+    scaleout testbed down --name $testbed >> "$probe" 2>&1
+    left=$((DEADLINE - SECONDS))
+  fi
+  case $workload in
+    resnet18) iters="--iters 6 --warmup 2";;
+    transformer) iters="--iters 8 --warmup 2";;
+    *) iters="--iters 40 --warmup 5";;
+  esac
+  vs=ddp,lockstep-traffic
+  [[ $rate == 1gbit ]] && vs=ddp,lockstep,lockstep-traffic
+  cmd="scaleout bench train --workload $workload --ranks $ranks --rate $rate --vs $vs
+    --rounds $ROUNDS $iters --threads 2 --no-progress --json $OUT/$name.json"
+  echo "=== $name: $cmd" | tee "$OUT/$name.txt"
+  started=$SECONDS
+  timeout "$left" $cmd >> "$OUT/$name.txt" 2>&1
+  echo "$name: exit $? after $((SECONDS - started)) s" | tee -a "$summary"
+done

@@ -4,7 +4,8 @@
 # Run from the repository root; results go to $OUT (default benchmarks/results/gpu).
 # At most 9.5 minutes: every step has its own time limit (20 + 300 + 70 + 130 + 60 + 25 s;
 # the two halves of the gpu tests run at once), a failing step does not stop the others,
-# and $OUT/summary.txt lists each step's exit code.
+# and $OUT/summary.txt lists each step's exit code. The device tool brings back at most eight
+# files: give it OUT=$OUT/gpu and pack them after (`cd $OUT && tar czf gpu.tgz gpu && rm -r gpu`).
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu.sh
 set -u

@@ -59,5 +59,12 @@ for r in range(int(os.environ.get("ROUNDS", "3"))):
 base = st.median(res["plain, no process group"])
 for k, v in res.items():
     print(f"{k:40s} {st.median(v):7.2f} ms  x{st.median(v)/base:.3f}  {[round(x,2) for x in v]}", flush=True)
+# The bar's figure: each round's ratio to the plain model of the same round (rounds drift more
+# than the bar on a shared machine, so medians of whole columns can mislead).
+paired = res["plain, after scaleout.init"]
+for k in list(res)[2:]:
+    ratios = [a / b for a, b in zip(res[k], paired)]
+    print(f"{k:40s} per round / plain after init: median x{st.median(ratios):.3f}"
+          f"  {[round(r, 3) for r in ratios]}", flush=True)
 env.finalize()
 sys.stdout.flush(); os._exit(0)

@@ -28,7 +28,8 @@ step device 20 bash -c 'date -u; nvidia-smi --query-gpu=name,memory.total,driver
   python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"'
 # Every gpu-marked test; a skip (no CUDA) is a failure here. The convergence grid (about 90 s
 # alone) runs beside the others: one GPU, 16 cores, and neither half asserts a timing.
-GPU_PYTEST="env SCALEOUT_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 280"
+GPU_PYTEST="env SCALEOUT_REQUIRE_GPU=1 python3 -m pytest -q -m gpu -p no:cacheprovider
+  --timeout 280"
 step gpu-tests 300 $GPU_PYTEST --junitxml "$OUT/gpu-tests.xml" \
   --ignore tests/test_compression_convergence.py tests/ &
 step gpu-convergence 300 $GPU_PYTEST --junitxml "$OUT/gpu-convergence.xml" \

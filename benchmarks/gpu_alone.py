@@ -58,7 +58,8 @@ for r in range(int(os.environ.get("ROUNDS", "3"))):
     res["full machinery (fast path off)"].append(dp("0"))
 base = st.median(res["plain, no process group"])
 for k, v in res.items():
-    print(f"{k:40s} {st.median(v):7.2f} ms  x{st.median(v)/base:.3f}  {[round(x,2) for x in v]}", flush=True)
+    print(f"{k:40s} {st.median(v):7.2f} ms  x{st.median(v)/base:.3f}  {[round(x,2) for x in v]}",
+          flush=True)
 # The bar's figure: each round's ratio to the plain model of the same round (rounds drift more
 # than the bar on a shared machine, so medians of whole columns can mislead).
 paired = res["plain, after scaleout.init"]

@@ -8,7 +8,8 @@
 # DEADLINE (seconds from the start), and the last is cut off at the deadline. Results:
 # $OUT/<workload>-<ranks>-<rate>.{json,txt}, and $OUT/summary.txt. PROBE=1 runs the host
 # probe of the simulator's testbed rows (issue 13: `benchmarks/host_cpu_probe.py 8 11 8`,
-# twice) on a testbed of the same size and rate before each run: $OUT/probe-<ranks>-<rate>.txt.
+# twice) on a testbed of the same size and rate before each run: $OUT/probe-<ranks>-<rate>.txt
+# (`python benchmarks/probe_json.py $OUT/probe-R-*.txt` makes the JSON sim/testbed_cases reads).
 # The device tool brings back at most eight files: pack them (`cd $OUT && tar czf all.tgz *`).
 #
 #   OUT=/tmp/scaling DEADLINE=570 bash benchmarks/scaling.sh resnet18:8:1gbit resnet18:4:1gbit
@@ -31,8 +32,12 @@ for spec in "$@"; do
   if [[ $PROBE == 1 && ! -e $OUT/probe-$ranks-$rate.txt ]]; then
     probe=$OUT/probe-$ranks-$rate.txt testbed=probe$ranks
     echo "=== probe: $ranks hosts at $rate" | tee "$probe"
+    python3 -c 'import json, os, platform, torch; print("=== machine", json.dumps({"cpus":
+      os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}))' >> "$probe"
     scaleout testbed up --name $testbed --hosts $ranks --rate $rate >> "$probe" 2>&1
-    for _ in 1 2; do
+    for repeat in 1 2; do
+      utc=$(date -u +%Y-%m-%dT%H:%M:%SZ) load=$(cut -d' ' -f1-3 /proc/loadavg)
+      echo "=== repeat $repeat utc $utc loadavg $load" >> "$probe"
       SCALEOUT_PROBE_RATE=$rate timeout $((left / 4)) scaleout run -n $ranks --testbed $testbed \
         benchmarks/host_cpu_probe.py 8 11 8 >> "$probe" 2>&1
     done

@@ -53,6 +53,33 @@ def test_store_is_bound_and_sealed() -> None:
     assert job.report_outsiders() == []  # each attempt is reported once
 
 
+def test_an_entry_deleted_by_an_outsider_reads_as_absent_at_once() -> None:
+    """The watchdog reads heartbeats with ``get_if_present``: an entry an outsider deleted
+    (between a check and a get, as the CI run of stop 32 caught) is ``None`` without waiting,
+    the connection stays usable, nothing is created, and a forged value is still refused.
+    A plain ``get`` waits out the store's timeout instead, and its connection is spent."""
+    port = free_port()
+    info = LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=port, source="test")
+    job = rendezvous(info, "secret", timeout=5)
+    store = job.connection(timeout=3)
+    store.set("hb/1", b"beat 1")
+    assert store.get_if_present("hb/1") == b"beat 1"
+    outsider = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
+    for key in outsider.list_keys():
+        outsider.delete_key(key)
+    started = time.monotonic()
+    assert store.get_if_present("hb/1") is None
+    assert time.monotonic() - started < 1.0  # (store.get would wait 3 s, then fail)
+    assert not store.check(["hb/1"])  # (reading an absent entry does not create it)
+    store.set("hb/1", b"beat 2")  # the connection still answers in turn
+    assert store.get_if_present("hb/1") == b"beat 2"
+    (hidden,) = outsider.list_keys()  # (everything else was deleted: hb/1's hidden name)
+    outsider.set(hidden, b"forged by an outsider, not sealed")
+    with pytest.raises(ForgedValue, match="does not authenticate"):
+        store.get_if_present("hb/1")
+
+
 def test_the_launchers_own_entries_are_not_an_outsiders(
         capfd: pytest.CaptureFixture[str]) -> None:
     """torchrun's agent serves the store and writes its own entries before it starts the
@@ -200,11 +227,15 @@ DELETED = """
 """
 
 
+@pytest.mark.parametrize("action", ["delete", "overwrite"])
 def test_an_outsider_deleting_store_entries_is_reported_and_blames_no_rank(
-        tmp_path: Path) -> None:
-    """A process without the token deletes every store entry, 50 times a second, while the
-    ranks train (heartbeat limit 2 s): the watchdog says a heartbeat entry was deleted and
-    blames no rank for its absence (before: `rank 1 failed: no heartbeat for 2.0 s`)."""
+        tmp_path: Path, action: str) -> None:
+    """A process without the token deletes (or overwrites) every store entry, 50 times a
+    second, while the ranks train (heartbeat limit 2 s): the watchdog says a heartbeat entry
+    was tampered with and blames no rank for its absence (before: `rank 1 failed: no
+    heartbeat for 2.0 s` for deletion; for a forged value, and for an entry deleted between
+    the watchdog's check and its get, the watchdog's thread ended and, 2.4 s later, rank 0
+    was named: `its store ... stopped answering`)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(DELETED))
     port, go = free_port(), tmp_path / "go"
@@ -222,11 +253,16 @@ def test_an_outsider_deleting_store_entries_is_reported_and_blames_no_rank(
         deleted, until = 0, time.monotonic() + 4.5
         while time.monotonic() < until:
             for key in outsider.list_keys():
-                deleted += outsider.delete_key(key)
+                if action == "delete":
+                    deleted += outsider.delete_key(key)
+                else:
+                    outsider.set(key, b"not sealed with the job's token")
+                    deleted += 1
             time.sleep(0.02)
         output = job.communicate(timeout=40)[0]
     finally:
         job.kill()
     assert deleted > 0 and job.returncode == 0, output
-    assert "heartbeat entry was deleted from the job's store by a process outside" in output
+    assert "heartbeat entry was deleted or overwritten in the job's store by a process " \
+        "outside" in output
     assert "failed" not in output and output.count("finished") == 2, output

@@ -34,6 +34,7 @@ from scaleout.core.failures import (DEFAULT_LIMIT, DEPARTED, HEARTBEAT_VAR, Peer
                                     StoreHostDown, broken_by_communication, first_line,
                                     heartbeat_limit, process_state)
 from scaleout.launch.lifeline import REPORT_DIR_VAR, exit_of
+from scaleout.launch.secret import ForgedValue
 from scaleout.launch.environment import machine
 
 if TYPE_CHECKING:  # (a run-time import would make core and launch import each other)
@@ -229,15 +230,15 @@ class Watchdog:
         if watch.left:
             return None
         now = time.monotonic()
-        if self._store.check([f"hb/{watch.rank}"]):
-            beat = self._store.get(f"hb/{watch.rank}")
+        beat, forged = self._entry(f"hb/{watch.rank}")
+        if beat is not None:
             if beat != watch.last_beat:
                 watch.last_beat, watch.last_seen = beat, now
                 if json.loads(beat).get("beat") == _LEFT:  # its last: it finished normally
                     watch.left = True
                     return None
-        elif watch.last_beat is not None:  # seen before, gone now: deleted by an outsider
-            self._deleted(watch)
+        elif forged or watch.last_beat is not None:  # (seen before, gone now: deleted)
+            self._tampered(watch)
             watch.last_seen = now
         silent = now - watch.last_seen
         if state is None and silent <= self.limit:
@@ -247,29 +248,41 @@ class Watchdog:
             return None
         return state or f"no heartbeat for {silent:.1f} s (frozen, stopped or unreachable)"
 
-    def _deleted(self, watch: _PeerWatch) -> None:
-        """The watched peer's heartbeat entry vanished after it had been read. No rank ever
-        deletes one, so a process outside the job did (the store's port is open to anyone
-        who reaches it; values are sealed, names are not protected from deletion). Its
-        absence is not the peer's silence: say so, once, and do not blame the peer for it.
-        Under continuous deletion a peer frozen on another host is then found by the
-        collective timeout instead (a local one still by ``/proc``)."""
+    def _entry(self, key: str) -> tuple[bytes | None, bool]:
+        """``key``'s value (None: absent) and whether a value that is not the job's stood
+        there instead (then None too: an outsider's value is read as no value)."""
+        try:
+            return self._store.get_if_present(key), False
+        except ForgedValue:
+            return None, True
+
+    def _tampered(self, watch: _PeerWatch) -> None:
+        """The watched peer's heartbeat entry vanished after it had been read, or holds a
+        value not sealed with the job's token. No rank deletes one or writes another's, so
+        a process outside the job did (the store's port is open to anyone who reaches it;
+        values are sealed, names are not protected from deletion or overwriting). That is
+        not the peer's silence: say so, once, and do not blame the peer for it. Under
+        continuous tampering a peer frozen on another host is then found by the collective
+        timeout instead (a local one still by ``/proc``)."""
         if self._tamper_seen:
             return
         self._tamper_seen = True
         sys.stderr.write(f"scaleout: rank {self.rank}: rank {watch.rank}'s heartbeat entry "
-                         "was deleted from the job's store by a process outside the job (no "
-                         f"rank deletes one); rank {watch.rank} is not blamed for its absence\n")
+                         "was deleted or overwritten in the job's store by a process outside "
+                         f"the job (no rank does either); rank {watch.rank} is not blamed for "
+                         "its absence\n")
         sys.stderr.flush()
 
     def _read_news(self) -> bool:
-        """What the other ranks wrote: a failure (then True, recorded) or a departure."""
-        if self._store.check(["failure"]):
-            self._record(PeerFailure(**json.loads(self._store.get("failure"))))
+        """What the other ranks wrote: a failure (then True, recorded) or a departure. An
+        outsider's value under either name is no news."""
+        found, _ = self._entry("failure")
+        if found is not None:
+            self._record(PeerFailure(**json.loads(found)))
             return True
-        if self._departed is None and self._store.check(["departed"]):
-            self._departed = (PeerFailure(**json.loads(self._store.get("departed"))),
-                              time.monotonic())
+        gone = None if self._departed is not None else self._entry("departed")[0]
+        if gone is not None:
+            self._departed = (PeerFailure(**json.loads(gone)), time.monotonic())
         return False
 
     def _record(self, found: PeerFailure) -> None:
@@ -368,7 +381,11 @@ def lagging(group: str) -> str | None:
     dog = _active[0]
     try:  # (a connection of its own: the heartbeat thread's is in use)
         store = dog._job.connection(timeout=max(dog.period, 0.5))
-        return progress.lagging(group, dog.rank, lambda rank: json.loads(
-            store.get(f"hb/{rank}")) if store.check([f"hb/{rank}"]) else {})
+
+        def heartbeat(rank: int) -> dict[str, Any]:
+            beat = store.get_if_present(f"hb/{rank}")
+            return {} if beat is None else json.loads(beat)
+
+        return progress.lagging(group, dog.rank, heartbeat)
     except (RuntimeError, ValueError, TypeError, AttributeError):
         return None  # (a store that does not answer, or a heartbeat of another format)

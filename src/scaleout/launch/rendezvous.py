@@ -61,6 +61,11 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
     return store
 
 
+#: what :meth:`AuthStore.get_if_present` reads for an absent entry (a sealed value is at
+#: least a 12-byte nonce and a 16-byte tag)
+_ABSENT = b"\0absent"
+
+
 class AuthStore(tdist.Store):
     """A store whose keys are hidden and whose values are sealed with the job token.
 
@@ -83,6 +88,17 @@ class AuthStore(tdist.Store):
 
     def get(self, key: str) -> bytes:
         return self._sealer.open(key, self._raw.get(self._sealer.name(key)))
+
+    def get_if_present(self, key: str) -> bytes | None:
+        """``key``'s value, or ``None`` at once when it is absent. ``get`` would wait for it
+        until the store's timeout, and a client whose request timed out reads the late answer
+        as the next one's: an entry deleted by an outsider between a ``check`` and a ``get``
+        spent the watchdog's connection. ``compare_set`` with the same marker as expected and
+        new value answers without waiting and changes nothing: the marker is shorter than
+        any sealed value, so it comes back only for an absent entry (or one an outsider set
+        to it, which is no more a value of the job's than a deleted one)."""
+        found = bytes(self._raw.compare_set(self._sealer.name(key), _ABSENT, _ABSENT))
+        return None if found == _ABSENT else self._sealer.open(key, found)
 
     def add(self, key: str, amount: int) -> int:
         return self._raw.add(self._sealer.name(key), amount)

@@ -1,0 +1,54 @@
+"""The host probe's output, as ``benchmarks/scaling.sh`` (``PROBE=1``) writes it, in the JSON
+form ``scaleout.sim.testbed_cases.PROBE_FILES`` names (``stop31/host-probe-3.json``): one row
+per rank and repeat, with the repeat's time and load.
+
+    python benchmarks/probe_json.py OUT/probe-4-*.txt > benchmarks/results/stopNN/host-probe-4.json
+"""
+import json
+import os
+import re
+import sys
+
+MACHINE = re.compile(r"^=== machine (\{.*\})\s*$")
+REPEAT = re.compile(r"^=== repeat (\d+) utc (\S+) loadavg (\S+) (\S+) (\S+)")
+ROW = re.compile(r"^\[rank \d+\] (\{.*\})\s*$")
+
+
+def machine(path: str) -> dict:
+    """The machine the probe ran on, as scaling.sh wrote it into the file."""
+    with open(path) as lines:
+        for line in lines:
+            if (m := MACHINE.match(line)):
+                return json.loads(m[1])
+    raise ValueError(f"{path}: no '=== machine' line")
+
+
+def rows(path: str) -> list[dict]:
+    """Every rank's row in one probe file, each with its repeat, time and load."""
+    found, meta = [], None
+    with open(path) as lines:
+        for line in lines:
+            if (m := REPEAT.match(line)):
+                meta = {"repeat": int(m[1]), "utc": m[2],
+                        "loadavg_before": [float(m[i]) for i in (3, 4, 5)]}
+            elif (m := ROW.match(line)) and meta is not None:
+                found.append({**json.loads(m[1]), **meta})
+    if not found:
+        raise ValueError(f"{path}: no probe rows after a '=== repeat' line")
+    return found
+
+
+def main(paths: list[str]) -> dict:
+    every = [row for path in paths for row in rows(path)]
+    hosts = {len({r["rank"] for r in rows(p)}) for p in paths}
+    return {"command": "PROBE=1 bash benchmarks/scaling.sh ... (benchmarks/host_cpu_probe.py 8 11 "
+                       f"8, twice per rate, {'/'.join(map(str, sorted(hosts)))} hosts)",
+            "machine": machine(paths[0]),
+            "files": [os.path.basename(p) for p in paths], "rows": every}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    json.dump(main(sys.argv[1:]), sys.stdout, indent=1)
+    print()

@@ -250,19 +250,19 @@ def test_an_outsider_deleting_store_entries_is_reported_and_blames_no_rank(
             assert time.monotonic() < deadline and job.poll() is None, "the job never started"
             time.sleep(0.05)
         outsider = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
-        deleted, until = 0, time.monotonic() + 4.5
+        touched, until = 0, time.monotonic() + 4.5
         while time.monotonic() < until:
             for key in outsider.list_keys():
                 if action == "delete":
-                    deleted += outsider.delete_key(key)
+                    touched += outsider.delete_key(key)
                 else:
                     outsider.set(key, b"not sealed with the job's token")
-                    deleted += 1
+                    touched += 1
             time.sleep(0.02)
         output = job.communicate(timeout=40)[0]
     finally:
         job.kill()
-    assert deleted > 0 and job.returncode == 0, output
+    assert touched > 0 and job.returncode == 0, output
     assert "heartbeat entry was deleted or overwritten in the job's store by a process " \
         "outside" in output
     assert "failed" not in output and output.count("finished") == 2, output

@@ -39,8 +39,9 @@ def rows(path: str) -> list[dict]:
 
 
 def main(paths: list[str]) -> dict:
-    every = [row for path in paths for row in rows(path)]
-    hosts = {len({r["rank"] for r in rows(p)}) for p in paths}
+    per_file = [rows(path) for path in paths]
+    every = [row for found in per_file for row in found]
+    hosts = {len({row["rank"] for row in found}) for found in per_file}
     return {"command": "PROBE=1 bash benchmarks/scaling.sh ... (benchmarks/host_cpu_probe.py 8 11 "
                        f"8, twice per rate, {'/'.join(map(str, sorted(hosts)))} hosts)",
             "machine": machine(paths[0]),

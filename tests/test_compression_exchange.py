@@ -316,10 +316,10 @@ def test_rows_is_exact_and_sends_only_touched_rows(world_size: int) -> None:
     nan_at = torch.isnan(results[0]["bucket"][-120:].view(40, 3))
     assert nan_at[9, 2] and nan_at.sum() == 1, "a NaN arrives where it was, as in a dense allreduce"
     touched = len({0, 10, 50} | {r for r in range(world_size)} | {10 + r for r in range(world_size)})
-    flags = 4 * (100 + 6 + 40)  # round 1: one float per row of each matrix
+    flags = 100 + 6 + 40  # round 1: one byte per row of each matrix
     rows = 4 * (touched * 8 + 30 + 7 + 3)  # round 2: touched rows, dense whole, bias, NaN row
     assert results[0]["payload"] == flags + rows
-    assert results[0]["single_payload"] == 4 * (100 + touched * 8)
+    assert results[0]["single_payload"] == 100 + 4 * touched * 8
 
 
 def _rows_model_body(spec: str | None) -> list[torch.Tensor]:

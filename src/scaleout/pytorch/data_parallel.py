@@ -28,13 +28,14 @@ from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
 from scaleout.pytorch.exchange_stats import bind_recorders
+from scaleout.pytorch.lookup_reads import exact_builtin, find_lookup_reads, rows_wanted
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
-                                      register_layers)
+                                      register_layers, set_bucket_parameters)
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.reads import find_early_reads
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
 from scaleout.pytorch.residual_carry import carry_residuals, residual_slices
-from scaleout.pytorch.tied import EarlyShares, find_tied, splittable
+from scaleout.pytorch.tied import EarlyShares, splittable
 from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
 from scaleout.scheduler import SchedulerConfig
@@ -72,10 +73,10 @@ class DataParallel(BackwardSide, CheckpointSurface):
             ``True`` (exact), ``"lossy"`` (codecs per layer allowed) or a ``TuneConfig``
             (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
 
-    A weight read by an embedding lookup and by other operations (an LM head tied to the
-    token embedding) is found in the first forward's graph and, when sent exact, travels in
-    two shares: the other operations' share as soon as it exists, the lookup's row-sparse at
-    the end of backward (:mod:`scaleout.pytorch.tied`).
+    Weights read by embedding lookups alone (DLRM's tables), sent exact, travel row-sparse on
+    the CPU across machines (:mod:`scaleout.pytorch.lookup_reads`); one read by a lookup and
+    by other operations (a tied LM head), with ``SCALEOUT_SPLIT_TIED=1``, in two shares
+    (:mod:`scaleout.pytorch.tied`). The first forward's graph shows which.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -152,6 +153,7 @@ class DataParallel(BackwardSide, CheckpointSurface):
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
         self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
+        self._lookup_only: list[nn.Parameter] = []  # read by lookups alone, to go row-sparse
         self._shares: EarlyShares | None = None
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
@@ -264,8 +266,9 @@ class DataParallel(BackwardSide, CheckpointSurface):
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
         if self._session is None:
-            self._tied = find_tied(output, [p for layer in self._layers for p in layer.params],
-                                   self.comm, self._device)
+            self._tied, self._lookup_only = find_lookup_reads(
+                output, [p for layer in self._layers for p in layer.params], self.comm,
+                self._device, rows=rows_wanted(self._device, self.env.launch.loopback))
             self._commit()
         if self._shares and self.training and torch.is_grad_enabled():
             self._shares.hook(output)
@@ -328,18 +331,15 @@ class DataParallel(BackwardSide, CheckpointSurface):
         if self._comm_hook is not None:
             session.register_comm_hook(*self._comm_hook)
         names = {id(p): n for n, p in self.module.named_parameters()}
-        split = [p for p in self._tied if splittable(
-            p, names[id(p)], self._compression, self.distributed_update or self._comm_hook)]
+        how = dict(compression=self._compression,
+                   other_exchange=self.distributed_update or self._comm_hook)
+        split = {id(p) for p in self._tied if splittable(p, names[id(p)], **how)}
+        rows = {id(p) for p in self._lookup_only if exact_builtin(p, names[id(p)], **how)}
         usage = register_layers(session, self.distribution, self._forward_order, names,
                                 distributed_update=self.distributed_update,
-                                compression=self._compression, split={id(p) for p in split})
+                                compression=self._compression, split=split, rows=rows)
         session.commit()
-        param_of = {id(ps): p for layer in self._forward_order
-                    for p, ps in zip(layer.params, layer.sets)}
-        param_of.update({id(ps): layer.params[i] for layer in self._forward_order
-                         for i, ps in layer.early.items()})
-        for bucket in session.buckets:
-            bucket.set_parameters([param_of[id(ps)] for ps in bucket.members if id(ps) in param_of])
+        set_bucket_parameters(session, self._forward_order)
         self.updates.commit(self._forward_order, usage, self._trace)
         if self._trace is not None:
             for layer in self._forward_order:
@@ -359,11 +359,10 @@ class DataParallel(BackwardSide, CheckpointSurface):
                                    on_share=self._on_share)
 
     def _nothing_to_exchange(self) -> bool:
-        """A lone rank (data and model groups of one) with exact gradients and nothing
-        recorded: averaging over one rank is the identity, so no hook, bucket or progress
-        thread is set up and the optimizer steps on ``.grad`` as a plain one would (per-layer
-        hooks alone cost a launch-bound GPU model a third of its iteration: RESULTS.md,
-        issue 11). ``SCALEOUT_ALONE_FAST_PATH=0`` keeps the whole machinery (to measure it)."""
+        """A lone rank (data and model groups of one), exact gradients, nothing recorded:
+        averaging over one rank is the identity, so no hook, bucket or progress thread is
+        set up (per-layer hooks alone cost a launch-bound GPU model a third of its iteration:
+        RESULTS.md, issue 11). ``SCALEOUT_ALONE_FAST_PATH=0`` keeps them (to measure them)."""
         return (self.comm.size == 1 and self._model_comm.size == 1 and self._compression is None
                 and self._comm_hook is None and self._trace is None and not self.distributed_update
                 and self._tuner is None and os.environ.get("SCALEOUT_ALONE_FAST_PATH", "1") != "0")

@@ -16,10 +16,11 @@ from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.placement import is_local, registration
-from scaleout.pytorch.tied import LOOKUP_DENSE_ABOVE
+from scaleout.pytorch.lookup_reads import LOOKUP_DENSE_ABOVE
 from scaleout.session import Operation, ParameterSet, ParameterSetSpec, Session
 
-__all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors", "register_layers", "USAGE"]
+__all__ = ["Layer", "find_layers", "agreed_order", "broadcast_tensors", "register_layers",
+           "set_bucket_parameters", "USAGE"]
 
 
 @dataclass(eq=False)
@@ -129,7 +130,8 @@ USAGE = "<parameters used>"
 
 def register_layers(session: Session, distribution: Distribution, layers: list[Layer],
                     names: dict[int, str], *, distributed_update: bool,
-                    compression: Any, split: Collection[int] = ()) -> ParameterSet | None:
+                    compression: Any, split: Collection[int] = (),
+                    rows: Collection[int] = ()) -> ParameterSet | None:
     """Add one Operation per layer (in ``layers``' order) to ``session``, one ParameterSet per
     parameter, after the operation that carries who used what; return that one's set.
 
@@ -138,7 +140,8 @@ def register_layers(session: Session, distribution: Distribution, layers: list[L
     of its own. ``names``: parameter id to qualified name. ``split``: ids of tied parameters
     sent in two shares (``scaleout.pytorch.tied``): their own set carries the lookup's share,
     row-sparse; an operation after the last layer (so first in backward order) carries the
-    early share, exact, in ``layer.early``.
+    early share, exact, in ``layer.early``. ``rows``: ids of parameters read by embedding
+    lookups alone (``scaleout.pytorch.lookup_reads``): sent row-sparse, exact.
     """
     params = [p for layer in layers for p in layer.params]
     usage = None
@@ -151,7 +154,8 @@ def register_layers(session: Session, distribution: Distribution, layers: list[L
         specs = [ParameterSetSpec(count=count, dtype=p.dtype, name=names.get(id(p), ""),
                                   distributed_update=distributed_update,
                                   compression=(RowsCodec(dense_above=LOOKUP_DENSE_ABOVE)
-                                               if id(p) in split else compression),
+                                               if id(p) in split or id(p) in rows
+                                               else compression),
                                   shape=shape, device=p.device, model_split=parted)
                  for p in layer.params
                  for count, shape, parted in [registration(p, model_comm)]]
@@ -168,3 +172,13 @@ def register_layers(session: Session, distribution: Distribution, layers: list[L
                 op = session.add_operation(name, distribution, parameter_sets=[spec])
                 layer.early[index] = op.parameter_sets[0]
     return usage
+
+
+def set_bucket_parameters(session: Session, layers: list[Layer]) -> None:
+    """Tell each bucket of the committed ``session`` which parameters its members are (its
+    ``parameters()`` for comm hooks): ``layers``' sets and their early shares."""
+    param_of = {id(ps): p for layer in layers for p, ps in zip(layer.params, layer.sets)}
+    param_of.update({id(ps): layer.params[i] for layer in layers
+                     for i, ps in layer.early.items()})
+    for bucket in session.buckets:
+        bucket.set_parameters([param_of[id(ps)] for ps in bucket.members if id(ps) in param_of])

@@ -20,9 +20,10 @@ averaged shares: exact up to float summation order. Whatever a hook misses (an o
 it did not find, a micro-batch under ``no_sync()``) stays in ``.grad`` and travels with the
 lookup's share, so the sum stays exact in every case; only the overlap is lost.
 
-:func:`find_tied` decides at the first forward which weights to split (the same on every
-rank: rank 0's graph decides; a first forward without autograd, or one ``torch.compile``
-fused into a single node, finds none, and the weight then travels whole). A forward whose
+:func:`~scaleout.pytorch.lookup_reads.find_lookup_reads` decides at the first forward which
+weights are tied (the same on every rank: rank 0's graph decides; a first forward without
+autograd, or one ``torch.compile`` fused into a single node, finds none, and the weight then
+travels whole). A forward whose
 graph is never backpropagated leaves a hook waiting: the early share of the next backward
 then leaves at its end (still exact, without the overlap).
 """
@@ -30,18 +31,17 @@ then leaves at its end (still exact, without the overlap).
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from scaleout.core import collectives
-from scaleout.core.collectives import Communicator
+from scaleout.pytorch.lookup_reads import (LOOKUP_DENSE_ABOVE, Node, exact_builtin,
+                                           graph_readers, is_lookup)
 
-__all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_VAR"]
+__all__ = ["splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_VAR"]
 
 #: ``SCALEOUT_SPLIT_TIED=1`` turns the split on. It is off by default: on the 2-core machine
 #: it was not shown to pay (its quietest before/after pair was slower, 1122 against 1006 ms
@@ -49,88 +49,14 @@ __all__ = ["find_tied", "splittable", "EarlyShares", "LOOKUP_DENSE_ABOVE", "ENV_
 #: backward; benchmarks/RESULTS.md, issue 16, stop 12).
 ENV_VAR = "SCALEOUT_SPLIT_TIED"
 
-#: The lookup's share goes whole when more than this share of the rows was touched on some
-#: rank. Each row flag costs one value of a row of ``d`` values, so rows pay almost up to
-#: all rows (the transformer benchmark touches 56% of its 4096 rows per step).
-LOOKUP_DENSE_ABOVE = 0.9
-
-_Node = Any  # an autograd graph node (torch._C._functions.*)
-
-
-def _is_lookup(node: _Node) -> bool:
-    """An embedding lookup's backward (``F.embedding``, ``F.embedding_bag``, dense)."""
-    return type(node).__name__.startswith("Embedding")
-
-
-def _roots(outputs: Any) -> list[_Node]:
-    """The grad_fn of every tensor in ``outputs`` (a tensor, or nested tuples, lists, dicts)."""
-    found: list[_Node] = []
-    stack = [outputs]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.grad_fn is not None:
-                found.append(obj.grad_fn)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (tuple, list)):
-            stack.extend(obj)
-    return found
-
-
-def _readers(outputs: Any, params: dict[int, nn.Parameter],
-             enough: Callable[[dict[int, list[tuple[_Node, int]]]], bool] | None = None,
-             ) -> dict[int, list[tuple[_Node, int]]]:
-    """Per parameter id in ``params``: the graph nodes that read it, with the input slot.
-
-    Breadth first from the outputs (the head sits next to them); stops early once
-    ``enough(found so far)`` holds.
-    """
-    found: dict[int, list[tuple[_Node, int]]] = {}
-    queue, seen = deque(_roots(outputs)), set()
-    while queue:
-        node = queue.popleft()
-        for slot, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            variable = getattr(nxt, "variable", None)  # an AccumulateGrad: a leaf
-            if variable is not None and id(variable) in params:
-                found.setdefault(id(variable), []).append((node, slot))
-            elif id(nxt) not in seen:
-                seen.add(id(nxt))
-                queue.append(nxt)
-        if enough is not None and enough(found):
-            break
-    return found
-
-
-def find_tied(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
-              device: torch.device) -> list[nn.Parameter]:
-    """The parameters ``outputs``' graph reads by an embedding lookup and by something else.
-
-    Rank 0's answer counts (one broadcast of a flag per parameter, once), so that every rank
-    registers the same parameter sets even if its first forward differed.
-    """
-    params = list(params)
-    readers = _readers(outputs, {id(p): p for p in params})
-    flags = torch.tensor([
-        1 if any(_is_lookup(n) for n, _ in readers.get(id(p), ()))
-        and any(not _is_lookup(n) for n, _ in readers.get(id(p), ())) else 0
-        for p in params], dtype=torch.int64, device=device)
-    if comm.size > 1:
-        collectives.bcast(comm, flags, 0).wait()
-    return [p for p, flag in zip(params, flags.tolist()) if flag]
-
 
 def splittable(param: nn.Parameter, name: str, compression: Any, other_exchange: Any) -> bool:
     """Whether tied ``param`` (named ``name``) travels in two shares: only when it is sent
     exact (``compression`` has no codec for it) by the built-in all-reduce
     (``other_exchange`` falsy: no sharded update, no comm hook), and turned on
     (``SCALEOUT_SPLIT_TIED=1``)."""
-    if os.environ.get(ENV_VAR, "0") != "1":
-        return False
-    return not other_exchange and (compression is None or compression.codec_for(
-        name, param.numel(), param.dtype) is None)
+    return os.environ.get(ENV_VAR, "0") == "1" and exact_builtin(param, name, compression,
+                                                                 other_exchange)
 
 
 @dataclass(eq=False)
@@ -177,15 +103,15 @@ class EarlyShares:
             return
         want = self._per_forward
 
-        def enough(found: dict[int, list[tuple[_Node, int]]]) -> bool:
-            return want > 0 and sum(not _is_lookup(n) for nodes in found.values()
+        def enough(found: dict[int, list[tuple[Node, int]]]) -> bool:
+            return want > 0 and sum(not is_lookup(n) for nodes in found.values()
                                     for n, _ in nodes) >= want
-        readers = _readers(outputs, self._params, enough)
+        readers = graph_readers(outputs, self._params, enough)
         count = 0
         for key, nodes in readers.items():
             share = self._shares[key]
             for node, slot in nodes:
-                if _is_lookup(node):
+                if is_lookup(node):
                     continue
                 node.register_hook(self._take(share, slot))
                 share.expected += 1

@@ -26,16 +26,19 @@ ROWS, BAG_ROWS, WIDTH, PER_RANK, STEPS = 64, 48, 8, 3, 4
 
 class Lookups(nn.Module):
     """An embedding, an embedding bag, a linear layer reading their sum; ids use a quarter
-    of each table's rows."""
+    of each table's rows, except a two-row table (``pos``) that every batch reads whole."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(ROWS, WIDTH)
         self.bag = nn.EmbeddingBag(BAG_ROWS, WIDTH, mode="sum")
+        self.pos = nn.Embedding(2, WIDTH)
         self.out = nn.Linear(WIDTH, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.emb(ids[:, 0]) + self.bag(ids[:, 1:] % BAG_ROWS)))
+        rows = torch.arange(ids.shape[0]) % 2
+        hidden = self.emb(ids[:, 0]) + self.bag(ids[:, 1:] % BAG_ROWS) + self.pos(rows)
+        return self.out(torch.tanh(hidden))
 
 
 def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +113,7 @@ def test_lookup_weights_go_row_sparse_and_training_matches_single_process(
         assert result["codecs"]["emb.weight"] == "rows"
         assert result["codecs"]["bag.weight"] == "rows"
         assert result["codecs"]["out.weight"] != "rows"
+        assert result["codecs"]["pos.weight"] == "none"  # read whole by every batch
         assert result["bytes"] < 0.6 * _dense_bytes(), result["bytes"]
 
 

@@ -92,11 +92,26 @@ def graph_readers(outputs: Any, params: dict[int, nn.Parameter],
     return found
 
 
-def _kind(readers: list[tuple[Node, int]]) -> int:
+def _kind(readers: list[tuple[Node, int]], rows: int) -> int:
     lookups = sum(is_lookup(node) for node, _ in readers)
     if not lookups:
         return _OTHER
-    return _LOOKUP_ONLY if lookups == len(readers) else _TIED
+    if lookups < len(readers):
+        return _TIED
+    share = _share_read(readers, rows)
+    # a table whose rows one batch reads nearly all of (positions) would go whole anyway,
+    # after a round of row flags: it stays dense
+    return _OTHER if share is not None and share > LOOKUP_DENSE_ABOVE else _LOOKUP_ONLY
+
+
+def _share_read(readers: list[tuple[Node, int]], rows: int) -> float | None:
+    """The share of a table's ``rows`` that these lookups read (their saved indices), or
+    ``None`` where a node does not show them."""
+    try:
+        ids = torch.cat([node._saved_indices.reshape(-1) for node, _ in readers])
+    except (AttributeError, RuntimeError):
+        return None
+    return torch.unique(ids).numel() / max(rows, 1)
 
 
 def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
@@ -104,7 +119,8 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
                       ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """``(tied, lookup_only)``: the parameters ``outputs``' graph reads by an embedding lookup
     and by something else, and, when ``rows`` (row-sparse lookups wanted: :func:`rows_wanted`),
-    those it reads by embedding lookups alone. Rank 0's graph decides.
+    those it reads by embedding lookups alone, less those whose rows this batch read more
+    than ``LOOKUP_DENSE_ABOVE`` of (a positional embedding). Rank 0's graph decides.
 
     Raises:
         ValueError: on every rank, when the ranks' ``rows`` differ (``SCALEOUT_LOOKUP_ROWS``
@@ -112,7 +128,8 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
     """
     params = list(params)
     readers = graph_readers(outputs, {id(p): p for p in params})
-    kinds = torch.tensor([*(_kind(readers.get(id(p), [])) for p in params), int(rows)],
+    kinds = torch.tensor([*(_kind(readers.get(id(p), []), p.shape[0] if p.dim() else 1)
+                            for p in params), int(rows)],
                          dtype=torch.int64, device=device)
     every = collectives.allgather(comm, kinds).wait() if comm.size > 1 else kinds
     every = every.view(comm.size, -1).tolist()

@@ -133,7 +133,7 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
                          dtype=torch.int64, device=device)
     every = collectives.allgather(comm, kinds).wait() if comm.size > 1 else kinds
     every = every.view(comm.size, -1).tolist()
-    wanted = [bool(kinds[-1]) for kinds in every]
+    wanted = [bool(per_rank[-1]) for per_rank in every]  # (each rank's last entry: rows)
     if len(set(wanted)) > 1:
         raise ValueError(
             f"rank {comm.rank}: row-sparse embedding gradients are on for ranks "

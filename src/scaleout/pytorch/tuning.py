@@ -241,24 +241,28 @@ class Tuner:
         assert self._start is not None
         end = _compute(model.statistics, layers)
         seen = model.statistics.iterations
-        start, iterations = ((dict.fromkeys(end, (0.0, 0.0)), seen) if self._reset
+        start, iterations = ((dict.fromkeys(end, (0.0,) * 4), seen) if self._reset
                              else (self._start, seen - self._start_seen))
         iterations = max(iterations, 1)  # per iteration on each rank, then the slowest rank's
         compute = [x / iterations for l in layers for x in (end[l.name][0] - start[l.name][0],
                                                             end[l.name][1] - start[l.name][1])]
+        moved = [_moved(end[l.name], start[l.name]) for l in layers]
         specs, reason = self._allowed_codecs(model)
         min_numel = CompressionConfig().min_numel
         codecs = [measure_codec(spec, layer.params, min_numel) for layer in layers for spec in specs]
         link = (measure_link(comm, model._device) if comm.size > 1 and config.link is None
                 else [0.0] * 4)
         # the slowest rank's figures: every rank then decides alike
-        values = slowest(comm, model._device, [*link, *compute, *(s for _, s in codecs)])
+        values = slowest(comm, model._device,
+                         [*link, *compute, *moved, *(s for _, s in codecs)])
         link_model = config.link or _link_model(comm.size, values[:4], model._device)
         if link_model.ranks != comm.size:
             raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
                              f"has {comm.size}")
-        workload = _workload(layers, values[4:4 + 2 * len(layers)], 1)
-        seconds = values[4 + 2 * len(layers):]
+        n = len(layers)
+        shares = values[4 + 2 * n:4 + 3 * n]
+        workload = _workload(layers, values[4:4 + 2 * n], 1, shares)
+        seconds = values[4 + 3 * n:]
         models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                   in zip(codecs, seconds)])
         choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
@@ -266,8 +270,9 @@ class Tuner:
                         min_gain_lossy=config.min_gain_lossy,
                         runner_up_within=config.runner_up_within if config.verify else 0.0,
                         codec_competes=model._device.type == "cpu")
-        if reason:
-            choice = _with_reason(choice, reason)
+        for line in (_sparse_reason(layers, workload, shares), reason):
+            if line:
+                choice = _with_reason(choice, line)
         if comm.size > 1:
             verify_plan(comm, "tuning choice", choice.key())
         self.choice = choice
@@ -326,22 +331,50 @@ def _link_model(ranks: int, link: Sequence[float], device: torch.device) -> Link
                    cpu_s_per_byte=per_byte if on_cpu else 0.0)
 
 
-def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, float]]:
-    """Each layer's accumulated (compute, backward) seconds."""
-    return {l.name: (statistics.operation(l.name).compute_s,
-                     statistics.operation(l.name).backward_s) for l in layers}
+def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, ...]]:
+    """Each layer's accumulated (compute, backward) seconds and (sent, raw) gradient bytes."""
+    return {l.name: (op.compute_s, op.backward_s, float(op.bytes), float(op.raw_bytes))
+            for l in layers for op in (statistics.operation(l.name),)}
 
 
-def _workload(layers: Sequence[Any], compute: Sequence[float], iterations: int) -> Workload:
+def _moved(end: Sequence[float], start: Sequence[float]) -> float:
+    """The share of a layer's gradient bytes that its exchanges moved between two
+    :func:`_compute` snapshots (1.0 when none was recorded). The plan being measured is
+    exact (``tune=`` refuses ``compression=``), so a share below one is an embedding table
+    sent row-sparse (``scaleout.pytorch.lookup_reads``): the rows some rank looked up, and a
+    flag per row."""
+    raw = end[3] - start[3]
+    return max(end[2] - start[2], 0.0) / raw if raw > 0 else 1.0
+
+
+def _workload(layers: Sequence[Any], compute: Sequence[float], iterations: int,
+              shares: Sequence[float] | None = None) -> Workload:
     """The measured workload: per layer, ``compute`` holds (compute, backward) seconds summed
-    over ``iterations``."""
+    over ``iterations``, and ``shares`` (default: all 1.0) the share of its gradient bytes
+    its exact exchange moves: a row-sparse table is priced at the bytes it sends, so the
+    codecs compete with those, not with the dense table (whose payload no codec is measured
+    against then: ``_codec_models`` leaves out a codec that does not shrink the layer)."""
     if not layers:
         raise RuntimeError("tuning needs at least one layer with parameters")
+    shares = [1.0] * len(layers) if shares is None else shares
     return Workload(name="measured", layers=tuple(
         Layer(name=layer.name, forward_s=max(total - backward, 0.0) / iterations,
               backward_s=max(backward, 0.0) / iterations,
-              grad_bytes=sum(p.numel() * p.element_size() for p in layer.params))
-        for layer, total, backward in zip(layers, compute[::2], compute[1::2])))
+              grad_bytes=round(share * sum(p.numel() * p.element_size() for p in layer.params)))
+        for layer, total, backward, share in zip(layers, compute[::2], compute[1::2], shares)))
+
+
+def _sparse_reason(layers: Sequence[Any], workload: Workload, shares: Sequence[float]) -> str:
+    """The report's line on the layers priced below their dense bytes, or ``""``."""
+    sparse = [(layer.name, share) for layer, share in zip(workload.layers, shares) if share < 0.99]
+    if not sparse:
+        return ""
+    dense = sum(p.numel() * p.element_size() for layer in layers for p in layer.params)
+    listed = ", ".join(f"{name} {share:.1%}" for name, share in sparse[:4])
+    more = f" and {len(sparse) - 4} more" if len(sparse) > 4 else ""
+    return (f"exact gradients row-sparse: {len(sparse)} layer(s) moved a share of their dense "
+            f"bytes ({listed}{more}), priced so: {workload.grad_bytes / max(dense, 1):.1%} "
+            f"of the {dense / 2**20:.2f} MiB of gradients per iteration")
 
 
 def _codec_models(workload: Workload, specs: Sequence[str],

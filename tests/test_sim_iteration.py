@@ -322,3 +322,29 @@ def test_a_cycled_loop_starts_collectives_only_at_its_cycles() -> None:
     assert _comm(r) == [("bucket0", 2.0, 10.0), ("bucket1", 10.0, 11.0)]
     with pytest.raises(ValueError, match="cycle_s"):
         IterationConfig(cycle_s=-1.0)
+
+
+def test_each_round_of_a_codec_costs_a_collective_latency_and_its_call() -> None:
+    # the codec of test_codec_shrinks_bytes_and_costs_compute on a link with 0.5 s of latency
+    topo = parse_topology("2", bandwidths=[float(MB)], latencies=[0.5], kinds=["ring"])
+    sched = SchedulerConfig(policy="fifo", bucket_bytes=16 * MB, first_bucket_bytes=16 * MB)
+
+    def run(rounds: int, per_message: float = 0.0) -> float:
+        codec = CodecModel(name="q8", ratio=0.25, seconds_per_byte=0.1 / MB,
+                           multi_round=rounds > 1, rounds=rounds)
+        cfg = IterationConfig(scheduler=sched, mode="sync", codec=codec,
+                              host_s_per_message=per_message)
+        return simulate(_two_layers(), topo, cfg).iteration_s
+
+    one_byte = simulate(  # what a 1-byte all-reduce takes on this link: the round's latency
+        Workload(name="b", layers=(Layer(name="x", forward_s=0.0, backward_s=0.0, grad_bytes=1),)),
+        topo, IterationConfig(scheduler=sched, mode="sync")).iteration_s
+    assert one_byte == pytest.approx(1.0, abs=1e-5)  # 2 steps x 0.5 s
+    assert run(2) - run(1) == pytest.approx(one_byte)
+    # a host that pays 10 s per collective: the exchange lasts its CPU, 10 s per round
+    assert run(2, 10.0) - run(1, 10.0) == pytest.approx(10.0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="rounds"):
+            CodecModel(name="x", ratio=0.5, multi_round=True, rounds=bad)
+    with pytest.raises(ValueError, match="rounds"):
+        CodecModel(name="x", ratio=0.5, rounds=2)  # several rounds: multi_round

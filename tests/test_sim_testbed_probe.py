@@ -17,9 +17,11 @@ from scaleout.sim.testbed_cases import (
     HOST_PROBE,
     PROBE_BYTES,
     PROBE_FILES,
+    ROW_SPARSE_ROWS,
     SLOWDOWN,
     TESTBED_ROWS,
     probed_link,
+    row_sparse,
     single_rank_trace,
 )
 from scaleout.sim.testbed_cases import testbed_workload as row_workload  # (not a test)
@@ -126,14 +128,37 @@ def test_each_workloads_slowdown_is_its_own_lockstep_row(key: tuple[str, int]) -
     assert set(SLOWDOWN) == {(row[0], row[1]) for row in TESTBED_ROWS} == set(SLOWDOWN_TABLES)
 
 
+def _summary(table: str, workload: str, ranks: int, rate: str) -> dict:
+    """The bench run ``table``'s summary, checked to be of ``workload`` at ``ranks`` and ``rate``."""
+    data = json.loads((RESULTS / f"{table}.json").read_text())
+    assert (data["settings"]["workload"], data["settings"]["ranks"],
+            data["settings"]["rate"]) == (workload, ranks, rate)
+    return data["summary"]
+
+
 @pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
 def test_a_rows_figures_are_its_tables(row) -> None:
     # what each scenario predicts from and is scored against is the recorded bench run
     workload, ranks, rate, single_ms, ours_ms, ddp_ms, mb, table = row
-    data = json.loads((RESULTS / f"{table}.json").read_text())
-    assert (data["settings"]["workload"], data["settings"]["ranks"],
-            data["settings"]["rate"]) == (workload, ranks, rate)
-    summary = data["summary"]
+    summary = _summary(table, workload, ranks, rate)
     for figure, name in ((single_ms, "single"), (ours_ms, "scaleout"), (ddp_ms, "ddp")):
         assert figure == pytest.approx(summary[name]["iter_ms"], abs=0.051)
     assert mb == pytest.approx(summary["scaleout"]["bytes_per_iter"] / 1e6, abs=0.005)
+
+
+@pytest.mark.parametrize("row", ROW_SPARSE_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
+def test_a_row_sparse_rows_figures_are_its_table_and_its_tables_move_its_bytes(row) -> None:
+    workload, ranks, rate, single_ms, ours_ms, mb, table, peer = row
+    summary = _summary(table, workload, ranks, rate)
+    assert single_ms == pytest.approx(summary["single"]["iter_ms"], abs=0.051)
+    assert ours_ms == pytest.approx(summary[peer]["iter_ms"], abs=0.051)
+    assert mb == pytest.approx(summary[peer]["bytes_per_iter"] / 1e6, abs=0.0005)
+    assert (ranks, rate) in HOST_PROBE and (workload, ranks) in SLOWDOWN
+    # the tables' codec moves what the row measured, the dense MLPs the rest, whole
+    work = row_workload(workload, single_ms, 5.21, ranks)
+    codecs = row_sparse(work, mb, SLOWDOWN[workload, ranks])
+    assert len(codecs) == 26 and {c.rounds for c in codecs.values()} == {2}
+    moved = sum(lay.grad_bytes * (codecs[lay.name].ratio if lay.name in codecs else 1.0)
+                for lay in work.layers)
+    assert moved == pytest.approx(mb * 1e6, rel=1e-6)
+    assert 0 < next(iter(codecs.values())).ratio < 0.1

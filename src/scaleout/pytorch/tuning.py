@@ -390,7 +390,7 @@ def _codec_models(workload: Workload, specs: Sequence[str],
                 models.setdefault(layer.name, {})[spec] = CodecModel(
                     name=spec, ratio=payload / layer.grad_bytes,
                     seconds_per_byte=seconds / layer.grad_bytes, summable=codec.summable,
-                    multi_round=codec.multi_round)
+                    multi_round=codec.multi_round, rounds=codec.rounds)
     return models
 
 

@@ -27,6 +27,11 @@ class CodecModel:
         summable: payloads add on the wire (all-reduce); else they are all-gathered.
         multi_round: an exchange takes several rounds, so it owns its lane while in flight
             (the runtime's ``Codec.multi_round``: blockquant, PowerSGD, rows).
+        rounds: collectives per exchange (the runtime's ``Codec.rounds``; 1 unless
+            ``multi_round``): each round beyond the first costs the exchange one more
+            collective's latency (a collective of one byte on the topology) and, on a host that
+            pays per message (``IterationConfig.host_s_per_message``), its CPU. Its bytes are
+            in ``ratio``.
     """
 
     name: str = ""
@@ -34,8 +39,13 @@ class CodecModel:
     seconds_per_byte: float = 0.0
     summable: bool = True
     multi_round: bool = False
+    rounds: int = 1
 
     def __post_init__(self) -> None:
+        if (isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1
+                or (self.rounds > 1 and not self.multi_round)):
+            raise ValueError(f"codec rounds must be an int >= 1, and above 1 only for a "
+                             f"multi_round codec, got {self.rounds!r}")
         if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
         if not isinstance(self.seconds_per_byte, (int, float)) or self.seconds_per_byte < 0:
@@ -69,6 +79,7 @@ CODECS: Mapping[str, CodecModel] = MappingProxyType(
                 ratio=11.25 / 44.70,
                 seconds_per_byte=1.47 * _MS_PER_MB,
                 multi_round=True,
+                rounds=2,
             ),
             CodecModel(
                 name="sign",
@@ -87,6 +98,7 @@ CODECS: Mapping[str, CodecModel] = MappingProxyType(
                 ratio=0.33 / 44.70,
                 seconds_per_byte=2 / 44.70 * _MS_PER_MB,
                 multi_round=True,
+                rounds=2,
             ),
         )
     }

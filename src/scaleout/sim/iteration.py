@@ -203,9 +203,10 @@ class _Run:
         self.admitted = max(self.admitted - 1, 0)
         wire, codec_s, summable = self.wire(chunk)
         cost = self.cost(wire, summable)
-        # the CPU the wire bytes and the collective's call cost (testbed, a tuned CPU run)
-        host = wire * self.cfg.host_s_per_byte + self.cfg.host_s_per_message
-        duration = max(cost.time, host) + codec_s
+        rounds = self.codecs[chunk.bucket.keys[0]].rounds if chunk.bucket.codec else 1
+        # the CPU the wire bytes and each round's call cost (testbed, a tuned CPU run)
+        host = wire * self.cfg.host_s_per_byte + rounds * self.cfg.host_s_per_message
+        duration = max(cost.time + (rounds - 1) * self.cost(1.0).time, host) + codec_s
         # on such a host the codec runs on the compute's cores too: its share done while the
         # rank computes is charged the same way
         cpu = host + (codec_s if self.cfg.host_s_per_byte else 0.0)

@@ -69,6 +69,7 @@ from scaleout.sim.workload import Layer, Workload
 
 __all__ = [
     "BLOCKQUANT_ROWS",
+    "ROW_SPARSE_ROWS",
     "TESTBED_ROWS",
     "HOST_PROBE",
     "PROBE_FILES",
@@ -147,6 +148,37 @@ BLOCKQUANT_ROWS = MappingProxyType(
 )
 
 
+# DLRM's tables row-sparse, scaleout's default on the CPU across machines since stop 33 (its
+# ``scaleout`` rows; the 3-rank table's ``scaleout+rows:dense_above=0.9`` row, the same
+# codec): (workload, ranks, rate, single ms, scaleout ms, MB/it, JSON under
+# benchmarks/results, row). The tables' codec is :func:`row_sparse`'s.
+ROW_SPARSE_ROWS = (
+    ("dlrm", 2, "100mbit", 5.59, 46.68, 0.528, "stop33/dlrm-100mbit-default", "scaleout"),
+    ("dlrm", 2, "1gbit", 6.31, 21.42, 0.528, "stop33/dlrm-1gbit-default", "scaleout"),
+    ("dlrm", 2, "10gbit", 5.63, 21.32, 0.528, "stop33/dlrm-10gbit-default", "scaleout"),
+    ("dlrm", 3, "1gbit", 4.99, 41.09, 0.583, "stop33/dlrm-3ranks-1gbit-rows",
+     "scaleout+rows:dense_above=0.9"),
+)
+DENSE_MB = {"dlrm": 5.21}  # the workload's gradient MB/it when sent whole (TESTBED_ROWS)
+#: The rows codec's CPU per byte of the tables it reads: encode, both rounds and decode on
+#: a group of one, one thread (``benchmarks/rows_cpu_probe.py``, stop 34: 0.11-0.18 ms/MiB).
+ROWS_S_PER_BYTE = 0.15e-3 / MB
+
+
+def row_sparse(workload: Workload, grad_mb: float, slowdown: float) -> dict[str, CodecModel]:
+    """The ``rows`` codec of each embedding table (``embeddings.*``) of ``workload``: the bytes
+    the tables moved (``grad_mb`` less the other layers' dense bytes) as one share of their
+    dense bytes (the runtime sends a table that a batch reads nearly whole dense, and the
+    others row-sparse: the share is their mean), two rounds (the row flags, then the rows),
+    and its CPU, :data:`ROWS_S_PER_BYTE` x ``slowdown``."""
+    tables = [lay for lay in workload.layers if lay.name.startswith("embeddings.")]
+    table_bytes = sum(lay.grad_bytes for lay in tables)
+    share = (grad_mb * BENCH_MB - (workload.grad_bytes - table_bytes)) / table_bytes
+    codec = CodecModel(name="rows", ratio=share, seconds_per_byte=ROWS_S_PER_BYTE * slowdown,
+                       multi_round=True, rounds=2)
+    return {lay.name: codec for lay in tables}
+
+
 @cache
 def single_rank_trace(workload: str) -> Workload:
     """The recorded single-rank trace of ``workload`` (``resnet18``, ``transformer`` or
@@ -189,15 +221,19 @@ def probed_link(rate: str, ranks: int = 2) -> LinkModel:
 
 def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: float,
              peer: str) -> float:
-    codec = CodecModel()
+    codec, layer_codecs = CodecModel(), {}
     if peer == "scaleout+blockquant":  # its CPU (one thread alone) slows as the compute does
         codec = codec_model("blockquant")
         codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * SLOWDOWN[workload, ranks])
     link = probed_link(rate, ranks)
     topology = link.topology()
     host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
+    if peer == "scaleout, row-sparse tables":
+        work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)
+        layer_codecs = row_sparse(work, grad_mb, SLOWDOWN[workload, ranks])
     if peer.startswith("scaleout"):
-        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec, **host)
+        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec,
+                                 layer_codecs=layer_codecs, **host)
     else:
         config = IterationConfig(
             mode="sync",
@@ -206,7 +242,8 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
             ),
             **host,
         )
-    work = testbed_workload(workload, single_ms, grad_mb, ranks)
+    if not layer_codecs:
+        work = testbed_workload(workload, single_ms, grad_mb, ranks)
     return simulate(work, topology, config).iteration_s * 1e3
 
 
@@ -215,25 +252,32 @@ _PEERS = MappingProxyType({
     "ddp": "FIFO 25 MB buckets, sync",
     "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
     "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
+    "scaleout, row-sparse tables": "priority, overlap; the tables' bytes are the MB/it less the "
+    "dense MLPs', two rounds, 0.15 ms of CPU per MiB of table alone (rows_cpu_probe.py)",
 })
 
 
 def testbed_scenarios() -> tuple[Scenario, ...]:
-    """Every table's scaleout and ddp rows, and its blockquant row where it has one."""
+    """Every table's scaleout and ddp rows, its blockquant row where it has one, and the
+    row-sparse tables' scaleout rows."""
     out = []
-    for workload, ranks, rate, single, ours, ddp, mb, table in TESTBED_ROWS:
-        peers = [("scaleout", ours), ("ddp", ddp)]
-        if (workload, ranks, rate) in BLOCKQUANT_ROWS:
-            peers.append(("scaleout+blockquant", BLOCKQUANT_ROWS[workload, ranks, rate]))
-        for peer, measured in peers:
+    tables = [(w, n, r, single, mb, table, [("scaleout", ours, "scaleout"), ("ddp", ddp, "ddp")]
+               + ([("scaleout+blockquant", BLOCKQUANT_ROWS[w, n, r], "scaleout+blockquant")]
+                  if (w, n, r) in BLOCKQUANT_ROWS else []))
+              for w, n, r, single, ours, ddp, mb, table in TESTBED_ROWS]
+    tables += [(w, n, r, single, mb, table, [("scaleout, row-sparse tables", ours, row)])
+               for w, n, r, single, ours, mb, table, row in ROW_SPARSE_ROWS]
+    for workload, ranks, rate, single, mb, table, peers in tables:
+        for peer, measured, row in peers:
             out.append(
                 Scenario(
-                    name=f"{workload} {rate} {peer}" + ("" if ranks == 2 else f" {ranks} ranks"),
+                    name=f"{workload} {rate} {peer.replace(',', '')}"
+                    + ("" if ranks == 2 else f" {ranks} ranks"),
                     group="testbed",
                     measured=measured,
                     unit="ms",
                     bound=RELATIVE_BOUND,
-                    source=f"benchmarks/results/{table}.json, row {peer}",
+                    source=f"benchmarks/results/{table}.json, row {row}",
                     assumptions=(
                         f"{ranks} ranks; single rank {single} ms (same table), split over the "
                         f"layers as in testbed_traces/{workload}.json; {mb} MB/it; the {rate} "

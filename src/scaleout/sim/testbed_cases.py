@@ -13,6 +13,8 @@ whose ResNet-18 then took 0.73 s per iteration alone (1.6-1.7 s at stop 24). Sin
 also the ``scaleout`` and ``ddp`` rows of the same nine tables at 3 ranks (three hosts on the
 two cores; ``benchmarks/results/stop31/testbed3/*.json``): 18 more, predicted with the model
 unchanged, from the 3-rank link and CPU the probe measured and the 3-rank ``lockstep`` rows.
+Since stop 34 also DLRM's ``scaleout`` rows with its tables row-sparse (stop 33's default on
+the testbed; :data:`ROW_SPARSE_ROWS`, the tables' codec :func:`row_sparse`).
 
 What goes in, and nothing else:
 
@@ -228,8 +230,9 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
     link = probed_link(rate, ranks)
     topology = link.topology()
     host = {"host_s_per_byte": link.cpu_s_per_byte, "host_s_per_message": link.cpu_s_per_message}
-    if peer == "scaleout, row-sparse tables":
-        work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)
+    work = testbed_workload(workload, single_ms, grad_mb, ranks)
+    if peer == "scaleout, row-sparse tables":  # dense bytes per layer; the tables' codec moves
+        work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)  # the row's MB
         layer_codecs = row_sparse(work, grad_mb, SLOWDOWN[workload, ranks])
     if peer.startswith("scaleout"):
         config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec,
@@ -242,8 +245,6 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
             ),
             **host,
         )
-    if not layer_codecs:
-        work = testbed_workload(workload, single_ms, grad_mb, ranks)
     return simulate(work, topology, config).iteration_s * 1e3
 
 

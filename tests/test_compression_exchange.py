@@ -290,7 +290,10 @@ def _rows_tensors(rank: int) -> list[torch.Tensor]:
     return [table, dense, bias, nan_table]
 
 
-def _rows_body() -> dict[str, object]:
+def _rows_body(bits_up_to: int) -> dict[str, object]:
+    from scaleout.compression import rows
+
+    rows.BITS_UP_TO = bits_up_to  # (this rank's process: 0 takes the byte-per-row path)
     env = scaleout.init(timeout=30)
     d = env.create_distribution(env.world_size, 1)
     tensors = _rows_tensors(env.rank)
@@ -304,9 +307,10 @@ def _rows_body() -> dict[str, object]:
             "single_payload": stats.payload_bytes}
 
 
+@pytest.mark.parametrize("bits", [True, False], ids=["bit-flags", "byte-flags"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_rows_is_exact_and_sends_only_touched_rows(world_size: int) -> None:
-    results = run_ranks(world_size, _rows_body, timeout=60)
+def test_rows_is_exact_and_sends_only_touched_rows(world_size: int, bits: bool) -> None:
+    results = run_ranks(world_size, _rows_body, 16 if bits else 0, timeout=60)
     per_rank = [_rows_tensors(r) for r in range(world_size)]
     want = [sum(ts[i] for ts in per_rank) / world_size for i in range(4)]
     want_flat = torch.cat([w.reshape(-1) for w in want])
@@ -316,10 +320,14 @@ def test_rows_is_exact_and_sends_only_touched_rows(world_size: int) -> None:
     nan_at = torch.isnan(results[0]["bucket"][-120:].view(40, 3))
     assert nan_at[9, 2] and nan_at.sum() == 1, "a NaN arrives where it was, as in a dense allreduce"
     touched = len({0, 10, 50} | {r for r in range(world_size)} | {10 + r for r in range(world_size)})
-    flags = 100 + 6 + 40  # round 1: one byte per row of each matrix
+    # round 1: a bit per row of each matrix, a copy for every rank (all-to-all), or (beyond
+    # rows.BITS_UP_TO ranks) a byte per row, all-reduced
+    def flags(n: int) -> int:
+        return -(-n // 8) * world_size if bits else n
+
     rows = 4 * (touched * 8 + 30 + 7 + 3)  # round 2: touched rows, dense whole, bias, NaN row
-    assert results[0]["payload"] == flags + rows
-    assert results[0]["single_payload"] == 100 + 4 * touched * 8
+    assert results[0]["payload"] == flags(100 + 6 + 40) + rows
+    assert results[0]["single_payload"] == flags(100) + 4 * touched * 8
 
 
 def _rows_model_body(spec: str | None) -> list[torch.Tensor]:

@@ -333,10 +333,10 @@ def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None 
     if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
         rows = [send.shape[0] // comm.size] * comm.size
         return comm.request(name, _blocks(comm, name, send.split(rows), out.split(rows)),
-                            lambda: out)
+                            lambda: out, _nbytes(send))
     work = _start(comm, name, lambda: tdist.all_to_all_single(
         out, send, group=comm.group, async_op=True), lambda: out.copy_(send))
-    return comm.request(name, [work], lambda: out)
+    return comm.request(name, [work], lambda: out, _nbytes(send))
 
 
 def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[int],

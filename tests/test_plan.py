@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan
+from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan, chunk_needs
 
 KB = 1024
 
@@ -48,3 +48,21 @@ def test_bucket_limit_is_per_codec() -> None:
     plans = build_plan(items, config)
     assert sorted(p.keys for p in plans) == [(0,), (1,), (4, 2), (5, 3)]
     assert all(p.nbytes <= 700 * KB for p in plans)
+
+
+def test_chunk_needs_counts_the_items_that_start_before_each_chunk_ends() -> None:
+    # items of 3, 2 and 5 elements back to back, chunks of 4: item 1 spans chunks 0 and 1
+    assert chunk_needs([0, 3, 5], [(0, 4), (4, 8), (8, 10)]) == (2, 3, 3)
+    assert chunk_needs([0, 4], [(0, 4), (4, 8)]) == (1, 2)  # a boundary between items
+    assert chunk_needs([0], [(0, 10)]) == (1,)
+
+
+def test_a_big_buckets_front_chunks_need_only_the_items_produced_first() -> None:
+    # backward produces 3, 2, 1, 0; one 4 MB bucket in 1 MB chunks: its first chunk holds
+    # items 3 and 2, so it may leave before 1 and 0 exist
+    items = [_item(k, 512) for k in range(4)] + [_item(4, 1024)]
+    config = SchedulerConfig(policy="priority", bucket_bytes=8 << 20, first_bucket_bytes=8 << 20,
+                             partition_bytes=1 << 20, credit_bytes=2 << 20, urgent_bytes=0)
+    (plan,) = build_plan(items, config)
+    assert plan.keys == (4, 3, 2, 1, 0) and len(plan.chunks) == 3
+    assert chunk_needs(plan.offsets, plan.chunks) == (1, 3, 5)

@@ -169,6 +169,26 @@ def test_fifo_engine_sends_jobs_in_lane_order_whatever_order_they_become_ready()
     engine.close()
 
 
+def test_engine_sends_a_jobs_released_chunks_before_the_rest_is_filled() -> None:
+    rec = Recorder()
+    engine = ProgressEngine([FakeComm()], [2], FifoPolicy(), timeout=5.0)
+    big = rec.job("big", lane=0, order=0, chunks=3, nbytes=KB)
+    after = rec.job("after", lane=0, order=1, chunks=1, nbytes=KB)
+    engine.submit(big, 1)
+    assert rec.wait_started(1) == ["big.0"]  # its first chunk goes at once
+    engine.submit(after)  # ready, but the lane's order holds it behind all of big
+    rec.complete("big.0")
+    assert rec.settle() == ["big.0"]
+    assert not big.test()
+    engine.release(big, 3)
+    assert rec.wait_started(4) == ["big.0", "big.1", "big.2", "after.0"]
+    for name in ["big.1", "big.2", "after.0"]:
+        rec.complete(name)
+    big.wait(5.0)
+    after.wait(5.0)
+    engine.close()
+
+
 def test_priority_engine_urgent_chunk_preempts_a_big_bulk_bucket() -> None:
     rec = Recorder()
     engine = ProgressEngine([FakeComm(), FakeComm()], [1, 1], PriorityPolicy(credit_bytes=2 * KB),

@@ -76,6 +76,40 @@ def test_any_start_order_is_safe() -> None:
     run_ranks(3, body_out_of_order_start, timeout=60)
 
 
+def body_front_chunk_leaves_early() -> None:
+    # one bucket of two sets in two chunks: the set backward produces first fills the front
+    # chunk, which is sent (and summed in place) before the other set exists
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution()
+    session = Session(env, scheduler=SchedulerConfig(
+        policy="priority", partition_bytes=512, credit_bytes=1024, bucket_bytes=1024,
+        first_bucket_bytes=1024, urgent_bytes=0))
+    second, first = (session.add_operation(f"l{i}", dist, parameter_sets=[
+        ParameterSetSpec(count=64, dtype=torch.float64)]).parameter_sets[0] for i in range(2))
+    session.commit()
+    bucket = first.bucket
+    assert bucket is second.bucket and bucket.span(first) == (0, 64)
+    size = env.world_size
+    for it in range(2):
+        first.start_gradient_comm(torch.full((64,), float(env.rank + it), dtype=torch.float64))
+        want = sum(r + it for r in range(size)) / size
+        deadline = time.monotonic() + 20
+        while not torch.all(bucket.buffer()[:64] == want):  # the front chunk's average
+            assert time.monotonic() < deadline, "the front chunk was not sent on its own"
+            time.sleep(0.01)
+        assert not bucket.job.test()  # the bucket is not done: its back is not filled
+        second.start_gradient_comm(torch.full((64,), float(2 * env.rank), dtype=torch.float64))
+        assert torch.all(second.wait_gradient_comm() == size - 1)
+        assert torch.all(first.wait_gradient_comm() == want)
+    session.close()
+    env.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_buckets_front_chunk_leaves_before_its_back_is_filled(world: int) -> None:
+    run_ranks(world, body_front_chunk_leaves_early, timeout=60)
+
+
 def body_distributed_update() -> list[float]:
     env = scaleout.init(timeout=30)
     dist = env.create_distribution()

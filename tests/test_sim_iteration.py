@@ -72,6 +72,22 @@ def test_priority_preempts_a_big_bucket_at_chunk_boundaries() -> None:
     assert waits[0] == (3.0, 5.0)
 
 
+def test_a_buckets_front_chunk_leaves_while_backward_produces_its_back() -> None:
+    work = Workload(name="toy", layers=(
+        Layer(name="a", forward_s=0.5, backward_s=1.0, grad_bytes=2 * MB),
+        Layer(name="b", forward_s=0.5, backward_s=1.0, grad_bytes=2 * MB),
+    ))
+    sched = SchedulerConfig(policy="priority", bucket_bytes=8 * MB, first_bucket_bytes=8 * MB,
+                            partition_bytes=2 * MB, credit_bytes=4 * MB, urgent_bytes=0)
+    r = simulate(work, _link(), IterationConfig(scheduler=sched, mode="overlap", trace=True))
+    # one bucket (b, a) in two 2 MB chunks; backward b 1..2 fills the front chunk, which is
+    # on the wire 2..4 while backward a (2..3) fills the back one, sent next (4..6); a bucket
+    # sent whole would have left at 3 and arrived at 7
+    assert r.buckets == 1 and _comm(r) == [("bucket0", 2.0, 4.0), ("bucket0", 4.0, 6.0)]
+    waits = [(s.start, s.end) for s in r.spans if s.lane == "wait" and s.iteration == 1]
+    assert waits[0] == (3.0, 6.0)
+
+
 def test_fifo_sends_buckets_whole_in_backward_order() -> None:
     sched = SchedulerConfig(policy="fifo", bucket_bytes=8 * MB, first_bucket_bytes=8 * MB)
     r = simulate(_two_layers(), _link(), IterationConfig(scheduler=sched, mode="sync", trace=True))

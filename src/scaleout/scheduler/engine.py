@@ -61,6 +61,8 @@ class Job(Request):
         self.failure: BaseException | None = None
         self.ready_at = self.issued_at = self.completed_at = 0.0
         self.remaining = 0
+        # the engine thread's: chunks the owner declared filled, and those queued on the lane
+        self.released = self.queued = 0
         self._callbacks: list[Callable[[Request], None]] = []
 
     @property
@@ -74,6 +76,7 @@ class Job(Request):
         self._done = False
         self.ready_at = time.perf_counter()
         self.remaining = len(self.chunks)
+        self.released = self.queued = 0
 
     def complete(self, error: BaseException | None = None) -> None:
         """Mark it finished (engine thread); waiters wake up."""
@@ -146,17 +149,29 @@ class ProgressEngine:
         self._thread = threading.Thread(target=self._run, name="scaleout-progress", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        """Hand over a job whose buffer is filled; the engine sends it in its lane's order."""
+    def submit(self, job: Job, ready: int | None = None) -> None:
+        """Hand over this iteration's run of ``job``, whose first ``ready`` chunks (all:
+        ``None``) have their buffers filled; :meth:`release` hands over more of them. The
+        engine sends a lane's jobs in its fixed order, each job's chunks in order: a job's
+        released chunks may go while its later ones are being filled, and the lane's next
+        job follows its last one."""
+        self._check_open("submit")
+        job.reset()
+        self._inbox.put(("ready", (job, len(job.chunks) if ready is None else ready)))
+
+    def release(self, job: Job, ready: int) -> None:
+        """The first ``ready`` chunks of a submitted job have their buffers filled."""
+        self._check_open("release")
+        self._inbox.put(("ready", (job, ready)))
+
+    def _check_open(self, operation: str) -> None:
         if self._failure is not None:
             raise CommunicationError(
                 f"rank {self._rank}: the progress engine stopped: {self._failure}",
-                rank=self._rank, group="engine", operation="submit") from self._failure
+                rank=self._rank, group="engine", operation=operation) from self._failure
         if not self._thread.is_alive():
             raise CommunicationError(f"rank {self._rank}: the progress engine is closed",
-                                     rank=self._rank, group="engine", operation="submit")
-        job.reset()
-        self._inbox.put(("ready", job))
+                                     rank=self._rank, group="engine", operation=operation)
 
     def close(self) -> None:
         """Stop the thread (jobs in flight are abandoned)."""
@@ -200,15 +215,20 @@ class ProgressEngine:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "ready":
-            job: Job = payload
+            job, released = payload
+            job.released = max(job.released, released)
             lane = self._lanes[job.lane]
             lane.ready[job.order] = job
             while lane.next_order in lane.ready:  # fixed order within the lane
-                ready = lane.ready.pop(lane.next_order)
-                for nbytes, start in ready.chunks:
-                    lane.queue.append((ready, nbytes, start))
-                if not ready.chunks:
-                    self._complete(ready)
+                head = lane.ready[lane.next_order]
+                for nbytes, start in head.chunks[head.queued:head.released]:
+                    lane.queue.append((head, nbytes, start))
+                head.queued = max(head.queued, head.released)
+                if not head.chunks:
+                    self._complete(head)
+                elif head.queued < len(head.chunks):  # the rest is being filled
+                    return
+                del lane.ready[lane.next_order]
                 lane.next_order = (lane.next_order + 1) % lane.length
         elif kind == "done":
             lane_index, request = payload

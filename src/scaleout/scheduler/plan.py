@@ -6,12 +6,13 @@ configuration, so that the simulator can plan exactly what the runtime sends.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scaleout.scheduler.config import SchedulerConfig
 
-__all__ = ["PlanItem", "BucketPlan", "build_plan"]
+__all__ = ["PlanItem", "BucketPlan", "build_plan", "chunk_needs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +88,26 @@ def _lanes(items: Sequence[PlanItem], config: SchedulerConfig) -> dict[int, int]
     return lanes
 
 
+def chunk_needs(offsets: Sequence[int], chunks: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """For each chunk of a bucket, how many of its items, in buffer order, must be ready
+    before it may leave: every item that starts before the chunk's end (an item's gradient
+    may span chunks; the chunks before it left first). A bucket's chunks are sent in order,
+    so chunk ``k`` leaves as soon as the first ``needs[k]`` items are in: the runtime's
+    :class:`~scaleout.session.GradBucket` and the simulator release them so, not when the
+    bucket's last item arrives (the items come in buffer order, latest in forward first, so
+    the front of a big bucket travels while backward still produces its back).
+
+    Args:
+        offsets: each item's first element, ascending (items back to back, none empty).
+        chunks: ``(start, stop)`` element ranges, in order, covering the buffer.
+
+    Example:
+        >>> chunk_needs([0, 3, 5], [(0, 4), (4, 8)])   # item 1 (3..5) spans both chunks
+        (2, 3)
+    """
+    return tuple(bisect_left(offsets, stop) for _, stop in chunks)
+
+
 def _chunks(numel: int, elem_bytes: int, config: SchedulerConfig, split: bool) -> tuple[tuple[int, int], ...]:
     if not split or numel == 0:
         return ((0, numel),)
@@ -100,9 +121,11 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
     Items are issued latest-forward-position first (the order in which backward produces
     their gradients). Fusible items of the same lane, dtype and codec share a bucket, in
     that order, up to ``bucket_bytes`` (``first_bucket_bytes`` for the first one), even when
-    items of other codecs come between them; a bucket is issued when its last item is
-    ready. Under the priority policy every exact bucket is split into ``partition_bytes``
-    chunks (a compressed one travels whole: its codec works on the whole bucket).
+    items of other codecs come between them; buckets are issued in the order of their last
+    items (a lane's order). Under the priority policy every exact bucket is split into
+    ``partition_bytes`` chunks, each of which may leave once the items it needs are ready
+    (:func:`chunk_needs`); a compressed one travels whole, when its last item is ready (its
+    codec works on the whole bucket).
 
     Raises:
         ValueError: duplicate keys.
@@ -136,7 +159,7 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
             continue
         open_buckets[kind] = [item]
         groups.append(open_buckets[kind])
-    # Issue order: a bucket is ready when its last item's gradient is (backward order).
+    # Issue order: by each bucket's last item (backward order).
     rank_of = {item.key: n for n, item in enumerate(order)}
     groups.sort(key=lambda group: rank_of[group[-1].key])
     plans = []

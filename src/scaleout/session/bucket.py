@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.request import FutureRequest, Request
-from scaleout.scheduler import Job, ProgressEngine
+from scaleout.scheduler import Job, ProgressEngine, chunk_needs
 from scaleout.session.statistics import Statistics
 from scaleout.session.timing import stopwatch_for
 
@@ -77,7 +77,12 @@ class GradBucket:
         self._offsets = {id(ps): off for ps, off in zip(members, offsets)}
         self._last = last
         self._params: list[torch.Tensor] = []
-        self._filled = 0
+        # this iteration's filling: which members (by place in the buffer) are in, how many
+        # lead the buffer unbroken, and how many chunks went to the engine
+        in_buffer = sorted(range(len(members)), key=lambda i: offsets[i])
+        self._place = {id(members[i]): n for n, i in enumerate(in_buffer)}
+        self._filled = [False] * len(members)
+        self._prefix = self._released = 0
         self._pending: list[Request] = []
         # On a GPU: one event per member, recorded on the compute stream after its gradient
         # is copied in (the communication stream waits on them before the bucket is sent),
@@ -95,11 +100,19 @@ class GradBucket:
         elementwise = (getattr(hook, "elementwise", False) and comm.size > 1
                        and not cuda_over_gloo(comm, self._buffer.device))
         spans = list(chunks) if elementwise else [(0, numel)]
+        # chunk k may leave once the first needs[k] members (buffer order) are filled: the
+        # front of a bucket travels while backward still produces its back
+        self._needs = chunk_needs(sorted(offsets), spans)
+        # on a GPU, the members whose copies chunk k's stream waits for (those before it
+        # were waited for by the chunks before it, earlier on the same stream)
+        self._waits = [[self._ready[id(members[i])] for i in in_buffer[before:need]]
+                       for before, need in zip((0, *self._needs), self._needs)
+                       ] if self._ready else []
         self.job = Job(name=self.name, lane=lane, order=order,
                        chunks=[] if comm.size == 1 else
                        [((end - begin) * self._buffer.element_size(),
-                         lambda _comm, b=begin, e=end: self._start(b, e))
-                        for begin, end in spans],
+                         lambda _comm, k=k, b=begin, e=end: self._start(k, b, e))
+                        for k, (begin, end) in enumerate(spans)],
                        finish=self._finish, exclusive=exclusive, rank=comm.global_rank,
                        timeout=comm.timeout)
         self.engine: ProgressEngine | None = None
@@ -156,8 +169,9 @@ class GradBucket:
 
     def fill(self, ps: ParameterSet, gradient: torch.Tensor) -> None:
         """Copy ``ps``'s gradient (``local_count`` elements, any shape) in, divided by the
-        group size for a ``prescaled`` hook; the last member to arrive hands the bucket to
-        the engine."""
+        group size for a ``prescaled`` hook; the chunks whose members are all in go to the
+        engine (:func:`~scaleout.scheduler.chunk_needs`), the whole bucket when the last
+        member arrives."""
         flat, shaped = self._slots[id(ps)]
         if gradient.requires_grad:  # (a backward with create_graph=True)
             gradient = gradient.detach()
@@ -171,22 +185,44 @@ class GradBucket:
             shaped.copy_(gradient)
         if self._ready:
             self._ready[id(ps)].record()  # on the stream that produced the gradient
-        self._filled += 1
-        if self._filled == len(self.members):
-            self._filled = 0
-            if self.comm.size == 1:  # nothing to send: done here, no trip to the engine
+        self._release(self._place[id(ps)])
+
+    def _release(self, place: int) -> None:
+        """Member ``place`` (in buffer order) is in: hand the engine the chunks that are now
+        complete (the first ones submit this iteration's run of the job)."""
+        filled, needs = self._filled, self._needs
+        filled[place] = True
+        while self._prefix < len(filled) and filled[self._prefix]:
+            self._prefix += 1
+        ready = self._released
+        while ready < len(needs) and needs[ready] <= self._prefix:
+            ready += 1
+        if ready == self._released:
+            return
+        first, self._released = self._released == 0, ready
+        if ready == len(needs):  # every member is in: the next fill is the next iteration's
+            self._filled = [False] * len(filled)
+            self._prefix = self._released = 0
+        if self.comm.size == 1:  # nothing to send: done here, no trip to the engine
+            if ready == len(needs):
                 self.job.reset()
                 self.job.complete()
-                return
-            assert self.engine is not None, "the session binds every bucket to an engine"
-            try:
-                self.engine.submit(self.job)
-            except BaseException as err:
-                # the members that started before this one would wait for a job that never
-                # runs (or see the last iteration's result): their waits raise this instead
+            return
+        assert self.engine is not None, "the session binds every bucket to an engine"
+        try:
+            if first:
+                self.engine.submit(self.job, ready)
+            else:
+                self.engine.release(self.job, ready)
+        except BaseException as err:
+            # the members that started before this one would wait for a job that never
+            # runs (or see the last iteration's result): their waits raise this instead
+            if first:
                 self.job.reset()
-                self.job.complete(err)
-                raise
+            self.job.complete(err)
+            self._filled = [False] * len(filled)
+            self._prefix = self._released = 0
+            raise
 
     def wait(self, timeout: float | None = None) -> None:
         """Block the host until the engine finished the bucket; on a GPU the current stream
@@ -201,11 +237,11 @@ class GradBucket:
             return self._buffer[: ps.owned_valid]
         return self._slots[id(ps)][0]
 
-    def _start(self, begin: int, end: int) -> Request:
+    def _start(self, chunk: int, begin: int, end: int) -> Request:
         # (engine thread: its current stream is the communication stream)
+        for event in self._waits[chunk] if self._waits else ():
+            self.stream.wait_event(event)
         if begin == 0:
-            for event in self._ready.values():
-                self.stream.wait_event(event)
             self._clock.flush(self.statistics)  # earlier iterations' GPU times, if done
             self._clock.begin()  # (on the communication stream)
             self._clock.restart()

@@ -157,6 +157,10 @@ class IterationConfig:
             start, one after the other, and the next one starts ``cycle_s`` after it, or
             when that work ends if later; what arrives meanwhile waits for it. 0: a
             collective starts as soon as the network is free (scaleout's engine, DDP).
+        early_chunks: a bucket's chunk leaves once the layers it holds are in
+            (:func:`~scaleout.scheduler.chunk_needs`, the runtime's rule since stop 34);
+            ``False``: a bucket's chunks all leave when its last layer is in (the runtime
+            before: what the testbed rows measured until then ran).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -172,6 +176,7 @@ class IterationConfig:
     host_s_per_byte: float = 0.0
     host_s_per_message: float = 0.0
     cycle_s: float = 0.0
+    early_chunks: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -200,6 +205,8 @@ class IterationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if not isinstance(self.early_chunks, bool):
+            raise TypeError(f"early_chunks must be a bool, got {self.early_chunks!r}")
         chunks = self.pipeline_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"pipeline_chunks must be an int >= 1, got {chunks!r}")

@@ -10,8 +10,10 @@ simulated and each chunk is priced as a collective over the whole topology
 
 Model, per rank:
 
-* one compute stream: forward layers 0..L-1, backward L-1..0; a bucket is ready when the
-  backward of its last layer ends;
+* one compute stream: forward layers 0..L-1, backward L-1..0; a bucket's chunk is ready
+  when the backward of the layers it needs ends (:func:`~scaleout.scheduler.chunk_needs`:
+  the front of a bucket leaves while backward still produces its back, as the runtime's
+  buckets release it);
 * one network: issued chunks are served one at a time, in issue order (so an urgent chunk
   waits behind the bulk bytes already issued: at most one credit under the priority policy);
   a chunk costs its collective's time on the compressed bytes plus the codec's compute;
@@ -35,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan
+from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan, chunk_needs
 from scaleout.scheduler.policy import LaneState, make_policy
 from scaleout.sim.collectives import CollectiveCost, collective_cost
 from scaleout.sim.config import IterationConfig
@@ -72,14 +74,30 @@ class _Run:
         items = plan_items(workload.layers, config)
         self.plans = build_plan(items, sched) if items else []
         self.policy = make_policy(sched)
-        self.ready_at_layer: dict[int, list[BucketPlan]] = {}
+        # when layer k's backward ends: (plan, chunks that may then leave) per plan whose
+        # chunks it completes (its items come in backward order: the plan's key order)
+        self.released_at_layer: dict[int, list[tuple[BucketPlan, range]]] = {}
         self.buckets_of: dict[int, list[int]] = {}
         for plan in self.plans:
-            self.ready_at_layer.setdefault(min(plan.keys), []).append(plan)
-            for key in plan.keys:
+            needs, released = chunk_needs(plan.offsets, plan.chunks), 0
+            if not config.early_chunks:
+                needs = (len(plan.keys),) * len(needs)
+            for place, key in enumerate(plan.keys):
+                ready = released
+                while ready < len(needs) and needs[ready] <= place + 1:
+                    ready += 1
+                if ready > released:
+                    self.released_at_layer.setdefault(key, []).append(
+                        (plan, range(released, ready)))
+                released = ready
                 self.buckets_of.setdefault(key, []).append(plan.index)
         self.q = EventQueue()
         self.lanes: list[deque[_Chunk]] = [deque() for _ in range(sched.lanes)]
+        # each lane's buckets in their fixed order, and where the lane's queue stands:
+        # (iteration, bucket in the lane, its chunks queued); chunks released per bucket
+        self.lane_plans = [[p for p in self.plans if p.lane == lane] for lane in range(sched.lanes)]
+        self.lane_at = [(0, 0, 0)] * sched.lanes
+        self.released: dict[tuple[int, int], int] = {}
         self.inflight = [0] * sched.lanes
         self.inflight_bytes = [0] * sched.lanes
         self.blocking = [0] * sched.lanes  # multi-round exchanges in flight (they own the lane)
@@ -240,6 +258,23 @@ class _Run:
 
         self.q.after(duration, finish)
 
+    def queue(self, lane: int) -> None:
+        """Queue the lane's released chunks in its fixed order: a bucket's after the ones
+        before it, the next bucket's after all of them (as the progress engine does)."""
+        it, at, queued = self.lane_at[lane]
+        plans = self.lane_plans[lane]
+        while True:
+            plan = plans[at]
+            for start, stop in plan.chunks[queued:self.released.get((it, plan.index), 0)]:
+                self.lanes[lane].append(_Chunk(plan, stop - start, it))
+                queued += 1
+            if queued < len(plan.chunks):
+                break
+            at, queued = at + 1, 0
+            if at == len(plans):
+                it, at = it + 1, 0
+        self.lane_at[lane] = (it, at, queued)
+
     # -- compute ---------------------------------------------------------------------------
     def record(self, lane: str, name: str, start: float, iteration: int) -> None:
         if self.cfg.trace and self.q.now > start:
@@ -324,10 +359,10 @@ class _Run:
         layer = self.w.layers[i]
 
         def produced() -> None:
-            for plan in self.ready_at_layer.get(i, ()):
-                self.left[(it, plan.index)] = len(plan.chunks)
-                for start, stop in plan.chunks:
-                    self.lanes[plan.lane].append(_Chunk(plan, stop - start, it))
+            for plan, chunks in self.released_at_layer.get(i, ()):
+                self.left.setdefault((it, plan.index), len(plan.chunks))
+                self.released[it, plan.index] = chunks.stop
+                self.queue(plan.lane)
             self.dispatch()
             self.backward(it, i - 1)
 

@@ -234,9 +234,9 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
     if peer == "scaleout, row-sparse tables":  # dense bytes per layer; the tables' codec moves
         work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)  # the row's MB
         layer_codecs = row_sparse(work, grad_mb, SLOWDOWN[workload, ranks])
-    if peer.startswith("scaleout"):
+    if peer.startswith("scaleout"):  # (every row ran before a chunk could leave early)
         config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec,
-                                 layer_codecs=layer_codecs, **host)
+                                 layer_codecs=layer_codecs, early_chunks=False, **host)
     else:
         config = IterationConfig(
             mode="sync",
@@ -249,7 +249,8 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
 
 
 _PEERS = MappingProxyType({
-    "scaleout": "priority, overlap",
+    "scaleout": "priority, overlap, a bucket's chunks sent when its last layer is in (the "
+    "runtime until stop 34)",
     "ddp": "FIFO 25 MB buckets, sync",
     "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
     "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan, chunk_needs
+from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan, chunk_needs, plan_and_policy
 
 KB = 1024
 
@@ -66,3 +66,20 @@ def test_a_big_buckets_front_chunks_need_only_the_items_produced_first() -> None
     (plan,) = build_plan(items, config)
     assert plan.keys == (4, 3, 2, 1, 0) and len(plan.chunks) == 3
     assert chunk_needs(plan.offsets, plan.chunks) == (1, 3, 5)
+
+
+def test_an_open_policy_is_priority_only_with_a_bulk_bucket_to_pre_empt() -> None:
+    config = SchedulerConfig(partition_bytes=1 << 20, credit_bytes=2 << 20,
+                             urgent_bytes=512 << 10)
+    # 512 KB first in forward (urgent), then 3 MB of bulk: chunked, so priority
+    plans, chosen = plan_and_policy([_item(0, 512), _item(1, 3072)], config)
+    assert chosen.policy == "priority" and chosen.lanes == 2
+    assert any(p.lane == 1 and len(p.chunks) == 3 for p in plans)
+    # bulk that fits one chunk: nothing to pre-empt, so fifo (one lane, whole buckets)
+    plans, chosen = plan_and_policy([_item(0, 512), _item(1, 512), _item(2, 256)], config)
+    assert chosen.policy == "fifo" and {p.lane for p in plans} == {0}
+    assert all(len(p.chunks) == 1 for p in plans)
+    # a chosen policy is kept whatever the plan
+    for policy in ("priority", "fifo"):
+        kept = SchedulerConfig(policy=policy, partition_bytes=1 << 20, credit_bytes=2 << 20)
+        assert plan_and_policy([_item(0, 4)], kept)[1].policy == policy

@@ -18,11 +18,15 @@ class SchedulerConfig:
         policy: ``"fifo"`` issues buckets in backward order as soon as they are ready (what
             DDP does); ``"priority"`` puts the parameters needed first by the next forward in
             an urgent lane that pre-empts the bulk lane at chunk boundaries. ``None`` (the
-            default) is ``"priority"``, except ``"fifo"`` for CUDA tensors over gloo: there a
-            bucket is not cut into chunks (each would be a round trip through host memory), so
-            pre-emption has nothing to act on and holding bulk buckets back only costs time
-            (ResNet-18 on one H100, 2 ranks: 0.95x DDP with priority, 1.00-1.13x with fifo;
-            RESULTS.md, issue 11). :meth:`resolved` makes the choice.
+            default) is ``"priority"`` where that has something to pre-empt, else ``"fifo"``:
+            ``"fifo"`` for CUDA tensors over gloo, where a bucket is not cut into chunks
+            (each would be a round trip through host memory) and holding bulk buckets back
+            only costs time (ResNet-18 on one H100, 2 ranks: 0.95x DDP with priority,
+            1.00-1.13x with fifo; RESULTS.md, issue 11), and for a plan whose bulk lane has
+            no bucket of several chunks (:func:`~scaleout.scheduler.plan_and_policy`: two
+            lanes would then only run two exchanges at once on the host; DLRM on the CPU,
+            2 ranks: 1.3x faster at 1 and 10 Gbit/s with fifo; RESULTS.md, stop 34).
+            :meth:`resolved` and :func:`~scaleout.scheduler.plan_and_policy` make the choice.
         bucket_bytes: small parameter sets are fused into buckets up to this size.
         first_bucket_bytes: size of the first bucket (ready earliest in backward), so that
             communication starts early (DDP uses 1 MB).
@@ -75,8 +79,9 @@ class SchedulerConfig:
         return 1 if self.policy == "fifo" else 2
 
     def resolved(self, *, cuda_over_gloo: bool) -> SchedulerConfig:
-        """This configuration with ``policy`` and ``channels`` chosen where left open (see
-        their descriptions) for buffers that are (or are not) CUDA tensors sent over gloo."""
-        policy = self.policy or ("fifo" if cuda_over_gloo else "priority")
+        """This configuration with ``channels`` chosen where left open, and ``policy`` for
+        buffers that are CUDA tensors sent over gloo (``"fifo"``; otherwise an open policy
+        stays open for :func:`~scaleout.scheduler.plan_and_policy`, which sees the plan)."""
+        policy = self.policy or ("fifo" if cuda_over_gloo else None)
         channels = self.channels or (2 if cuda_over_gloo else 1)
         return replace(self, policy=policy, channels=channels)

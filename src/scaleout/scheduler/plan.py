@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaleout.scheduler.config import SchedulerConfig
 
-__all__ = ["PlanItem", "BucketPlan", "build_plan", "chunk_needs"]
+__all__ = ["PlanItem", "BucketPlan", "build_plan", "chunk_needs", "plan_and_policy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,3 +177,30 @@ def build_plan(items: Sequence[PlanItem], config: SchedulerConfig) -> list[Bucke
             fused=head.fusible, codec=head.codec,
         ))
     return plans
+
+
+def plan_and_policy(items: Sequence[PlanItem], config: SchedulerConfig
+                    ) -> tuple[list[BucketPlan], SchedulerConfig]:
+    """:func:`build_plan` with an open policy (``config.policy is None``) decided, and the
+    configuration it was built under: ``"priority"`` when its bulk lane has a bucket cut into
+    several chunks (a transfer that urgent data pre-empts at chunk boundaries), else
+    ``"fifo"``. With nothing to pre-empt, two lanes only run two exchanges at once, each on
+    its own communicator and threads, and on a host whose cores also compute that costs
+    more than the order gains (DLRM's tables row-sparse on the CPU, 2 ranks: 1.3x faster at
+    1 and 10 Gbit/s with fifo, 0.92x at 100 Mbit/s; RESULTS.md, stop 34). The runtime's
+    sessions and the simulator both plan through here.
+
+    Example:
+        >>> small = [PlanItem(key=k, numel=1000, dtype="float32", elem_bytes=4, position=k)
+        ...          for k in range(3)]
+        >>> plan_and_policy(small, SchedulerConfig())[1].policy
+        'fifo'
+    """
+    if config.policy is not None:
+        return build_plan(items, config), config
+    chosen = replace(config, policy="priority")
+    plans = build_plan(items, chosen)
+    if not any(plan.lane > 0 and len(plan.chunks) > 1 for plan in plans):
+        chosen = replace(config, policy="fifo")
+        plans = build_plan(items, chosen)
+    return plans, chosen

@@ -13,7 +13,7 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import Environment
 from scaleout.core.grid import GroupType
-from scaleout.scheduler import PlanItem, ProgressEngine, SchedulerConfig, build_plan, make_policy
+from scaleout.scheduler import PlanItem, ProgressEngine, SchedulerConfig, make_policy, plan_and_policy
 from scaleout.session.activation import ActivationSpec
 from scaleout.session.bucket import CommHook, GradBucket, cuda_over_gloo
 from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, reduce_scatter_hook
@@ -212,7 +212,7 @@ class Session:
                           fusible=not ps.spec.distributed_update,
                           codec="" if codec is None else repr(codec))
                  for k, (ps, codec) in enumerate(zip(sets, codecs))]
-        plans = build_plan(items, config)
+        plans, config = plan_and_policy(items, config)  # (an open policy decided by the plan)
         if dist.size(GroupType.DATA) > 1:  # once per plan: every rank must send the same buckets
             verify_plan(dist.communicator(GroupType.DATA), "bucket plan",
                         [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec)

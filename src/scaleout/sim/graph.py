@@ -2,7 +2,7 @@
 
 :func:`chakra_nodes` writes one iteration of data-parallel training as Chakra nodes: a
 chain of forward COMP nodes, a chain of backward COMP nodes, one COMM_COLL node per bucket of
-:func:`scaleout.scheduler.build_plan` (``comm_type`` ALL_REDUCE, or ALL_GATHER for a codec
+:func:`scaleout.scheduler.plan_and_policy` (``comm_type`` ALL_REDUCE, or ALL_GATHER for a codec
 whose payloads do not add; ``comm_size`` its bytes on the wire; ``comm_priority`` higher for
 more urgent lanes) with a data dependency on the backward node that completes the bucket and
 a control dependency on the previous bucket (the issue order), then an ``update`` COMP node
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scaleout.scheduler.plan import build_plan
+from scaleout.scheduler.plan import plan_and_policy
 from scaleout.sim.chakra import attributes, check_nodes, load_schema, make_attr
 from scaleout.sim.collectives import collective_cost
 from scaleout.sim.config import IterationConfig
@@ -105,8 +105,9 @@ def chakra_nodes(workload: Workload, config: IterationConfig | None = None) -> l
     comms: list[int] = []
     codec = config.codec
     comm_type = schema.CollectiveCommType.Value("ALL_REDUCE" if codec.summable else "ALL_GATHER")
-    lanes = config.scheduler.lanes
-    for plan in build_plan(items, config.scheduler) if items else []:
+    plans, scheduler = plan_and_policy(items, config.scheduler)
+    lanes = scheduler.lanes
+    for plan in plans:
         wire = int(round(plan.nbytes * codec.ratio))
         comms.append(
             add(

@@ -1,7 +1,7 @@
 """One data-parallel training iteration, driven by the runtime's own scheduling objects.
 
-The plan is :func:`scaleout.scheduler.build_plan` on the workload's layers (fusion into
-buckets, lanes, chunks), and the order in which chunks go on the wire is decided by the
+The plan is :func:`scaleout.scheduler.plan_and_policy` on the workload's layers (fusion into
+buckets, lanes, chunks; an open policy decided as the runtime decides it), and the order in which chunks go on the wire is decided by the
 policy object of :func:`scaleout.scheduler.make_policy` (FIFO like DDP, or priority lanes
 with chunk pre-emption and a credit), given the same :class:`~scaleout.scheduler.LaneState`
 the progress engine gives it. Ranks are symmetric in data parallelism, so one rank is
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scaleout.scheduler.plan import BucketPlan, PlanItem, build_plan, chunk_needs
+from scaleout.scheduler.plan import BucketPlan, PlanItem, chunk_needs, plan_and_policy
 from scaleout.scheduler.policy import LaneState, make_policy
 from scaleout.sim.collectives import CollectiveCost, collective_cost
 from scaleout.sim.config import IterationConfig
@@ -70,9 +70,8 @@ class _Run:
 
     def __init__(self, workload: Workload, topology: Topology, config: IterationConfig) -> None:
         self.w, self.topo, self.cfg = workload, topology, config
-        sched = config.scheduler
         items = plan_items(workload.layers, config)
-        self.plans = build_plan(items, sched) if items else []
+        self.plans, sched = plan_and_policy(items, config.scheduler)  # (as the runtime plans)
         self.policy = make_policy(sched)
         # when layer k's backward ends: (plan, chunks that may then leave) per plan whose
         # chunks it completes (its items come in backward order: the plan's key order)

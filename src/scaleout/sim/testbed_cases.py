@@ -234,9 +234,11 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
     if peer == "scaleout, row-sparse tables":  # dense bytes per layer; the tables' codec moves
         work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)  # the row's MB
         layer_codecs = row_sparse(work, grad_mb, SLOWDOWN[workload, ranks])
-    if peer.startswith("scaleout"):  # (every row ran before a chunk could leave early)
-        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec,
-                                 layer_codecs=layer_codecs, early_chunks=False, **host)
+    if peer.startswith("scaleout"):  # (every row ran before a chunk could leave early, and
+        # with the priority policy whatever its plan: the default until stop 34)
+        config = IterationConfig(scheduler=SchedulerConfig(policy="priority"), mode="overlap",
+                                 codec=codec, layer_codecs=layer_codecs, early_chunks=False,
+                                 **host)
     else:
         config = IterationConfig(
             mode="sync",

@@ -13,7 +13,8 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import Environment
 from scaleout.core.grid import GroupType
-from scaleout.scheduler import PlanItem, ProgressEngine, SchedulerConfig, make_policy, plan_and_policy
+from scaleout.scheduler import (PlanItem, ProgressEngine, SchedulerConfig, make_policy,
+                                plan_and_policy)
 from scaleout.session.activation import ActivationSpec
 from scaleout.session.bucket import CommHook, GradBucket, cuda_over_gloo
 from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, reduce_scatter_hook

@@ -1,8 +1,9 @@
 """One data-parallel training iteration, driven by the runtime's own scheduling objects.
 
 The plan is :func:`scaleout.scheduler.plan_and_policy` on the workload's layers (fusion into
-buckets, lanes, chunks; an open policy decided as the runtime decides it), and the order in which chunks go on the wire is decided by the
-policy object of :func:`scaleout.scheduler.make_policy` (FIFO like DDP, or priority lanes
+buckets, lanes, chunks; an open policy decided as the runtime decides it), and the order in
+which chunks go on the wire is decided by the policy object of
+:func:`scaleout.scheduler.make_policy` (FIFO like DDP, or priority lanes
 with chunk pre-emption and a credit), given the same :class:`~scaleout.scheduler.LaneState`
 the progress engine gives it. Ranks are symmetric in data parallelism, so one rank is
 simulated and each chunk is priced as a collective over the whole topology

@@ -35,27 +35,20 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from scaleout.scheduler.plan import BucketPlan, PlanItem, chunk_needs, plan_and_policy
+from scaleout.scheduler.plan import PlanItem, plan_and_policy
 from scaleout.scheduler.policy import LaneState, make_policy
 from scaleout.sim.collectives import CollectiveCost, collective_cost
 from scaleout.sim.config import IterationConfig
 from scaleout.sim.events import EventQueue
+from scaleout.sim.lanes import Chunk, LaneQueues
 from scaleout.sim.network import Topology
 from scaleout.sim.result import IterationResult, Span
 from scaleout.sim.themis import pipelined_allreduce
 from scaleout.sim.workload import Workload
 
 __all__ = ["Span", "IterationResult", "simulate"]
-
-
-@dataclass
-class _Chunk:
-    bucket: BucketPlan
-    nbytes: int
-    iteration: int
 
 
 def plan_items(layers: Sequence[Any], config: IterationConfig) -> list[PlanItem]:
@@ -74,35 +67,18 @@ class _Run:
         items = plan_items(workload.layers, config)
         self.plans, sched = plan_and_policy(items, config.scheduler)  # (as the runtime plans)
         self.policy = make_policy(sched)
-        # when layer k's backward ends: (plan, chunks that may then leave) per plan whose
-        # chunks it completes (its items come in backward order: the plan's key order)
-        self.released_at_layer: dict[int, list[tuple[BucketPlan, range]]] = {}
         self.buckets_of: dict[int, list[int]] = {}
         for plan in self.plans:
-            needs, released = chunk_needs(plan.offsets, plan.chunks), 0
-            if not config.early_chunks:
-                needs = (len(plan.keys),) * len(needs)
-            for place, key in enumerate(plan.keys):
-                ready = released
-                while ready < len(needs) and needs[ready] <= place + 1:
-                    ready += 1
-                if ready > released:
-                    self.released_at_layer.setdefault(key, []).append(
-                        (plan, range(released, ready)))
-                released = ready
+            for key in plan.keys:
                 self.buckets_of.setdefault(key, []).append(plan.index)
         self.q = EventQueue()
-        self.lanes: list[deque[_Chunk]] = [deque() for _ in range(sched.lanes)]
-        # each lane's buckets in their fixed order, and where the lane's queue stands:
-        # (iteration, bucket in the lane, its chunks queued); chunks released per bucket
-        self.lane_plans = [[p for p in self.plans if p.lane == lane] for lane in range(sched.lanes)]
-        self.lane_at = [(0, 0, 0)] * sched.lanes
-        self.released: dict[tuple[int, int], int] = {}
+        self.queues = LaneQueues(self.plans, sched.lanes, config.early_chunks)
+        self.lanes = self.queues.queues
         self.inflight = [0] * sched.lanes
         self.inflight_bytes = [0] * sched.lanes
         self.blocking = [0] * sched.lanes  # multi-round exchanges in flight (they own the lane)
         self.codecs = [config.codec_of(layer.name) for layer in workload.layers]
-        self.net: deque[_Chunk] = deque()
+        self.net: deque[Chunk] = deque()
         self.net_busy = False
         self.left: dict[tuple[int, int], int] = {}  # (iteration, bucket) -> chunks not done
         self.done_at: dict[tuple[int, int], float] = {}
@@ -127,7 +103,7 @@ class _Run:
         return self.computed + running
 
     # -- network ---------------------------------------------------------------------------
-    def wire(self, chunk: _Chunk) -> tuple[float, float, bool]:
+    def wire(self, chunk: Chunk) -> tuple[float, float, bool]:
         """``(wire bytes, codec seconds, summable)`` of a chunk: an exact chunk as it is, a
         compressed bucket (always whole) by each of its layers' codec."""
         if not chunk.bucket.codec:
@@ -190,7 +166,7 @@ class _Run:
             self.net.append(chunk)
             self.serve()
 
-    def multi_round(self, chunk: _Chunk) -> bool:
+    def multi_round(self, chunk: Chunk) -> bool:
         return bool(chunk.bucket.codec) and self.codecs[chunk.bucket.keys[0]].multi_round
 
     def next_tick(self) -> float:
@@ -257,23 +233,6 @@ class _Run:
             self.serve()
 
         self.q.after(duration, finish)
-
-    def queue(self, lane: int) -> None:
-        """Queue the lane's released chunks in its fixed order: a bucket's after the ones
-        before it, the next bucket's after all of them (as the progress engine does)."""
-        it, at, queued = self.lane_at[lane]
-        plans = self.lane_plans[lane]
-        while True:
-            plan = plans[at]
-            for start, stop in plan.chunks[queued:self.released.get((it, plan.index), 0)]:
-                self.lanes[lane].append(_Chunk(plan, stop - start, it))
-                queued += 1
-            if queued < len(plan.chunks):
-                break
-            at, queued = at + 1, 0
-            if at == len(plans):
-                it, at = it + 1, 0
-        self.lane_at[lane] = (it, at, queued)
 
     # -- compute ---------------------------------------------------------------------------
     def record(self, lane: str, name: str, start: float, iteration: int) -> None:
@@ -359,10 +318,8 @@ class _Run:
         layer = self.w.layers[i]
 
         def produced() -> None:
-            for plan, chunks in self.released_at_layer.get(i, ()):
+            for plan in self.queues.produced(it, i):
                 self.left.setdefault((it, plan.index), len(plan.chunks))
-                self.released[it, plan.index] = chunks.stop
-                self.queue(plan.lane)
             self.dispatch()
             self.backward(it, i - 1)
 

@@ -3,8 +3,9 @@
 An embedding's gradient (``nn.Embedding``, ``nn.EmbeddingBag``, a transformer's token
 table, DLRM's tables) is zero outside the rows the batch looked up. This codec is
 lossless: round 1 exchanges, per matrix, a flag per row (non-zero anywhere on this rank),
-so every rank learns the same union of touched rows; round 2 allreduces those rows only, and tensors without rows to skip (1-D tensors, or
-matrices where more than ``dense_above`` of the rows were touched) whole. The sum equals
+so every rank learns the same union of touched rows; round 2 allreduces those rows only,
+and tensors without rows to skip (1-D tensors, or matrices where more than ``dense_above``
+of the rows were touched) whole. The sum equals
 a dense allreduce's: untouched rows are zero on every rank. NaN/Inf make their row
 touched and propagate as in a dense allreduce.
 """
@@ -156,8 +157,8 @@ class RowsCodec(Codec):
 #: Up to this many ranks the row flags travel as bits, each rank's to every rank (an
 #: all-to-all of ``p`` copies), OR-ed on arrival: ``(p - 1) / 8`` bytes per row out of each
 #: rank, against a byte-per-row ring all-reduce's ``2 (p - 1) / p``, fewer up to 16 ranks.
-#: DLRM's 77,776 rows: 9.7 KB instead of 78 KB, at 2 and 3 ranks under the direct bounds of
-#: small exchanges (``scaleout.core.direct``) where 78 KB took gloo's ring at 3 ranks.
+#: DLRM's 77,776 rows at 2 ranks: 9.7 KB instead of 78 KB, 5 ms of wire less per iteration
+#: at 100 Mbit/s (1.13x faster; within the spread at 1 Gbit/s; RESULTS.md, stop 34).
 BITS_UP_TO = 16
 _BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -223,7 +223,7 @@ class ProgressEngine:
                 head = lane.ready[lane.next_order]
                 for nbytes, start in head.chunks[head.queued:head.released]:
                     lane.queue.append((head, nbytes, start))
-                head.queued = max(head.queued, head.released)
+                head.queued = head.released
                 if not head.chunks:
                     self._complete(head)
                 elif head.queued < len(head.chunks):  # the rest is being filled

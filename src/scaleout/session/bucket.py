@@ -81,8 +81,7 @@ class GradBucket:
         # lead the buffer unbroken, and how many chunks went to the engine
         in_buffer = sorted(range(len(members)), key=lambda i: offsets[i])
         self._place = {id(members[i]): n for n, i in enumerate(in_buffer)}
-        self._filled = [False] * len(members)
-        self._prefix = self._released = 0
+        self._restart_filling()
         self._pending: list[Request] = []
         # On a GPU: one event per member, recorded on the compute stream after its gradient
         # is copied in (the communication stream waits on them before the bucket is sent),
@@ -201,8 +200,7 @@ class GradBucket:
             return
         first, self._released = self._released == 0, ready
         if ready == len(needs):  # every member is in: the next fill is the next iteration's
-            self._filled = [False] * len(filled)
-            self._prefix = self._released = 0
+            self._restart_filling()
         if self.comm.size == 1:  # nothing to send: done here, no trip to the engine
             if ready == len(needs):
                 self.job.reset()
@@ -220,9 +218,12 @@ class GradBucket:
             if first:
                 self.job.reset()
             self.job.complete(err)
-            self._filled = [False] * len(filled)
-            self._prefix = self._released = 0
+            self._restart_filling()
             raise
+
+    def _restart_filling(self) -> None:
+        self._filled = [False] * len(self.members)
+        self._prefix = self._released = 0
 
     def wait(self, timeout: float | None = None) -> None:
         """Block the host until the engine finished the bucket; on a GPU the current stream

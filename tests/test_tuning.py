@@ -143,6 +143,22 @@ def test_a_close_runner_up_is_timed_too_and_every_rank_runs_what_was_kept() -> N
         assert torch.equal(a, b)
 
 
+def test_an_exact_choice_left_at_the_defaults_still_has_the_other_policy_timed() -> None:
+    """The defaults stay (nothing gains 99% on paper), yet the other policy, predicted close,
+    is timed beside them: the plan in use is the first trial (no rebuild at forward 4)."""
+    tune = TuneConfig(link=SLOW, min_gain_exact=0.99, runner_up_within=0.99)
+    results = run_ranks(2, body, tune, "sgd", True, 11, timeout=120)
+    first = results[0]
+    assert first["key"] == results[1]["key"] and not first["codecs"]
+    assert "the defaults stay" in first["summary"] and "runner-up:" in first["summary"]
+    kept = next(line for line in first["summary"].splitlines() if "measured per iteration" in line)
+    assert "the choice " in kept and "the runner-up " in kept, kept  # both were timed
+    assert first["in_use"] == results[1]["in_use"]  # every rank runs the same plan
+    assert first["in_use"] == first["chosen"]  # what the report says is what runs
+    for a, b in zip(first["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
 def _check_model(rebuilt: list) -> object:
     from types import SimpleNamespace
 

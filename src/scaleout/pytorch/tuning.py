@@ -11,9 +11,9 @@ all-reduce (the slowest rank's figure counts), so every rank feeds the same numb
 same deterministic search (:func:`scaleout.sim.tuning.choose`, the simulator pricing the
 runtime's own plans) and makes the same choice, which is verified across ranks before the
 plan is rebuilt with it. The choice is then timed for ``TuneConfig.verify`` iterations (and so
-is its runner-up, a codec the model predicts within ``TuneConfig.runner_up_within`` of it);
-the faster is kept, or the defaults come back when they ran faster than both
-(:mod:`scaleout.pytorch.tune_check`).
+is its runner-up, an alternative the model predicts within ``TuneConfig.runner_up_within`` of
+it: another codec, or for exact gradients the other policy); the faster is kept, or the
+defaults come back when they ran faster than both (:mod:`scaleout.pytorch.tune_check`).
 
 Example (every rank):
     >>> model = DataParallel(net, dist, tune=TuneConfig(allow_lossy=True))
@@ -71,9 +71,9 @@ class TuneConfig:
         verify: iterations of the chosen plan timed (after one to settle) before it is kept:
             when they ran slower than the defaults did, the defaults come back
             (:mod:`scaleout.pytorch.tune_check`); 0 keeps the choice unmeasured.
-        runner_up_within: a lossy choice whose best alternative codec is predicted within
-            this fraction of it has that runner-up timed too (``verify`` iterations after one
-            to settle) and the faster kept; 0 (or ``verify=0``): the choice alone.
+        runner_up_within: the choice's best alternative (another codec; for exact gradients
+            the other policy) predicted within this fraction of it is timed too (``verify``
+            iterations after one to settle), the faster kept; 0 (or ``verify=0``): none.
 
     Raises:
         ValueError / TypeError: a bad value (an unknown codec spec included).
@@ -213,9 +213,11 @@ class Tuner:
             plans = tuple((c.scheduler, compression_for(model, c.codecs))
                           for c in (choice, choice.runner_up) if c is not None)
             scheduler, compression = plans[0]
-            if compression is not None or scheduler != model._scheduler:
+            changed = compression is not None or scheduler != model._scheduler
+            if changed or choice.runner_up is not None:  # (unchanged: the first trial is in use)
                 fallback = (model._scheduler, model._compression)
-                model._rebuild(scheduler, compression)  # (unchanged: the plan stays)
+                if changed:
+                    model._rebuild(scheduler, compression)
                 if self.config.verify:
                     self._check = ChoiceCheck(default_s=default_s, fallback=fallback,
                                               verify=self.config.verify, plans=plans)

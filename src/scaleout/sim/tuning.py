@@ -11,11 +11,15 @@ The search is deterministic (a pure function of its inputs), so ranks that agree
 measurements agree on the choice. It is conservative: the defaults stay unless a change
 is predicted to gain at least ``min_gain_exact``, and a lossy codec is chosen only where
 it is predicted to gain at least ``min_gain_lossy`` over the best exact configuration. Where
-another codec is predicted within ``runner_up_within`` of the chosen one, it is named the
-runner-up: the model cannot tell the two apart (on the transformer at 100 Mbit/s it put
-PowerSGD 2% ahead of top-k 1%; against the same peer PowerSGD measured 0.90x DDP's PowerSGD
-hook and top-k 1.20x; benchmarks/RESULTS.md), so the runtime times both
-(:mod:`scaleout.pytorch.tune_check`).
+an alternative is predicted within ``runner_up_within`` of the chosen one, it is named the
+runner-up and the runtime times both (:mod:`scaleout.pytorch.tune_check`): for a lossy
+choice another codec (on the transformer at 100 Mbit/s the model put PowerSGD 2% ahead of
+top-k 1%; against the same peer PowerSGD measured 0.90x DDP's PowerSGD hook and top-k
+1.20x; benchmarks/RESULTS.md), for an exact one the best configuration under the other
+policy. The model serves one chunk at a time and does not price two lanes' exchanges running
+at once on the cores the ranks compute on: on the transformer at 10 Gbit/s it put FIFO and
+priority within 0.2-1.3% of each other, and FIFO measured ~1.02x DDP against priority's
+0.89-0.93x (RESULTS.md, stops 34-35).
 
 Example:
     >>> from scaleout.sim.workload import Workload
@@ -34,8 +38,9 @@ from types import MappingProxyType
 from typing import Any
 
 from scaleout.scheduler.config import MB, POLICIES, SchedulerConfig
+from scaleout.scheduler.plan import plan_and_policy
 from scaleout.sim.config import MODES, CodecModel, IterationConfig
-from scaleout.sim.iteration import simulate
+from scaleout.sim.iteration import plan_items, simulate
 from scaleout.sim.link import LinkModel
 from scaleout.sim.tune_choice import Candidate, TuneChoice
 from scaleout.sim.units import format_bytes, format_time
@@ -82,24 +87,37 @@ class _Search:
                     * self.models[layer.name][codecs[layer.name]].seconds_per_byte)
             if layer.name in codecs else layer for layer in self.w.layers))
 
+    def config(self, sched: SchedulerConfig, codecs: Mapping[str, str]) -> IterationConfig:
+        layer_codecs = {name: self.models[name][spec] for name, spec in codecs.items()}
+        return IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs,
+                               host_s_per_message=self.cpu_per_message,
+                               host_s_per_byte=self.cpu_per_byte)
+
     def price(self, sched: SchedulerConfig, codecs: Mapping[str, str], label: str) -> Candidate:
         key = (sched, tuple(sorted(codecs.items())))
         if key not in self.priced:
-            layer_codecs = {name: self.models[name][spec] for name, spec in codecs.items()}
-            config = IterationConfig(scheduler=sched, mode=self.mode, layer_codecs=layer_codecs,
-                                     host_s_per_message=self.cpu_per_message,
-                                     host_s_per_byte=self.cpu_per_byte)
-            seconds = simulate(self.workload(codecs), self.topo, config).iteration_s
+            seconds = simulate(self.workload(codecs), self.topo,
+                               self.config(sched, codecs)).iteration_s
             self.priced[key] = Candidate(label, sched, MappingProxyType(dict(codecs)), seconds)
         return self.priced[key]
 
+    def policy_of(self, candidate: Candidate) -> str:
+        """The policy ``candidate`` runs under (an open one decided by its plan, as the
+        runtime decides it)."""
+        config = self.config(candidate.scheduler, candidate.codecs)
+        items = plan_items(self.workload(candidate.codecs).layers, config)
+        return plan_and_policy(items, candidate.scheduler)[1].policy
+
     def descend(self, start: SchedulerConfig, codecs: Mapping[str, str], tag: str,
-                passes: int = 2) -> Candidate:
-        """Coordinate descent over :data:`SEARCH`, from ``start``; strict improvements only."""
+                passes: int = 2, fixed: tuple[str, ...] = ()) -> Candidate:
+        """Coordinate descent over :data:`SEARCH` (but the ``fixed`` fields), from ``start``;
+        strict improvements only."""
         best = self.price(start, codecs, f"{tag}{_label(start)}")
         for _ in range(passes):
             moved = False
             for field, values in SEARCH.items():
+                if field in fixed:
+                    continue
                 for value in values:
                     sched = _with(best.scheduler, field, value)
                     if sched is None or sched == best.scheduler:
@@ -187,7 +205,9 @@ def choose(workload: Workload, link: LinkModel, *, mode: str = "overlap",
         runner_up_within: when a lossy configuration is chosen, the best one with other
             codecs on at least half the bytes either compresses that also gains
             ``min_gain_lossy`` is its runner-up if predicted within this fraction of the
-            chosen one's time (0: no runner-up).
+            chosen one's time; when exact gradients are chosen, the best configuration
+            under the other policy (FIFO or priority, as the choice runs) is, on the same
+            terms (0: no runner-up).
         codec_competes: the codecs' work takes cores from the compute (a CPU run): it is
             charged to the layer's backward as well as to its exchange (conservative), or,
             where ``link`` has a CPU per byte, as the iteration model charges the link's
@@ -265,6 +285,13 @@ def choose(workload: Workload, link: LinkModel, *, mode: str = "overlap",
                                f"{min_gain_lossy:.0%} a lossy codec must gain: exact gradients")
     else:
         reasons.append("codecs: none allowed (exact gradients)")
+    if not chosen.codecs and runner_up_within:
+        runner_up = _other_policy(search, chosen, runner_up_within)
+        if runner_up is not None:
+            reasons.append(f"runner-up: {_label(runner_up.scheduler)} is predicted within "
+                           f"{runner_up_within:.0%} of the choice "
+                           f"({runner_up.predicted_s / chosen.predicted_s - 1:+.1%}), and the "
+                           "model does not price two lanes at once: both are timed")
     exposed = max(chosen.predicted_s - workload.compute_s, 0.0)
     reasons.append(f"predicted exposed communication {format_time(exposed)}/it; all-reducing "
                    f"every gradient once would take "
@@ -291,6 +318,15 @@ def _best_descended(search: _Search, priced: list[Candidate], default: Scheduler
     tuned = search.descend(best.scheduler, best.codecs, f"{kind}, ", passes=1)
     plain = search.price(default, best.codecs, f"{kind}, {_label(default)}")
     return tuned if tuned.predicted_s <= plain.predicted_s * (1 - min_gain) else plain
+
+
+def _other_policy(search: _Search, chosen: Candidate, within: float) -> Candidate | None:
+    """The best configuration under the policy ``chosen`` does not run (its other options
+    tuned from ``chosen``'s), when it is predicted within ``within`` of ``chosen``."""
+    other = "fifo" if search.policy_of(chosen) == "priority" else "priority"
+    start = replace(chosen.scheduler, policy=other)
+    best = search.descend(start, chosen.codecs, "exact, ", passes=1, fixed=("policy",))
+    return best if best.predicted_s <= chosen.predicted_s * (1 + within) else None
 
 
 def _runner_up(search: _Search, priced: list[Candidate], chosen: Candidate, within: float,

@@ -15,6 +15,8 @@ from scaleout.pytorch import tune_measure
 from scaleout.sim.collectives import collective_cost
 from scaleout.sim.testbed_cases import (
     HOST_PROBE,
+    LONE_CALLS,
+    LONE_CALLS_FILE,
     PROBE_BYTES,
     PROBE_FILES,
     ROW_SPARSE_ROWS,
@@ -52,8 +54,24 @@ def test_host_probe_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
     assert HOST_PROBE[ranks, rate] == pytest.approx(_figures(rows, ranks, rate), rel=2e-3)
 
 
+@pytest.mark.parametrize("ranks,rate", sorted(LONE_CALLS))
+def test_lone_calls_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
+    # the median call of each size on idle ranks: the slower rank's of each run, then the
+    # median of the runs
+    rows = [r for r in json.loads((RESULTS / LONE_CALLS_FILE).read_text())["rows"]
+            if r["ranks"] == ranks and r["rate"] == rate]
+    runs: dict[int, list[dict]] = {}
+    for row in rows:
+        runs.setdefault(row["repeat"], []).append(row)
+    assert len(runs) >= 2 and all(len(run) == ranks for run in runs.values())
+    figures = tuple(statistics.median(max(r["sizes"][str(size)]["idle_ms"] for r in run) / 1e3
+                                      for run in runs.values()) for size in PROBE_BYTES)
+    assert LONE_CALLS[ranks, rate] == pytest.approx(figures, rel=2e-3)
+
+
 def test_every_rows_link_was_probed_at_its_ranks_and_rate() -> None:
-    assert {(ranks, rate) for _, ranks, rate, *_ in TESTBED_ROWS} <= set(HOST_PROBE)
+    links = {(ranks, rate) for _, ranks, rate, *_ in TESTBED_ROWS}
+    assert links <= set(HOST_PROBE) and links <= set(LONE_CALLS)
 
 
 def test_probe_sizes_are_the_autotuners() -> None:
@@ -62,7 +80,8 @@ def test_probe_sizes_are_the_autotuners() -> None:
 
 @pytest.mark.parametrize("ranks,rate", LINKS)
 def test_the_simulated_link_reproduces_both_probe_points(ranks: int, rate: str) -> None:
-    small, large, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
+    _, _, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
+    small, large = LONE_CALLS[ranks, rate]  # the median lone calls (since stop 35)
     link = probed_link(rate, ranks)
     assert link.ranks == ranks
     assert link.cpu_s_per_message == per_message
@@ -89,6 +108,21 @@ def test_the_probe_runs_on_two_ranks() -> None:
         small, large = row["link"]["seconds"]
         assert 0 < small and 0 < large
         assert row["transfer_alone_cpu_ms"] > 0 and row["small_allreduce_cpu_ms"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_lone_call_probe_runs_on_two_ranks() -> None:
+    """``benchmarks/lone_call_probe.py`` over loopback, tiny: each rank prints its medians."""
+    script = RESULTS.parent / "lone_call_probe.py"
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script),
+                           "1", "2", "0"], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines()
+            if line.startswith("[rank") and "{" in line]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for row in rows:
+        assert {str(size) for size in PROBE_BYTES} <= set(row["sizes"])
+        assert all(0 < f["idle_ms"] and 0 < f["loaded_ms"] for f in row["sizes"].values())
 
 
 @pytest.mark.parametrize("row", TESTBED_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")

@@ -28,12 +28,18 @@ What goes in, and nothing else:
   both results had been seen (docs/simulator.md);
 * gradient bytes per layer: the table's MB/it (bytes / 1e6: ``BENCH_MB``; until stop 24 they
   were read as MiB, 4.9% too many) spread by the trace's per-layer gradient bytes;
-* the link and its CPU, measured on the testbed at each rate and rank count by
-  ``benchmarks/host_cpu_probe.py`` (``benchmarks/results/stop25/host-probe.json`` at 2 ranks,
-  ``stop31/host-probe-3.json`` at 3; two runs per rate, no training; each figure is the slower
-  rank's, the median of the runs, as the autotuner takes it): the line through the autotuner's
-  own all-reduces of 1 KB and 4 MiB (``scaleout.pytorch.tune_measure.measure_link``, a
-  :class:`~scaleout.sim.link.LinkModel`) and its CPU per collective (``host_s_per_message``),
+* the link, measured on the testbed at each rate and rank count by
+  ``benchmarks/lone_call_probe.py`` (:data:`LONE_CALLS`, ``stop35/lone-calls.json``; two runs
+  per rate, no training; each figure the slower rank's, the median of the runs): the line
+  through the median all-reduce of 1 KB and of 4 MiB called one at a time on idle ranks, as
+  training calls a bucket's collective. Until stop 35 it was the line through the autotuner's
+  own all-reduces of the same sizes (``scaleout.pytorch.tune_measure.measure_link``: the best
+  of three called back to back), which at 3 ranks is a quarter of the median lone call
+  (0.7 against 3-4 ms for 1 KB: docs/simulator.md, "Stop 35");
+* the link's CPU, measured at each rate and rank count by ``benchmarks/host_cpu_probe.py``
+  (``benchmarks/results/stop25/host-probe.json`` at 2 ranks, ``stop31/host-probe-3.json`` at 3;
+  two runs per rate, no training; each figure is the slower rank's, the median of the runs,
+  as the autotuner takes it): its CPU per collective (``host_s_per_message``),
   and the process's CPU time per byte of a bare 8 MB all-reduce beyond that
   (``host_s_per_byte``: gloo's threads and the kernel's TCP path, 0.82-1.39 ms per MB at 2
   ranks, 0.68-0.77 at 3). The simulator charges that CPU to the compute only for the share of
@@ -74,6 +80,8 @@ __all__ = [
     "ROW_SPARSE_ROWS",
     "TESTBED_ROWS",
     "HOST_PROBE",
+    "LONE_CALLS",
+    "LONE_CALLS_FILE",
     "PROBE_FILES",
     "SLOWDOWN",
     "probed_link",
@@ -99,7 +107,8 @@ SLOWDOWN = MappingProxyType({
 PROBE_FILES = MappingProxyType({2: "stop25/host-probe.json", 3: "stop31/host-probe-3.json"})
 #: (ranks, rate) -> (1 KB all-reduce s, 4 MiB all-reduce s, CPU s per collective, CPU ms per
 #: MB of 1e6 bytes) from ``PROBE_FILES[ranks]`` (tests/test_sim_testbed_probe.py derives them
-#: again from the files).
+#: again from the files). The first two are the autotuner's link (the best of three calls
+#: back to back), the testbed's until stop 35 (now :data:`LONE_CALLS`); the CPU figures stay.
 HOST_PROBE = MappingProxyType({
     (2, "100mbit"): (0.611e-3, 338.408e-3, 1.221e-3, 1.388),
     (2, "1gbit"): (0.608e-3, 33.924e-3, 0.677e-3, 0.854),
@@ -109,6 +118,20 @@ HOST_PROBE = MappingProxyType({
     (3, "10gbit"): (0.755e-3, 5.896e-3, 0.521e-3, 0.684),
 })
 PROBE_BYTES = (1 << 10, 4 << 20)  # scaleout.pytorch.tune_measure.PROBE_BYTES (a test checks)
+#: the lone-call probe's recorded runs on the testbed (under benchmarks/results)
+LONE_CALLS_FILE = "stop35/lone-calls.json"
+#: (ranks, rate) -> (1 KB all-reduce s, 4 MiB all-reduce s): the median call of each size,
+#: called one at a time on idle ranks, from :data:`LONE_CALLS_FILE` (the slower rank's figure
+#: of each run, then the median of the runs; tests/test_sim_testbed_probe.py derives them
+#: again from the file). The testbed's link since stop 35 (:func:`probed_link`).
+LONE_CALLS = MappingProxyType({
+    (2, "100mbit"): (1.526e-3, 337.154e-3),
+    (2, "1gbit"): (0.763e-3, 34.253e-3),
+    (2, "10gbit"): (0.803e-3, 5.830e-3),
+    (3, "100mbit"): (3.709e-3, 452.670e-3),
+    (3, "1gbit"): (3.637e-3, 45.434e-3),
+    (3, "10gbit"): (3.835e-3, 8.209e-3),
+})
 RELATIVE_BOUND = 0.15  # issue 13: none above 15% (median <= 5% is checked by validate())
 
 # (workload, ranks, rate, single ms, scaleout ms, ddp ms, MB/it, JSON under benchmarks/results)
@@ -213,10 +236,11 @@ def testbed_workload(workload: str, single_ms: float, grad_mb: float,
 
 
 def probed_link(rate: str, ranks: int = 2) -> LinkModel:
-    """The link of ``ranks`` ranks at ``rate`` as the autotuner measured it on the testbed
-    (:data:`HOST_PROBE`), with its CPU per collective and per byte (of a bare 8 MB
-    all-reduce: the probe's)."""
-    small, large, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
+    """The link of ``ranks`` ranks at ``rate``: the line through the median lone all-reduce of
+    1 KB and 4 MiB on the testbed (:data:`LONE_CALLS`), with the CPU per collective and per
+    byte (of a bare 8 MB all-reduce) the host probe measured (:data:`HOST_PROBE`)."""
+    small, large = LONE_CALLS[ranks, rate]
+    _, _, per_message, ms_per_mb = HOST_PROBE[ranks, rate]
     return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small), (PROBE_BYTES[1], large)),
                    cpu_s_per_message=per_message, cpu_s_per_byte=ms_per_mb / 1e3 / BENCH_MB)
 
@@ -285,8 +309,10 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                     assumptions=(
                         f"{ranks} ranks; single rank {single} ms (same table), split over the "
                         f"layers as in testbed_traces/{workload}.json; {mb} MB/it; the {rate} "
-                        f"link of {ranks} ranks and its CPU per collective and per MB as "
-                        f"host_cpu_probe.py measured them ({PROBE_FILES[ranks]}), the CPU "
+                        f"link of {ranks} ranks as lone_call_probe.py measured it (the median "
+                        f"lone 1 KB and 4 MiB all-reduce, {LONE_CALLS_FILE}), its CPU per "
+                        f"collective and per MB as host_cpu_probe.py measured them "
+                        f"({PROBE_FILES[ranks]}), the CPU "
                         "charged to compute only while both run; compute and codec CPU x "
                         f"{SLOWDOWN[workload, ranks]:.3f}, the lockstep row of {workload}'s "
                         f"{ranks}-rank 1 Gbit/s run; {_PEERS[peer]}"

@@ -18,8 +18,8 @@ top-k 1%; against the same peer PowerSGD measured 0.90x DDP's PowerSGD hook and 
 1.20x; benchmarks/RESULTS.md), for an exact one the best configuration under the other
 policy. The model serves one chunk at a time and does not price two lanes' exchanges running
 at once on the cores the ranks compute on: on the transformer at 10 Gbit/s it put FIFO and
-priority within 0.2-1.3% of each other, and FIFO measured ~1.02x DDP against priority's
-0.89-0.93x (RESULTS.md, stops 34-35).
+priority within 0.2-1.3% of each other, and with the policy forced FIFO measured 1.02x DDP
+against priority's 0.93x (two pairs; RESULTS.md, stop 34).
 
 Example:
     >>> from scaleout.sim.workload import Workload

@@ -93,17 +93,22 @@ def test_the_simulated_link_reproduces_both_probe_points(ranks: int, rate: str) 
         assert cost.time == pytest.approx(seconds, rel=1e-6)
 
 
-@pytest.mark.timeout(120)
-def test_the_probe_runs_on_two_ranks() -> None:
-    """``benchmarks/host_cpu_probe.py`` over loopback, tiny: each rank prints its figures."""
-    script = RESULTS.parent / "host_cpu_probe.py"
-    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script),
-                           "0.1", "2", "1"], capture_output=True, text=True, timeout=110)
+def _probe_rows(script: str, *args: str) -> list[dict]:
+    """Run ``benchmarks/<script>`` on two loopback ranks; each rank's JSON line."""
+    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2",
+                           str(RESULTS.parent / script), *args],
+                          capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines()
             if line.startswith("[rank") and "{" in line]
     assert sorted(r["rank"] for r in rows) == [0, 1]
-    for row in rows:
+    return rows
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_runs_on_two_ranks() -> None:
+    """``benchmarks/host_cpu_probe.py`` over loopback, tiny: each rank prints its figures."""
+    for row in _probe_rows("host_cpu_probe.py", "0.1", "2", "1"):
         assert row["link"]["probe_bytes"] == list(PROBE_BYTES)
         small, large = row["link"]["seconds"]
         assert 0 < small and 0 < large
@@ -113,14 +118,7 @@ def test_the_probe_runs_on_two_ranks() -> None:
 @pytest.mark.timeout(120)
 def test_the_lone_call_probe_runs_on_two_ranks() -> None:
     """``benchmarks/lone_call_probe.py`` over loopback, tiny: each rank prints its medians."""
-    script = RESULTS.parent / "lone_call_probe.py"
-    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script),
-                           "1", "2", "0"], capture_output=True, text=True, timeout=110)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines()
-            if line.startswith("[rank") and "{" in line]
-    assert sorted(r["rank"] for r in rows) == [0, 1]
-    for row in rows:
+    for row in _probe_rows("lone_call_probe.py", "1", "2", "0"):
         assert {str(size) for size in PROBE_BYTES} <= set(row["sizes"])
         assert all(0 < f["idle_ms"] and 0 < f["loaded_ms"] for f in row["sizes"].values())
 

@@ -32,26 +32,26 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results"
 LINKS = sorted(HOST_PROBE)  # (ranks, rate)
 
 
-def _figures(rows: list[dict], ranks: int, rate: str) -> tuple[float, float, float, float]:
-    """The slower rank's figure of each run, then the median over the runs."""
+def _figures(rows: list[dict], ranks: int, rate: str, *gets) -> tuple[float, ...]:
+    """Per getter, the slower rank's figure of each run at ``rate``, then the median over
+    the runs."""
     runs: dict[int, list[dict]] = {}
     for row in rows:
         if row["rate"] == rate:
             runs.setdefault(row["repeat"], []).append(row)
     assert len(runs) >= 2 and all(len(r) == ranks for r in runs.values())
-
-    def figure(get) -> float:
-        return statistics.median(max(get(r) for r in run) for run in runs.values())
-
-    return (figure(lambda r: r["link"]["seconds"][0]), figure(lambda r: r["link"]["seconds"][1]),
-            figure(lambda r: r["link"]["cpu_s_per_message"]), figure(lambda r: r["cpu_ms_per_mb"]))
+    return tuple(statistics.median(max(get(r) for r in run) for run in runs.values())
+                 for get in gets)
 
 
 @pytest.mark.parametrize("ranks,rate", LINKS)
 def test_host_probe_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
     rows = json.loads((RESULTS / PROBE_FILES[ranks]).read_text())["rows"]
     assert all(r["link"]["probe_bytes"] == list(PROBE_BYTES) for r in rows)
-    assert HOST_PROBE[ranks, rate] == pytest.approx(_figures(rows, ranks, rate), rel=2e-3)
+    figures = _figures(rows, ranks, rate, lambda r: r["link"]["seconds"][0],
+                       lambda r: r["link"]["seconds"][1], lambda r: r["link"]["cpu_s_per_message"],
+                       lambda r: r["cpu_ms_per_mb"])
+    assert HOST_PROBE[ranks, rate] == pytest.approx(figures, rel=2e-3)
 
 
 @pytest.mark.parametrize("ranks,rate", sorted(LONE_CALLS))
@@ -59,13 +59,9 @@ def test_lone_calls_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
     # the median call of each size on idle ranks: the slower rank's of each run, then the
     # median of the runs
     rows = [r for r in json.loads((RESULTS / LONE_CALLS_FILE).read_text())["rows"]
-            if r["ranks"] == ranks and r["rate"] == rate]
-    runs: dict[int, list[dict]] = {}
-    for row in rows:
-        runs.setdefault(row["repeat"], []).append(row)
-    assert len(runs) >= 2 and all(len(run) == ranks for run in runs.values())
-    figures = tuple(statistics.median(max(r["sizes"][str(size)]["idle_ms"] for r in run) / 1e3
-                                      for run in runs.values()) for size in PROBE_BYTES)
+            if r["ranks"] == ranks]
+    figures = _figures(rows, ranks, rate, *(
+        lambda r, size=size: r["sizes"][str(size)]["idle_ms"] / 1e3 for size in PROBE_BYTES))
     assert LONE_CALLS[ranks, rate] == pytest.approx(figures, rel=2e-3)
 
 

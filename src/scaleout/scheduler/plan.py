@@ -6,13 +6,14 @@ configuration, so that the simulator can plan exactly what the runtime sends.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from scaleout.scheduler.config import SchedulerConfig
 
-__all__ = ["PlanItem", "BucketPlan", "build_plan", "chunk_needs", "plan_and_policy"]
+__all__ = ["PlanItem", "BucketPlan", "build_plan", "chunk_needs", "chunks_ready",
+           "plan_and_policy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,18 @@ def chunk_needs(offsets: Sequence[int], chunks: Sequence[tuple[int, int]]) -> tu
         (2, 3)
     """
     return tuple(bisect_left(offsets, stop) for _, stop in chunks)
+
+
+def chunks_ready(needs: Sequence[int], filled: int) -> int:
+    """How many of a bucket's chunks may leave once its first ``filled`` items (buffer
+    order) are in, ``needs`` being :func:`chunk_needs` (non-decreasing): the runtime's
+    bucket and the simulator's lanes release chunks by it.
+
+    Example:
+        >>> chunks_ready((2, 3), 2), chunks_ready((2, 3), 3)
+        (1, 2)
+    """
+    return bisect_right(needs, filled)
 
 
 def _chunks(numel: int, elem_bytes: int, config: SchedulerConfig, split: bool) -> tuple[tuple[int, int], ...]:

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.request import FutureRequest, Request
-from scaleout.scheduler import Job, ProgressEngine, chunk_needs
+from scaleout.scheduler import Job, ProgressEngine, chunk_needs, chunks_ready
 from scaleout.session.statistics import Statistics
 from scaleout.session.timing import stopwatch_for
 
@@ -101,7 +101,7 @@ class GradBucket:
         spans = list(chunks) if elementwise else [(0, numel)]
         # chunk k may leave once the first needs[k] members (buffer order) are filled: the
         # front of a bucket travels while backward still produces its back
-        self._needs = chunk_needs(sorted(offsets), spans)
+        self._needs = chunk_needs([offsets[i] for i in in_buffer], spans)
         # on a GPU, the members whose copies chunk k's stream waits for (those before it
         # were waited for by the chunks before it, earlier on the same stream)
         self._waits = [[self._ready[id(members[i])] for i in in_buffer[before:need]]
@@ -193,9 +193,7 @@ class GradBucket:
         filled[place] = True
         while self._prefix < len(filled) and filled[self._prefix]:
             self._prefix += 1
-        ready = self._released
-        while ready < len(needs) and needs[ready] <= self._prefix:
-            ready += 1
+        ready = chunks_ready(needs, self._prefix)
         if ready == self._released:
             return
         first, self._released = self._released == 0, ready

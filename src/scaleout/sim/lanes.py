@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scaleout.scheduler.plan import BucketPlan, chunk_needs
+from scaleout.scheduler.plan import BucketPlan, chunk_needs, chunks_ready
 
 __all__ = ["Chunk", "LaneQueues"]
 
@@ -43,9 +43,7 @@ class LaneQueues:
             if not early_chunks:
                 needs = (len(plan.keys),) * len(needs)
             for place, key in enumerate(plan.keys):
-                ready = released
-                while ready < len(needs) and needs[ready] <= place + 1:
-                    ready += 1
+                ready = chunks_ready(needs, place + 1)
                 if ready > released:
                     self._released_at.setdefault(key, []).append((plan, ready))
                 released = ready

@@ -159,7 +159,8 @@ def _launch_config(config: TrainBenchConfig, name: str, place: Placement, *,
     if config.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return LaunchConfig(nprocs=1 if name == "single" else config.ranks,
-                        master_addr=place.master_addr, master_port=port, env=env)
+                        master_addr=place.master_addr, master_port=port, env=env,
+                        allocator=config.allocator)
 
 
 def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
 from scaleout.bench.train_setup import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
 from scaleout.core.checks import check_cuda_asked
+from scaleout.launch.allocator import ALLOCATORS
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
@@ -56,6 +57,9 @@ class TrainBenchConfig:
         warm: keep each configuration's ranks alive from round to round
             (:mod:`scaleout.bench.train_warm`) instead of fresh ranks every round. Used when
             there are several rounds and no ``trace`` (a trace is per process and round).
+        allocator: every configuration's ranks get the same host allocator settings,
+            ``"keep"`` or ``"system"`` (``scaleout run --allocator``;
+            :mod:`scaleout.launch.allocator`).
 
     Raises:
         ValueError: a field is out of range or names something unknown.
@@ -80,6 +84,7 @@ class TrainBenchConfig:
     memory_budget: int | None = None
     trace: str | None = None
     warm: bool = True
+    allocator: str = "keep"
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -126,6 +131,9 @@ class TrainBenchConfig:
             from scaleout.testbed import TestbedConfig
 
             TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator: expected one of {', '.join(ALLOCATORS)}, got "
+                             f"{self.allocator!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         check_cuda_asked(self.device)

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 
+from scaleout.launch.allocator import ALLOCATORS
 from scaleout.launch.stop_signals import restore_signals, take_stop_signals
 
 EXAMPLE = """examples:
@@ -100,6 +101,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (default 1: fair on small machines)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    parser.add_argument("--allocator", default="keep", choices=ALLOCATORS,
+                        help="every configuration's ranks get these host allocator settings "
+                             "(as scaleout run --allocator; default keep)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="ranks give up on a rendezvous or collective after this (default 300)")
     parser.add_argument("--json", default=None, metavar="FILE",
@@ -203,7 +207,7 @@ def handler(args: argparse.Namespace) -> int:
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
             timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None),
-            warm=not getattr(args, "cold", False))
+            warm=not getattr(args, "cold", False), allocator=args.allocator)
     except (ValueError, TypeError) as err:
         return _error(str(err))
     if args.plot:  # fail before the run, not after it

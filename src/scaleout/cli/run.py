@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from scaleout.launch.allocator import ALLOCATORS
 from scaleout.launch.launcher import LaunchConfig, launch
 
 EXAMPLE = """examples:
@@ -23,11 +24,13 @@ Start N ranks of a training script (or -m module) with torchrun's variables set
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); when one rank fails,
 the others are stopped. With --max-restarts K, every rank is then started again
 (up to K times, fresh rendezvous, SCALEOUT_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT
-say which attempt it is); the script resumes from its last checkpoint."""
+say which attempt it is); the script resumes from its last checkpoint. Each rank's
+C library keeps the memory it frees for reuse (--allocator keep; GLIBC_TUNABLES)
+instead of faulting it in again every iteration."""
 
 # run's own options that take a value; everything from the script (or -m) on is the target's
 _VALUED = {"-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-           "--testbed", "--max-restarts"}
+           "--testbed", "--max-restarts", "--allocator"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -66,6 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="after a failure, start every rank again up to K times "
                              "(default 0; single node only)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="keep",
+                        help="keep (default): each rank's glibc reuses the memory it frees "
+                             "instead of returning it to the kernel and faulting it in again "
+                             "next iteration (GLIBC_TUNABLES; tunables already set there win); "
+                             "system: glibc's defaults")
     parser.add_argument("target", nargs=argparse.REMAINDER,
                         help="script.py [args] or -m module [args]")
     parser.set_defaults(func=handler)
@@ -93,7 +101,7 @@ def handler(args: argparse.Namespace) -> int:
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix,
-                              max_restarts=args.max_restarts)
+                              max_restarts=args.max_restarts, allocator=args.allocator)
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

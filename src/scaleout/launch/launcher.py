@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from scaleout.launch.allocator import ALLOCATORS, allocator_env
 from scaleout.launch.lifeline import REPORT_DIR_VAR, blamed, launcher_env
 from scaleout.launch.ranks import Ranks, signal_name, write_out
 from scaleout.launch.subreaper import become_subreaper
@@ -95,6 +96,9 @@ class LaunchConfig:
         max_restarts: after a failure, start every rank again up to this many times
             (single node only: restarts across nodes are not coordinated).
         env: extra environment for every rank.
+        allocator: the host allocator's settings for every rank, ``"keep"`` (freed memory
+            reused, not returned to the kernel) or ``"system"`` (glibc's defaults);
+            :mod:`scaleout.launch.allocator`.
 
     The ranks get the job secret ``SCALEOUT_JOB_TOKEN`` (from ``env`` or this process's
     environment; a fresh one for a single-node job; a multi-node job must be given one).
@@ -110,8 +114,12 @@ class LaunchConfig:
     settle: float = 5.0
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
+    allocator: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
+                             f"{self.allocator!r}")
         for name in ("nprocs", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -249,6 +257,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
     token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
     threads = max(1, (os.cpu_count() or 1) // config.nprocs)
     launcher = launcher_env()
+    memory = allocator_env(config.allocator, {**os.environ, **config.env})
     ranks = Ranks(out)
     signals.ranks = ranks
     if signals.signum is not None:
@@ -259,7 +268,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
             prefix, extra = wrapper(local) if wrapper is not None else ([], {})
             env = {
                 **os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
-                **config.env, "RANK": str(rank), "WORLD_SIZE": str(world),
+                **config.env, **memory, "RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",

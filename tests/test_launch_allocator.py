@@ -93,3 +93,17 @@ def test_ranks_reuse_freed_memory_with_keep(tmp_path: Path) -> None:
     pages = 7 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert returned > pages // 2, returned  # each round faulted its 64 MiB in again
     assert kept < pages // 20, kept  # the first round's pages, reused
+
+
+def test_the_other_nodes_get_the_same_allocator() -> None:
+    from scaleout.launch.launcher import node_command
+
+    token = {"SCALEOUT_JOB_TOKEN": "the job's secret"}
+    config = LaunchConfig(nprocs=2, nnodes=2, master_addr="node0", master_port=29500,
+                          env=token, allocator="system")
+    assert node_command(["train.py"], config, 1) == (
+        "scaleout run -n 2 --nnodes 2 --node-rank 1 --master-addr node0 --master-port 29500 "
+        "--allocator system train.py")
+    default = LaunchConfig(nprocs=2, nnodes=2, master_addr="node0", master_port=29500,
+                           env=token)
+    assert "--allocator" not in node_command(["train.py"], default, 1)

@@ -333,6 +333,8 @@ def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) ->
                str(config.master_port)]
     if not config.prefix_output:
         options.append("--no-prefix")
+    if config.allocator != "keep":
+        options += ["--allocator", config.allocator]
     return shlex.join(["scaleout", "run", *options, *target])
 
 

@@ -34,9 +34,12 @@ def _wait(request: Any, device: torch.device) -> None:
 
 def measure_link(comm: Any, device: torch.device) -> list[float]:
     """This rank's best time of an all-reduce of each :data:`PROBE_BYTES` size (seconds),
-    then the process's CPU time per all-reduce of each size (every thread's: the call, the
-    communication library's threads and the kernel's; their mean over the repetitions):
-    ``[small s, large s, small CPU s, large CPU s]``."""
+    then the process's CPU time per small all-reduce (every thread's: the call, the
+    communication library's threads and the kernel's; the mean over the repetitions) and
+    what a large one took beyond it: ``[small s, large s, small CPU s, large CPU s - small
+    CPU s]``. The difference is this rank's own, so that the slowest rank's figure of each
+    (the ranks agree on the largest) is one rank's: the largest small and the largest large
+    CPU came from different ranks in a 3-rank run and left nothing per byte."""
     times, cpu = [], []
     for nbytes in PROBE_BYTES:
         buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
@@ -49,7 +52,7 @@ def measure_link(comm: Any, device: torch.device) -> list[float]:
             best = min(best, time.perf_counter() - start)
         cpu.append((time.process_time() - began) / PROBE_REPEATS)
         times.append(best)
-    return [*times, *cpu]
+    return [*times, cpu[0], cpu[1] - cpu[0]]
 
 
 def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],

@@ -325,9 +325,9 @@ def _link_model(ranks: int, link: Sequence[float], device: torch.device) -> Link
     """The line through :func:`measure_link`'s two all-reduces, with their CPU: per
     collective (the small one's) and per byte beyond it (the large one's extra over the
     small one's), which compete with the compute only where the compute is on the CPU."""
-    small_s, large_s, small_cpu, large_cpu = link
+    small_s, large_s, small_cpu, extra_cpu = link
     on_cpu = device.type == "cpu"
-    per_byte = max(large_cpu - small_cpu, 0.0) / (PROBE_BYTES[1] - PROBE_BYTES[0])
+    per_byte = max(extra_cpu, 0.0) / (PROBE_BYTES[1] - PROBE_BYTES[0])
     return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small_s), (PROBE_BYTES[1], large_s)),
                    cpu_s_per_message=small_cpu if on_cpu else 0.0,
                    cpu_s_per_byte=per_byte if on_cpu else 0.0)

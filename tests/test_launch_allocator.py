@@ -67,8 +67,8 @@ _CHURN = textwrap.dedent("""
 """)
 
 
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), **(env or {})}
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     env.pop(TUNABLES_VAR, None)
     return subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
                           capture_output=True, text=True, timeout=60)

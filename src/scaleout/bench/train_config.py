@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
 from scaleout.bench.train_setup import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
 from scaleout.core.checks import check_cuda_asked
-from scaleout.launch.allocator import ALLOCATORS
+from scaleout.launch.allocator import DEFAULT_ALLOCATOR, check_allocator
 from scaleout.pytorch.optimizer import MODES
 from scaleout.scheduler.config import POLICIES
 
@@ -84,7 +84,7 @@ class TrainBenchConfig:
     memory_budget: int | None = None
     trace: str | None = None
     warm: bool = True
-    allocator: str = "keep"
+    allocator: str = DEFAULT_ALLOCATOR
 
     def __post_init__(self) -> None:
         from scaleout.workloads import get_workload
@@ -131,9 +131,7 @@ class TrainBenchConfig:
             from scaleout.testbed import TestbedConfig
 
             TestbedConfig(hosts=self.ranks, rate=self.rate)  # validates the rate
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator: expected one of {', '.join(ALLOCATORS)}, got "
-                             f"{self.allocator!r}")
+        check_allocator(self.allocator)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         check_cuda_asked(self.device)

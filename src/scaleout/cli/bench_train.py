@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 
-from scaleout.launch.allocator import ALLOCATORS
+from scaleout.launch.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
 from scaleout.launch.stop_signals import restore_signals, take_stop_signals
 
 EXAMPLE = """examples:
@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (default 1: fair on small machines)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    parser.add_argument("--allocator", default="keep", choices=ALLOCATORS,
+    parser.add_argument("--allocator", default=DEFAULT_ALLOCATOR, choices=ALLOCATORS,
                         help="every configuration's ranks get these host allocator settings "
                              "(as scaleout run --allocator; default keep)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from scaleout.launch.allocator import ALLOCATORS
+from scaleout.launch.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
 from scaleout.launch.launcher import LaunchConfig, launch
 
 EXAMPLE = """examples:
@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="after a failure, start every rank again up to K times "
                              "(default 0; single node only)")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
-    parser.add_argument("--allocator", choices=ALLOCATORS, default="keep",
+    parser.add_argument("--allocator", choices=ALLOCATORS, default=DEFAULT_ALLOCATOR,
                         help="keep (default): each rank's glibc reuses the memory it frees "
                              "instead of returning it to the kernel and faulting it in again "
                              "next iteration (GLIBC_TUNABLES; tunables already set there win); "

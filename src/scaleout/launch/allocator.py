@@ -22,15 +22,24 @@ from __future__ import annotations
 import platform
 from collections.abc import Mapping
 
-__all__ = ["ALLOCATORS", "KEEP_TUNABLES", "TUNABLES_VAR", "allocator_env"]
+__all__ = ["ALLOCATORS", "DEFAULT_ALLOCATOR", "KEEP_TUNABLES", "TUNABLES_VAR", "allocator_env",
+           "check_allocator"]
 
 #: ``--allocator`` choices.
 ALLOCATORS = ("keep", "system")
+#: What a launch gets unless told otherwise.
+DEFAULT_ALLOCATOR = "keep"
 #: glibc reads its tunables from this variable at start-up.
 TUNABLES_VAR = "GLIBC_TUNABLES"
 #: What ``keep`` sets: no trimming and no fresh mappings below 1 GiB.
 KEEP_TUNABLES = (("glibc.malloc.trim_threshold", str(1 << 30)),
                  ("glibc.malloc.mmap_threshold", str(1 << 30)))
+
+
+def check_allocator(allocator: object) -> None:
+    """Raise ``ValueError`` unless ``allocator`` is one of :data:`ALLOCATORS`."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}")
 
 
 def allocator_env(allocator: str, environ: Mapping[str, str],
@@ -51,8 +60,7 @@ def allocator_env(allocator: str, environ: Mapping[str, str],
         ...               libc="glibc")
         {'GLIBC_TUNABLES': 'glibc.malloc.trim_threshold=0:glibc.malloc.mmap_threshold=1073741824'}
     """
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}")
+    check_allocator(allocator)
     libc = platform.libc_ver()[0] if libc is None else libc
     if allocator == "system" or libc != "glibc":
         return {}

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from scaleout.launch.allocator import ALLOCATORS, allocator_env
+from scaleout.launch.allocator import DEFAULT_ALLOCATOR, allocator_env, check_allocator
 from scaleout.launch.lifeline import REPORT_DIR_VAR, blamed, launcher_env
 from scaleout.launch.ranks import Ranks, signal_name, write_out
 from scaleout.launch.subreaper import become_subreaper
@@ -114,12 +114,10 @@ class LaunchConfig:
     settle: float = 5.0
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
-    allocator: str = "keep"
+    allocator: str = DEFAULT_ALLOCATOR
 
     def __post_init__(self) -> None:
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
-                             f"{self.allocator!r}")
+        check_allocator(self.allocator)
         for name in ("nprocs", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -333,7 +331,7 @@ def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) ->
                str(config.master_port)]
     if not config.prefix_output:
         options.append("--no-prefix")
-    if config.allocator != "keep":
+    if config.allocator != DEFAULT_ALLOCATOR:
         options += ["--allocator", config.allocator]
     return shlex.join(["scaleout", "run", *options, *target])
 

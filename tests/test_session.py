@@ -378,3 +378,32 @@ def body_error_paths() -> None:
 
 def test_bad_arguments_and_failed_steps_leave_a_consistent_session() -> None:
     run_ranks(2, body_error_paths, timeout=60)
+
+
+def body_open_policy(rendezvous: str) -> None:
+    # the harness's ranks meet on 127.0.0.1; a rendezvous elsewhere is faked on the launch
+    # record the session reads (the process groups are already up on loopback)
+    import dataclasses
+    env = scaleout.init(timeout=30)
+    if rendezvous != "127.0.0.1":
+        env._info = dataclasses.replace(env.launch, master_addr=rendezvous)
+    assert env.launch.loopback == (rendezvous == "127.0.0.1")
+    dist = env.create_distribution()
+    # a bulk bucket of several chunks behind a small urgent one: priority has work to do
+    session = Session(env, scheduler=SchedulerConfig(
+        partition_bytes=256, credit_bytes=512, bucket_bytes=4096, first_bucket_bytes=256,
+        urgent_bytes=100))
+    for i, n in enumerate([40, 900]):
+        session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(count=n)])
+    session.commit()
+    lanes = {bucket.job.lane for bucket in session.buckets}
+    assert lanes == ({0} if env.launch.loopback else {0, 1}), (rendezvous, lanes)
+    session.close()
+    env.finalize()
+
+
+@pytest.mark.parametrize("rendezvous", ["127.0.0.1", "10.0.0.1"])
+def test_an_open_policy_is_fifo_for_ranks_on_loopback(rendezvous: str) -> None:
+    """Ranks that meet on loopback have no link to share: an open policy is fifo there (one
+    lane), and priority where the plan has a bulk bucket to pre-empt elsewhere."""
+    run_ranks(2, body_open_policy, rendezvous, timeout=60)

@@ -38,7 +38,8 @@ class TrainBenchConfig:
             it tunes before the last warm-up iteration,
             so ``warmup`` must be >= :data:`AUTO_WARMUP`).
         policy: scaleout's scheduling policy, ``"priority"``, ``"fifo"`` or ``"default"``
-            (``SchedulerConfig(policy=None)``: priority, fifo for CUDA tensors over gloo).
+            (``SchedulerConfig(policy=None)``: priority, fifo for CUDA tensors over gloo, over
+            loopback and for a plan with nothing to pre-empt).
         mode: scaleout's optimizer mode, ``"overlap"`` or ``"sync"``.
         threads: torch intra-op threads per rank.
         seed: model and data seed (the same for every configuration).

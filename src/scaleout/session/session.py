@@ -202,7 +202,8 @@ class Session:
                              f"got {sorted(map(str, devices))}")
         device = next(iter(devices), torch.device("cpu"))
         config = self.scheduler.resolved(
-            cuda_over_gloo=cuda_over_gloo(dist.communicator(GroupType.DATA), device))
+            cuda_over_gloo=cuda_over_gloo(dist.communicator(GroupType.DATA), device),
+            loopback=self.env.launch.loopback)
         if self._hook is not None:  # one lane, fixed order: see register_comm_hook
             config = replace(config, policy="fifo", channels=1)
         codecs = [_codec_of(ps) for ps in sets]  # chosen once, here

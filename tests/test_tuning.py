@@ -88,6 +88,9 @@ def test_loopback_with_no_rate_limit_chooses_nothing_lossy() -> None:
     # look 10.4% faster (a test run beside another); the bytes are memory copies there
     assert "every rank is on this machine (rendezvous on 127.0.0.1)" in results[0]["summary"]
     assert results[0]["bytes"] == results[0]["raw_bytes"]
+    # the defaults are priced as the session runs them over loopback: fifo, not the plan's
+    # priority (which the defaults never ran here)
+    assert "  defaults: fifo bucket=" in results[0]["summary"], results[0]["summary"]
 
 
 def test_a_slow_link_gets_a_codec_that_suits_the_optimizer() -> None:

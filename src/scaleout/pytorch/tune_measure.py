@@ -1,11 +1,13 @@
 """What the autotuner measures beside the compute: the link (all-reduces of two sizes) and
-each candidate codec's cost on a layer's shapes (:mod:`scaleout.pytorch.tuning`)."""
+each candidate codec's cost on a layer's shapes (:mod:`scaleout.pytorch.tuning`), and the
+simulator's models made of those measurements."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,8 +15,12 @@ import torch
 from scaleout.compression import make_codec
 from scaleout.compression.state import CodecState
 from scaleout.core.collectives import allreduce
+from scaleout.sim.config import CodecModel
+from scaleout.sim.tuning import LinkModel
+from scaleout.sim.workload import Workload
 
-__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "measure_codec", "measure_link"]
+__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "codec_models", "link_model", "measure_codec",
+           "measure_link"]
 
 #: The two all-reduce sizes that measure the link (bytes), and timed repetitions of each (of
 #: each codec's encode + decode too). The small one is 1 KB, so that its time is the
@@ -84,3 +90,32 @@ def measure_codec(spec: str, params: Sequence[torch.nn.Parameter],
         seconds += best
         payload += sum(t.numel() * t.element_size() for t in sent)
     return payload, seconds
+
+
+def link_model(ranks: int, link: Sequence[float], device: torch.device) -> LinkModel:
+    """The line through :func:`measure_link`'s two all-reduces, with their CPU: per
+    collective (the small one's) and per byte beyond it (the large one's extra over the
+    small one's), which compete with the compute only where the compute is on the CPU."""
+    small_s, large_s, small_cpu, extra_cpu = link
+    on_cpu = device.type == "cpu"
+    per_byte = max(extra_cpu, 0.0) / (PROBE_BYTES[1] - PROBE_BYTES[0])
+    return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small_s), (PROBE_BYTES[1], large_s)),
+                   cpu_s_per_message=small_cpu if on_cpu else 0.0,
+                   cpu_s_per_byte=per_byte if on_cpu else 0.0)
+
+
+def codec_models(workload: Workload, specs: Sequence[str],
+                  measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
+    """Per layer and spec, the measured codec (``measured``: (payload bytes, seconds) per layer
+    and spec, in that order); a codec that does not shrink a layer is left out for it."""
+    models: dict[str, dict[str, CodecModel]] = {}
+    for i, layer in enumerate(workload.layers):
+        for j, spec in enumerate(specs):
+            payload, seconds = measured[i * len(specs) + j]
+            if layer.grad_bytes and 0 < payload < layer.grad_bytes:
+                codec = make_codec(spec)
+                models.setdefault(layer.name, {})[spec] = CodecModel(
+                    name=spec, ratio=payload / layer.grad_bytes,
+                    seconds_per_byte=seconds / layer.grad_bytes, summable=codec.summable,
+                    multi_round=codec.multi_round, rounds=codec.rounds)
+    return models

@@ -36,8 +36,9 @@ from scaleout.compression import CompressionConfig, make_codec
 from scaleout.compression.advice import optimizer_traits
 from scaleout.core.consistency import verify_plan
 from scaleout.pytorch.tune_check import ChoiceCheck, slowest
-from scaleout.pytorch.tune_measure import PROBE_BYTES, measure_codec, measure_link
-from scaleout.sim.config import CodecModel
+from scaleout.pytorch.tune_measure import codec_models, link_model, measure_codec, measure_link
+from scaleout.scheduler import SchedulerConfig
+from scaleout.session.bucket import cuda_over_gloo
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
 from scaleout.sim.workload import Layer, Workload
 
@@ -180,6 +181,7 @@ class Tuner:
         self._reset = False  # this rank's statistics were reset after the snapshot
         self._started = 0.0  # wall clock at the first measured iteration's forward
         self._check: ChoiceCheck | None = None
+        self._default: SchedulerConfig | None = None  # the user's, as the session runs it
 
     @property
     def done(self) -> bool:
@@ -213,7 +215,8 @@ class Tuner:
             plans = tuple((c.scheduler, compression_for(model, c.codecs))
                           for c in (choice, choice.runner_up) if c is not None)
             scheduler, compression = plans[0]
-            changed = compression is not None or scheduler != model._scheduler
+            changed = compression is not None or scheduler not in (model._scheduler,
+                                                                   self._default)
             if changed or choice.runner_up is not None:  # (unchanged: the first trial is in use)
                 fallback = (model._scheduler, model._compression)
                 if changed:
@@ -257,17 +260,20 @@ class Tuner:
         # the slowest rank's figures: every rank then decides alike
         values = slowest(comm, model._device,
                          [*link, *compute, *moved, *(s for _, s in codecs)])
-        link_model = config.link or _link_model(comm.size, values[:4], model._device)
-        if link_model.ranks != comm.size:
-            raise ValueError(f"TuneConfig.link is for {link_model.ranks} ranks; the data group "
+        fitted = config.link or link_model(comm.size, values[:4], model._device)
+        if fitted.ranks != comm.size:
+            raise ValueError(f"TuneConfig.link is for {fitted.ranks} ranks; the data group "
                              f"has {comm.size}")
         n = len(layers)
         shares = values[4 + 2 * n:4 + 3 * n]
         workload = _workload(layers, values[4:4 + 2 * n], 1, shares)
         seconds = values[4 + 3 * n:]
-        models = _codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
-                                                  in zip(codecs, seconds)])
-        choice = choose(workload, link_model, mode=model.updates.mode, default=model._scheduler,
+        models = codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
+                                                in zip(codecs, seconds)])
+        # the defaults as the session runs them: an open policy fifo over loopback, ...
+        self._default = model._scheduler.resolved(
+            cuda_over_gloo=cuda_over_gloo(comm, model._device), loopback=model.env.launch.loopback)
+        choice = choose(workload, fitted, mode=model.updates.mode, default=self._default,
                         codecs=models, min_gain_exact=config.min_gain_exact,
                         min_gain_lossy=config.min_gain_lossy,
                         runner_up_within=config.runner_up_within if config.verify else 0.0,
@@ -321,18 +327,6 @@ def compression_for(model: Any, codecs: Mapping[str, str]) -> CompressionConfig 
         for p in layers[layer_name].params})
 
 
-def _link_model(ranks: int, link: Sequence[float], device: torch.device) -> LinkModel:
-    """The line through :func:`measure_link`'s two all-reduces, with their CPU: per
-    collective (the small one's) and per byte beyond it (the large one's extra over the
-    small one's), which compete with the compute only where the compute is on the CPU."""
-    small_s, large_s, small_cpu, extra_cpu = link
-    on_cpu = device.type == "cpu"
-    per_byte = max(extra_cpu, 0.0) / (PROBE_BYTES[1] - PROBE_BYTES[0])
-    return replace(LinkModel.fit(ranks, (PROBE_BYTES[0], small_s), (PROBE_BYTES[1], large_s)),
-                   cpu_s_per_message=small_cpu if on_cpu else 0.0,
-                   cpu_s_per_byte=per_byte if on_cpu else 0.0)
-
-
 def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, ...]]:
     """Each layer's accumulated (compute, backward) seconds and (sent, raw) gradient bytes."""
     return {l.name: (op.compute_s, op.backward_s, float(op.bytes), float(op.raw_bytes))
@@ -355,7 +349,7 @@ def _workload(layers: Sequence[Any], compute: Sequence[float], iterations: int,
     over ``iterations``, and ``shares`` (default: all 1.0) the share of its gradient bytes
     its exact exchange moves: a row-sparse table is priced at the bytes it sends, so the
     codecs compete with those, not with the dense table (whose payload no codec is measured
-    against then: ``_codec_models`` leaves out a codec that does not shrink the layer)."""
+    against then: ``codec_models`` leaves out a codec that does not shrink the layer)."""
     if not layers:
         raise RuntimeError("tuning needs at least one layer with parameters")
     shares = [1.0] * len(layers) if shares is None else shares
@@ -377,23 +371,6 @@ def _sparse_reason(layers: Sequence[Any], workload: Workload, shares: Sequence[f
     return (f"exact gradients row-sparse: {len(sparse)} layer(s) moved a share of their dense "
             f"bytes ({listed}{more}), priced so: {workload.grad_bytes / max(dense, 1):.1%} "
             f"of the {dense / 2**20:.2f} MiB of gradients per iteration")
-
-
-def _codec_models(workload: Workload, specs: Sequence[str],
-                  measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
-    """Per layer and spec, the measured codec (``measured``: (payload bytes, seconds) per layer
-    and spec, in that order); a codec that does not shrink a layer is left out for it."""
-    models: dict[str, dict[str, CodecModel]] = {}
-    for i, layer in enumerate(workload.layers):
-        for j, spec in enumerate(specs):
-            payload, seconds = measured[i * len(specs) + j]
-            if layer.grad_bytes and 0 < payload < layer.grad_bytes:
-                codec = make_codec(spec)
-                models.setdefault(layer.name, {})[spec] = CodecModel(
-                    name=spec, ratio=payload / layer.grad_bytes,
-                    seconds_per_byte=seconds / layer.grad_bytes, summable=codec.summable,
-                    multi_round=codec.multi_round, rounds=codec.rounds)
-    return models
 
 
 def _with_reason(choice: TuneChoice, reason: str) -> TuneChoice:

@@ -121,6 +121,7 @@ def body_distributed_update() -> list[float]:
     ps = op.parameter_sets[0]
     size = env.world_size
     assert ps.owned_count == -(-n // size)
+    assert ps.increment_comm is not None  # its own process group for the increments
     weights = torch.arange(n, dtype=torch.float64)
     for it in range(2):
         ps.start_gradient_comm(grad_of(env.rank, 0, it, n))
@@ -398,6 +399,8 @@ def body_open_policy(rendezvous: str) -> None:
     session.commit()
     lanes = {bucket.job.lane for bucket in session.buckets}
     assert lanes == ({0} if env.launch.loopback else {0, 1}), (rendezvous, lanes)
+    # no sharded update, so no process group (and idle gloo thread) for increments
+    assert all(ps.increment_comm is None for op in session.operations for ps in op.parameter_sets)
     session.close()
     env.finalize()
 

@@ -217,13 +217,17 @@ class Session:
         plans, config = plan_and_policy(items, config)  # (an open policy decided by the plan)
         if dist.size(GroupType.DATA) > 1:  # once per plan: every rank must send the same buckets
             verify_plan(dist.communicator(GroupType.DATA), "bucket plan",
-                        [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec)
+                        [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec, plan.fused)
                          for plan in plans])
         channels = config.channels or 1
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
         extra = {(i, c): dist.duplicate(GroupType.DATA, f"data-lane{i}-channel{c}")
                  for i in range(config.lanes) for c in range(1, channels)}
-        increments = dist.duplicate(GroupType.DATA, "data-increments")
+        # its own process group only where a sharded update all-gathers increments: every
+        # idle gloo group keeps a thread that wakes 100 times a second (`fused` in the plan
+        # checked above says alike on every rank whether one is made)
+        increments = (dist.duplicate(GroupType.DATA, "data-increments")
+                      if any(ps.spec.distributed_update for ps in sets) else None)
         lengths = [0] * config.lanes
         buckets = []
         for plan in plans:

@@ -51,6 +51,10 @@ def _check_report(report: dict, *, testbed: bool, rounds: int = 1) -> None:
     assert report["summary"]["scaleout"]["over_peers"]["ddp"] > 0
     so = report["summary"]["scaleout"]
     assert so["bytes_per_iter"] > 0 and so["comm_ms_per_iter"] >= 0 and so["exposed_ms_per_iter"] >= 0
+    # the policy the open one resolved to: over loopback fifo, always
+    assert so["details"]["policy"] == "default"
+    assert so["details"]["policy_in_use"] == "fifo" if not testbed else \
+        so["details"]["policy_in_use"] in ("fifo", "priority")
     # the same data, seeds and optimizer: exact scaleout and DDP train the same model
     assert so["final_loss"] == pytest.approx(report["summary"]["ddp"]["final_loss"], rel=1e-5)
     assert len(report["runs"]) == 3 * rounds
@@ -91,7 +95,7 @@ def test_smoke_without_testbed_warm_or_cold(rank_env: Path, cold: bool,
     _check_report(report, testbed=False, rounds=2)
     assert report["warm_ranks"] is not cold
     text = capsys.readouterr().out
-    assert "NO TESTBED" in text
+    assert "NO TESTBED" in text and "scaleout: policy default (ran fifo), mode overlap" in text
     assert ("fresh ranks every round" if cold else "warm ranks") in text
     for name in ("single", "scaleout", "ddp"):
         runs = sorted((r for r in report["runs"] if r["config"] == name), key=lambda r: r["round"])

@@ -114,6 +114,8 @@ def _scaleout(options: SetupOptions, sharded: bool = False) -> Setup:
         if auto:
             model.tune_now()
         model.synchronize()
+        if model.session is not None:  # the policy an open one resolved to (or the tuner's)
+            details["policy_in_use"] = "+".join(dict.fromkeys(model.session.policies))
 
     def close() -> None:
         model.close()

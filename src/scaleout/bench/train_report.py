@@ -177,7 +177,10 @@ def format_report(report: dict) -> str:
     notes = [
         f"efficiency = samples/s / ({s['ranks']} x single's, same round); vs PEER = median "
         "of per-round throughput ratios scaleout/PEER (> 1: scaleout faster); medians over rounds",
-        f"scaleout: policy {so.get('policy')}, mode {so.get('mode')}; exposed/comm ms and MB "
+        f"scaleout: policy {so.get('policy')}"
+        + (f" (ran {so['policy_in_use']})" if so.get("policy_in_use") not in (None, so.get("policy"))
+           else "")
+        + f", mode {so.get('mode')}; exposed/comm ms and MB "
         "per iteration are its Statistics on rank 0 (MB after compression)",
         "last loss: rank 0's loss on its part of the last timed batch (the same data in every "
         "configuration of 2+ ranks: those that train the same model agree to rounding)",

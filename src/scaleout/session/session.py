@@ -76,6 +76,9 @@ class Session:
         self._engines: list[ProgressEngine] = []
         self._hook: tuple[Any, CommHook] | None = None
         self.buckets: list[GradBucket] = []
+        #: The policy each distribution's plan runs under, in commit order (an open policy
+        #: as decided at commit: ``"fifo"`` or ``"priority"``).
+        self.policies: list[str] = []
 
     @property
     def operations(self) -> tuple[Operation, ...]:
@@ -220,6 +223,7 @@ class Session:
                         [(plan.keys, plan.numel, plan.dtype, plan.lane, plan.codec, plan.fused)
                          for plan in plans])
         channels = config.channels or 1
+        self.policies.append(str(config.policy))
         lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
         extra = {(i, c): dist.duplicate(GroupType.DATA, f"data-lane{i}-channel{c}")
                  for i in range(config.lanes) for c in range(1, channels)}

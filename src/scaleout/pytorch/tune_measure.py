@@ -105,7 +105,7 @@ def link_model(ranks: int, link: Sequence[float], device: torch.device) -> LinkM
 
 
 def codec_models(workload: Workload, specs: Sequence[str],
-                  measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
+                 measured: Sequence[tuple[int, float]]) -> dict[str, dict[str, CodecModel]]:
     """Per layer and spec, the measured codec (``measured``: (payload bytes, seconds) per layer
     and spec, in that order); a codec that does not shrink a layer is left out for it."""
     models: dict[str, dict[str, CodecModel]] = {}

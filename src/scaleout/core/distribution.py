@@ -55,7 +55,12 @@ class Distribution:
         self._comms: dict[GroupType, Communicator] = {}
         for group_type in GroupType:  # every rank creates every group in the same order
             for ranks in layout[group_type]:
-                group = self._new_group(ranks)
+                # a group of one rank (the model group of a data-parallel grid) needs no
+                # process group: its collectives complete at once without one (see
+                # communicator._start), and each gloo group keeps a thread that wakes 100
+                # times a second; the layout is the same on every rank, so all skip alike
+                group = (None if len(ranks) == 1 and env.world_size > 1
+                         else self._new_group(ranks))
                 if env.rank in ranks:
                     self._comms[group_type] = Communicator(
                         group=group, ranks=ranks, name=group_type.value, global_rank=env.rank,

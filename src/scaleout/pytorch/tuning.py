@@ -38,7 +38,7 @@ from scaleout.core.consistency import verify_plan
 from scaleout.pytorch.tune_check import ChoiceCheck, slowest
 from scaleout.pytorch.tune_measure import codec_models, link_model, measure_codec, measure_link
 from scaleout.scheduler import SchedulerConfig
-from scaleout.session.bucket import cuda_over_gloo
+from scaleout.session.bucket import scheduler_as_run
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
 from scaleout.sim.workload import Layer, Workload
 
@@ -271,8 +271,8 @@ class Tuner:
         models = codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                 in zip(codecs, seconds)])
         # the defaults as the session runs them: an open policy fifo over loopback, ...
-        self._default = model._scheduler.resolved(
-            cuda_over_gloo=cuda_over_gloo(comm, model._device), loopback=model.env.launch.loopback)
+        self._default = scheduler_as_run(model._scheduler, comm, model._device,
+                                         model.env.launch.loopback)
         choice = choose(workload, fitted, mode=model.updates.mode, default=self._default,
                         codecs=models, min_gain_exact=config.min_gain_exact,
                         min_gain_lossy=config.min_gain_lossy,

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 from scaleout.core.request import FutureRequest, Request
-from scaleout.scheduler import Job, ProgressEngine, chunk_needs, chunks_ready
+from scaleout.scheduler import Job, ProgressEngine, SchedulerConfig, chunk_needs, chunks_ready
 from scaleout.session.statistics import Statistics
 from scaleout.session.timing import stopwatch_for
 
@@ -300,6 +300,15 @@ def _into(target: torch.Tensor, result: Any, expected: int, name: str) -> torch.
     if result.data_ptr() != target.data_ptr() or result.dtype != target.dtype:
         target[: result.numel()].copy_(result.reshape(-1))
     return target
+
+
+def scheduler_as_run(config: SchedulerConfig, comm: Communicator, device: torch.device,
+                     loopback: bool) -> SchedulerConfig:
+    """``config`` with what a session decides before it sees its plan (the channels, and an
+    open policy for CUDA tensors over gloo and for ranks that meet on loopback;
+    :meth:`~scaleout.scheduler.SchedulerConfig.resolved`): the session plans under it, and
+    the autotuner prices the defaults as it."""
+    return config.resolved(cuda_over_gloo=cuda_over_gloo(comm, device), loopback=loopback)
 
 
 def cuda_over_gloo(comm: Communicator, device: torch.device) -> bool:

@@ -16,7 +16,7 @@ from scaleout.core.grid import GroupType
 from scaleout.scheduler import (PlanItem, ProgressEngine, SchedulerConfig, make_policy,
                                 plan_and_policy)
 from scaleout.session.activation import ActivationSpec
-from scaleout.session.bucket import CommHook, GradBucket, cuda_over_gloo
+from scaleout.session.bucket import CommHook, GradBucket, scheduler_as_run
 from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, reduce_scatter_hook
 from scaleout.session.operation import Operation
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
@@ -204,9 +204,8 @@ class Session:
             raise ValueError(f"the parameter sets of one distribution must live on one GPU, "
                              f"got {sorted(map(str, devices))}")
         device = next(iter(devices), torch.device("cpu"))
-        config = self.scheduler.resolved(
-            cuda_over_gloo=cuda_over_gloo(dist.communicator(GroupType.DATA), device),
-            loopback=self.env.launch.loopback)
+        config = scheduler_as_run(self.scheduler, dist.communicator(GroupType.DATA), device,
+                                  self.env.launch.loopback)
         if self._hook is not None:  # one lane, fixed order: see register_comm_hook
             config = replace(config, policy="fifo", channels=1)
         codecs = [_codec_of(ps) for ps in sets]  # chosen once, here

@@ -79,3 +79,52 @@ def test_a_lone_rank_variable_defers_to_another_launcher() -> None:
 def test_first_host_rejects_a_list_without_a_host() -> None:
     with pytest.raises(ValueError, match=r"must start with a host name, got '\[1-2\]'"):
         first_host("[1-2]")
+
+
+@pytest.mark.parametrize("env,one_machine", [
+    # torchrun / scaleout run: every rank of the job on this node, or not
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node0"}, True),
+    ({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node0"}, False),
+    ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "node0"}, False),  # not said
+    ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"}, True),  # loopback
+    # a testbed host is a machine of its own, whatever the launcher counts as local
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.213.0.1",
+      "SCALEOUT_TESTBED_HOST": "0"}, False),
+    # a single-node MPI job whose script exports the node's name
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}, True),
+    ({"PMI_RANK": "0", "PMI_SIZE": "8", "MPI_LOCALNRANKS": "4", "MASTER_ADDR": "node0"}, False),
+    # Slurm meets on the first node's name: one node, or several
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NODELIST": "cn07",
+      "SLURM_JOB_NUM_NODES": "1"}, True),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NODELIST": "cn[07-08]",
+      "SLURM_JOB_NUM_NODES": "2"}, False),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NODELIST": "cn[07-08]",
+      "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_NODES": "1"}, True),  # a step on one
+    ({}, True),  # a single process
+])
+def test_one_machine_is_read_from_the_launcher(env: dict, one_machine: bool) -> None:
+    """``one_machine`` (an open policy is fifo, lookups go dense, the tuner picks nothing
+    lossy): a loopback rendezvous, or every rank on this node as the launcher says."""
+    info = detect_launch(env)
+    assert info.one_machine is one_machine, (env, info)
+    assert info.loopback is (info.master_addr.startswith("127.") or info.master_addr == "localhost")
+
+
+def test_a_malformed_local_size_is_named() -> None:
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be an integer, got 'x'"):
+        detect_launch({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x"})
+
+
+def test_an_attached_job_reads_its_local_size_as_init_does() -> None:
+    """``scaleout.core.env.attach`` (torch.distributed initialised by the user, e.g. under
+    mpirun) takes the launcher's local size where the launch variables describe the same
+    job; else it does not say."""
+    from scaleout.core.env import _local_world_size
+
+    mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}
+    assert _local_world_size(mpi, 2) == 2
+    assert _local_world_size(mpi, 4) is None  # another job's variables
+    assert _local_world_size({}, 1) == 1
+    assert _local_world_size({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x"}, 2) is None

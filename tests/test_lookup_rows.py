@@ -131,9 +131,9 @@ def test_over_loopback_switched_off_or_compressed_the_lookups_go_as_configured(
 def test_row_sparse_by_default_on_the_cpu_across_machines() -> None:
     from scaleout.pytorch.lookup_reads import rows_by_default
 
-    assert rows_by_default(torch.device("cpu"), loopback=False)
-    assert not rows_by_default(torch.device("cpu"), loopback=True)
-    assert not rows_by_default(torch.device("cuda", 0), loopback=False)
+    assert rows_by_default(torch.device("cpu"), one_machine=False)
+    assert not rows_by_default(torch.device("cpu"), one_machine=True)
+    assert not rows_by_default(torch.device("cuda", 0), one_machine=False)
 
 
 def _mismatched_body() -> str:
@@ -161,4 +161,4 @@ def test_a_bad_setting_is_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "yes")
     with pytest.raises(ValueError, match="SCALEOUT_LOOKUP_ROWS must be 0 or 1, got 'yes'"):
-        rows_wanted(torch.device("cpu"), loopback=False)
+        rows_wanted(torch.device("cpu"), one_machine=False)

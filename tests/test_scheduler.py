@@ -242,7 +242,7 @@ def test_engine_fails_a_job_whose_chunk_outlives_the_timeout() -> None:
 
 def test_open_choices_are_resolved_for_the_buffers() -> None:
     """Policy and channels left open: fifo on two channels for CUDA tensors over gloo (no
-    chunks, so nothing to pre-empt); fifo for ranks that meet on loopback; elsewhere one
+    chunks, so nothing to pre-empt); fifo for ranks all on one machine; elsewhere one
     channel, and the policy left to the plan (``plan_and_policy``, tests/test_plan.py);
     explicit choices stay."""
     from scaleout import SchedulerConfig
@@ -252,10 +252,10 @@ def test_open_choices_are_resolved_for_the_buffers() -> None:
     other = SchedulerConfig().resolved(cuda_over_gloo=False)
     assert (other.policy, other.channels) == (None, 1)
     # every rank on one machine: no link to share, so nothing worth pre-empting
-    local = SchedulerConfig().resolved(cuda_over_gloo=False, loopback=True)
+    local = SchedulerConfig().resolved(cuda_over_gloo=False, one_machine=True)
     assert (local.policy, local.channels, local.lanes) == ("fifo", 1, 1)
     assert SchedulerConfig(policy="priority").resolved(cuda_over_gloo=False,
-                                                       loopback=True).policy == "priority"
+                                                       one_machine=True).policy == "priority"
     kept = SchedulerConfig(policy="priority", channels=3).resolved(cuda_over_gloo=True)
     assert (kept.policy, kept.channels) == ("priority", 3)
 

@@ -381,14 +381,14 @@ def test_bad_arguments_and_failed_steps_leave_a_consistent_session() -> None:
     run_ranks(2, body_error_paths, timeout=60)
 
 
-def body_open_policy(rendezvous: str) -> None:
-    # the harness's ranks meet on 127.0.0.1; a rendezvous elsewhere is faked on the launch
+def body_open_policy(rendezvous: str, local: int | None) -> None:
+    # the harness's ranks meet on 127.0.0.1, both local; another launch is faked on the
     # record the session reads (the process groups are already up on loopback)
     import dataclasses
     env = scaleout.init(timeout=30)
-    if rendezvous != "127.0.0.1":
-        env._info = dataclasses.replace(env.launch, master_addr=rendezvous)
-    assert env.launch.loopback == (rendezvous == "127.0.0.1")
+    env._info = dataclasses.replace(env.launch, master_addr=rendezvous, local_world_size=local)
+    one_machine = rendezvous == "127.0.0.1" or local == 2
+    assert env.launch.one_machine is one_machine
     dist = env.create_distribution()
     # a bulk bucket of several chunks behind a small urgent one: priority has work to do
     session = Session(env, scheduler=SchedulerConfig(
@@ -398,15 +398,38 @@ def body_open_policy(rendezvous: str) -> None:
         session.add_operation(f"l{i}", dist, parameter_sets=[ParameterSetSpec(count=n)])
     session.commit()
     lanes = {bucket.job.lane for bucket in session.buckets}
-    assert lanes == ({0} if env.launch.loopback else {0, 1}), (rendezvous, lanes)
+    assert lanes == ({0} if one_machine else {0, 1}), (rendezvous, local, lanes)
     # no sharded update, so no process group (and idle gloo thread) for increments
     assert all(ps.increment_comm is None for op in session.operations for ps in op.parameter_sets)
     session.close()
     env.finalize()
 
 
-@pytest.mark.parametrize("rendezvous", ["127.0.0.1", "10.0.0.1"])
-def test_an_open_policy_is_fifo_for_ranks_on_loopback(rendezvous: str) -> None:
-    """Ranks that meet on loopback have no link to share: an open policy is fifo there (one
+@pytest.mark.parametrize("rendezvous,local", [
+    ("127.0.0.1", 2),  # loopback
+    ("node0", 2),  # a single-node Slurm or MPI job meets on the node's name
+    ("10.0.0.1", None),  # elsewhere, the launcher not saying
+    ("10.0.0.1", 1),  # one rank per machine (a testbed host says 1)
+])
+def test_an_open_policy_is_fifo_for_ranks_on_one_machine(rendezvous: str,
+                                                         local: int | None) -> None:
+    """Ranks all on one machine have no link to share: an open policy is fifo there (one
     lane), and priority where the plan has a bulk bucket to pre-empt elsewhere."""
-    run_ranks(2, body_open_policy, rendezvous, timeout=60)
+    run_ranks(2, body_open_policy, rendezvous, local, timeout=60)
+
+
+def test_one_machine_makes_fifo_of_host_copies_only() -> None:
+    """On one machine CPU tensors only copy host memory (fifo); GPUs of one machine still
+    share its links, so their open policy stays for the plan to decide (NCCL here: a
+    communicator with no gloo group)."""
+    from types import SimpleNamespace
+
+    from scaleout.session.bucket import scheduler_as_run
+
+    comm = SimpleNamespace(group=None, size=2)
+    for device, one_machine, policy in (("cpu", True, "fifo"), ("cpu", False, None),
+                                        ("cuda", True, None), ("cuda", False, None)):
+        ran = scheduler_as_run(SchedulerConfig(), comm, torch.device(device), one_machine)
+        assert ran.policy == policy, (device, one_machine, ran)
+    assert scheduler_as_run(SchedulerConfig(policy="priority"), comm, torch.device("cpu"),
+                            True).policy == "priority"

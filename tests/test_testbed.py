@@ -126,6 +126,7 @@ def test_host_info_for_launchers() -> None:
     assert host.command(["python", "x.py"]) == ["ip", "netns", "exec", "so-tb-h1", "python", "x.py"]
     assert host.env(master_port=1234) == {
         "GLOO_SOCKET_IFNAME": "so-eth0", "MASTER_ADDR": "10.213.0.1", "MASTER_PORT": "1234",
+        "SCALEOUT_TESTBED_HOST": "1",
     }
 
 

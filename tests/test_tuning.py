@@ -86,7 +86,8 @@ def test_loopback_with_no_rate_limit_chooses_nothing_lossy() -> None:
     assert results[0]["codecs"] == {}, results[0]["summary"]
     # not priced at all: over loopback a busy machine's measured link once made powersgd
     # look 10.4% faster (a test run beside another); the bytes are memory copies there
-    assert "every rank is on this machine (rendezvous on 127.0.0.1)" in results[0]["summary"]
+    assert "every rank is on this machine (rendezvous on 127.0.0.1, 2 ranks local)" in \
+        results[0]["summary"]
     assert results[0]["bytes"] == results[0]["raw_bytes"]
     # the defaults are priced as the session runs them over loopback: fifo, not the plan's
     # priority (which the defaults never ran here)

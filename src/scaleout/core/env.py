@@ -164,6 +164,17 @@ class Environment:
                 f"backend={self.backend} device={self.device} via {self._info.source}>")
 
 
+def _local_world_size(environ: Mapping[str, str], world_size: int) -> int | None:
+    """How many ranks the launcher that started this process put on this machine, read as
+    :func:`init` reads it, or ``None`` where the launch variables do not say or describe
+    another job than the initialised group's."""
+    try:
+        launch = detect_launch(environ)
+    except ValueError:
+        return None
+    return launch.local_world_size if launch.world_size == world_size else None
+
+
 def attach(*, check_consistency: bool = False) -> Environment:
     """An Environment over torch.distributed's already initialised default process group.
 
@@ -179,7 +190,8 @@ def attach(*, check_consistency: bool = False) -> Environment:
     info = LaunchInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(),
                       local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                       master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      master_port=int(os.environ.get("MASTER_PORT", "29500")), source="attached")
+                      master_port=int(os.environ.get("MASTER_PORT", "29500")), source="attached",
+                      local_world_size=_local_world_size(os.environ, tdist.get_world_size()))
     timeout = DEFAULT_TIMEOUT
     return Environment(info, str(tdist.get_backend()), timeout, check_consistency)
 

@@ -11,9 +11,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect_launch", "first_host", "machine", "proc_stat"]
+__all__ = ["LaunchInfo", "TESTBED_HOST_VAR", "detect_launch", "first_host", "local_world_size",
+           "machine", "proc_stat"]
 
 DEFAULT_PORT = 29500
+#: Set by the testbed on each of its hosts (``Host.env``): this process runs on an emulated
+#: machine of its own, one rank per host, whatever the launcher says of the node.
+TESTBED_HOST_VAR = "SCALEOUT_TESTBED_HOST"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +32,8 @@ class LaunchInfo:
         master_port: TCP port of the rendezvous.
         source: which convention supplied the values ("torchrun", "openmpi", "mpich", "slurm",
             "single").
+        local_world_size: how many of the ranks run on this machine, as the launcher says
+            (:func:`local_world_size`); ``None`` where it does not say.
     """
 
     rank: int
@@ -36,6 +42,7 @@ class LaunchInfo:
     master_addr: str
     master_port: int
     source: str
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -54,6 +61,38 @@ class LaunchInfo:
         """Whether the rendezvous is on a loopback address: every rank on this one machine,
         their traffic through the kernel's loopback (memory copies, not a network)."""
         return self.master_addr in ("localhost", "::1") or self.master_addr.startswith("127.")
+
+    @property
+    def one_machine(self) -> bool:
+        """Whether every rank runs on this one machine, so that their traffic is the kernel's
+        memory copies with no link between them: the rendezvous is on a loopback address, or
+        the launcher puts all ``world_size`` ranks on this node (a single-node Slurm or MPI
+        job rendezvouses on the node's host name). Every rank of a job reads the same answer.
+        Not a question of security: a host-name rendezvous is reachable from elsewhere
+        (:attr:`loopback`)."""
+        return self.loopback or self.local_world_size == self.world_size
+
+
+def local_world_size(environ: Mapping[str, str], source: str) -> int | None:
+    """How many ranks the launcher ``source`` runs on this node, or ``None`` where it does not
+    say: torchrun's and ``scaleout run``'s ``LOCAL_WORLD_SIZE``, Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``, and for Slurm all of the
+    step's tasks when the step has one node. 1 on a testbed host (:data:`TESTBED_HOST_VAR`):
+    each emulated machine runs one rank, while the launcher that started the ranks counts
+    them all as local.
+
+    Raises:
+        ValueError: the variable is not an integer.
+    """
+    if TESTBED_HOST_VAR in environ:
+        return 1
+    if source == "slurm":
+        nodes = next((environ[var] for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES",
+                                                "SLURM_NNODES") if var in environ), None)
+        return _int(environ, "SLURM_NTASKS") if nodes == "1" else None
+    var = {"torchrun": "LOCAL_WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE",
+           "mpich": "MPI_LOCALNRANKS"}.get(source)
+    return _int(environ, var) if var is not None and var in environ else None
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -120,15 +159,15 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="torchrun",
+            local_world_size=local_world_size(environ, "torchrun"),
         )
-    for source, rank_var, size_var, local_var, local_size_var in (
-        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    for source, rank_var, size_var, local_var in (
+        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ):
         if rank_var in environ and size_var in environ:
             size = _int(environ, size_var)
-            local_size = _int(environ, local_size_var) if local_size_var in environ else None
+            local_size = local_world_size(environ, source)
             all_local = size == 1 or local_size == size
             if "MASTER_ADDR" not in environ and not all_local:
                 raise ValueError(
@@ -144,6 +183,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                 master_addr=addr,
                 master_port=port,
                 source=source,
+                local_world_size=local_size,
             )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
@@ -161,6 +201,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="slurm",
+            local_world_size=local_world_size(environ, "slurm"),
         )
     for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
         if have in environ:  # a torchrun-style launch with one of its pair lost
@@ -169,7 +210,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                              f"run do), or neither for a single process")
     return LaunchInfo(
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
-        source="single",
+        source="single", local_world_size=1,
     )
 
 

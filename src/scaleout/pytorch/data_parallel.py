@@ -268,7 +268,7 @@ class DataParallel(BackwardSide, CheckpointSurface):
         if self._session is None:
             self._tied, self._lookup_only = find_lookup_reads(
                 output, [p for layer in self._layers for p in layer.params], self.comm,
-                self._device, rows=rows_wanted(self._device, self.env.launch.loopback))
+                self._device, rows=rows_wanted(self._device, self.env.launch.one_machine))
             self._commit()
         if self._shares and self.training and torch.is_grad_enabled():
             self._shares.hook(output)

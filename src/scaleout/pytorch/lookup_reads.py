@@ -151,18 +151,19 @@ def exact_builtin(param: nn.Parameter, name: str, compression: Any, other_exchan
         name, param.numel(), param.dtype) is None)
 
 
-def rows_by_default(device: torch.device, loopback: bool) -> bool:
+def rows_by_default(device: torch.device, one_machine: bool) -> bool:
     """Whether lookups' gradients go row-sparse unless ``SCALEOUT_LOOKUP_ROWS`` says: on the
     CPU across machines. Row-sparse moves ~10x fewer bytes for DLRM's tables but costs the
     host a pass over the tables and a second round: measured on 2 cores, DLRM 2.4x DDP at 1
     Gbit/s and 9.2x at 100 Mbit/s, and at 10 Gbit/s as fast as the dense exchange (RESULTS.md,
-    stop 33). Over loopback the
-    bytes are memory copies, so dense wins; on a GPU the rounds' host reads would stall the
+    stop 33). With every rank on one machine
+    (:attr:`~scaleout.launch.environment.LaunchInfo.one_machine`) the bytes are memory
+    copies, so dense wins; on a GPU the rounds' host reads would stall the
     stream for bytes that NVLink or NCCL move faster."""
-    return device.type == "cpu" and not loopback
+    return device.type == "cpu" and not one_machine
 
 
-def rows_wanted(device: torch.device, loopback: bool) -> bool:
+def rows_wanted(device: torch.device, one_machine: bool) -> bool:
     """``SCALEOUT_LOOKUP_ROWS`` (``1``: row-sparse, ``0``: dense), else
     :func:`rows_by_default`.
 
@@ -172,4 +173,4 @@ def rows_wanted(device: torch.device, loopback: bool) -> bool:
     setting = os.environ.get(ROWS_ENV_VAR, "")
     if setting not in ("", "0", "1"):
         raise ValueError(f"{ROWS_ENV_VAR} must be 0 or 1, got {setting!r}")
-    return setting == "1" if setting else rows_by_default(device, loopback)
+    return setting == "1" if setting else rows_by_default(device, one_machine)

@@ -56,8 +56,9 @@ class TuneConfig:
 
     Attributes:
         allow_lossy: may choose lossy codecs (per layer); ``False``: exact gradients only.
-            Never over loopback (a rendezvous on 127.x, ``localhost`` or ``::1``: every rank
-            on one machine) unless ``link`` is given.
+            Never with every rank on one machine (a rendezvous on 127.x, ``localhost`` or
+            ``::1``, or a launcher that puts every rank on this node: the launch's
+            ``one_machine``) unless ``link`` is given.
         codecs: the codec specs a lossy tuning may choose from.
         skip: iterations left unmeasured first (the first builds the plan).
         measure: iterations whose compute is measured; tuning happens at the start of the
@@ -270,9 +271,9 @@ class Tuner:
         seconds = values[4 + 3 * n:]
         models = codec_models(workload, specs, [(nbytes, s) for (nbytes, _), s
                                                 in zip(codecs, seconds)])
-        # the defaults as the session runs them: an open policy fifo over loopback, ...
+        # the defaults as the session runs them: an open policy fifo on one machine, ...
         self._default = scheduler_as_run(model._scheduler, comm, model._device,
-                                         model.env.launch.loopback)
+                                         model.env.launch.one_machine)
         choice = choose(workload, fitted, mode=model.updates.mode, default=self._default,
                         codecs=models, min_gain_exact=config.min_gain_exact,
                         min_gain_lossy=config.min_gain_lossy,
@@ -293,12 +294,13 @@ class Tuner:
         if not self.config.allow_lossy:
             return [], ""
         launch = model.env.launch
-        if self.config.link is None and launch.loopback:
+        if self.config.link is None and launch.one_machine:
             # Measured here, a busy machine's loopback can look slow enough for a codec to
             # seem to pay (powersgd, predicted 10.4% faster beside another test run); it
             # cannot: the bytes are memory copies on the cores the codec would use.
+            local = f", {launch.local_world_size} ranks local" if launch.local_world_size else ""
             return [], (f"lossy codecs allowed, but every rank is on this machine (rendezvous "
-                        f"on {launch.master_addr}): gradients go exact over loopback")
+                        f"on {launch.master_addr}{local}): gradients go exact over loopback")
         updater = model.updates.updater
         optimizer = self.config.optimizer or getattr(updater, "_user_optimizer", None)
         if optimizer is None:

@@ -22,14 +22,16 @@ class SchedulerConfig:
             ``"fifo"`` for CUDA tensors over gloo, where a bucket is not cut into chunks
             (each would be a round trip through host memory) and holding bulk buckets back
             only costs time (ResNet-18 on one H100, 2 ranks: 0.95x DDP with priority,
-            1.00-1.13x with fifo; RESULTS.md, issue 11); for ranks that all meet on a
-            loopback address, whose traffic is memory copies with no link to share (on the
-            CPU, 2 ranks, against DDP: DLRM 0.76-0.83x with priority, 0.87-0.90x with fifo;
-            the transformer 0.93-0.95x, 1.01-1.03x; ResNet-18 0.95-0.97x, 0.96-0.98x;
-            RESULTS.md, stop 37); and for a plan whose bulk lane has
-            no bucket of several chunks (:func:`~scaleout.scheduler.plan_and_policy`: two
-            lanes would then only run two exchanges at once on the host; DLRM on the CPU,
-            2 ranks: 1.3x faster at 1 and 10 Gbit/s with fifo; RESULTS.md, stop 34).
+            1.00-1.13x with fifo; RESULTS.md, issue 11); for CPU tensors of ranks all on one
+            machine (a loopback rendezvous, or a launcher that puts every rank on this node:
+            the launch's ``one_machine``), whose traffic is memory copies with no link to
+            share (2 ranks, against DDP: DLRM 0.76-0.83x with priority, 0.87-0.90x with
+            fifo; the transformer 0.93-0.95x, 1.01-1.03x; ResNet-18 0.95-0.97x, 0.96-0.98x;
+            RESULTS.md, stop 37; GPUs of one machine still share its links); and for a plan
+            whose bulk lane has no bucket of several chunks
+            (:func:`~scaleout.scheduler.plan_and_policy`: two lanes would then only run two
+            exchanges at once on the host; DLRM on the CPU, 2 ranks: 1.3x faster at 1 and 10
+            Gbit/s with fifo; RESULTS.md, stop 34).
             :meth:`resolved` and :func:`~scaleout.scheduler.plan_and_policy` make the choice.
         bucket_bytes: small parameter sets are fused into buckets up to this size.
         first_bucket_bytes: size of the first bucket (ready earliest in backward), so that
@@ -82,11 +84,11 @@ class SchedulerConfig:
     def lanes(self) -> int:
         return 1 if self.policy == "fifo" else 2
 
-    def resolved(self, *, cuda_over_gloo: bool, loopback: bool = False) -> SchedulerConfig:
+    def resolved(self, *, cuda_over_gloo: bool, one_machine: bool = False) -> SchedulerConfig:
         """This configuration with ``channels`` chosen where left open, and ``policy`` for
-        buffers that are CUDA tensors sent over gloo or for ranks that meet on a loopback
-        address (``"fifo"``; otherwise an open policy stays open for
+        buffers that are CUDA tensors sent over gloo or CPU tensors of ranks all on one
+        machine (``"fifo"``; otherwise an open policy stays open for
         :func:`~scaleout.scheduler.plan_and_policy`, which sees the plan)."""
-        policy = self.policy or ("fifo" if cuda_over_gloo or loopback else None)
+        policy = self.policy or ("fifo" if cuda_over_gloo or one_machine else None)
         channels = self.channels or (2 if cuda_over_gloo else 1)
         return replace(self, policy=policy, channels=channels)

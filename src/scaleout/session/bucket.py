@@ -303,12 +303,14 @@ def _into(target: torch.Tensor, result: Any, expected: int, name: str) -> torch.
 
 
 def scheduler_as_run(config: SchedulerConfig, comm: Communicator, device: torch.device,
-                     loopback: bool) -> SchedulerConfig:
+                     one_machine: bool) -> SchedulerConfig:
     """``config`` with what a session decides before it sees its plan (the channels, and an
-    open policy for CUDA tensors over gloo and for ranks that meet on loopback;
+    open policy for CUDA tensors over gloo and for CPU tensors of ranks all on one machine,
+    whose traffic is then host memory copies: GPUs of one machine still share its links;
     :meth:`~scaleout.scheduler.SchedulerConfig.resolved`): the session plans under it, and
     the autotuner prices the defaults as it."""
-    return config.resolved(cuda_over_gloo=cuda_over_gloo(comm, device), loopback=loopback)
+    return config.resolved(cuda_over_gloo=cuda_over_gloo(comm, device),
+                           one_machine=one_machine and device.type == "cpu")
 
 
 def cuda_over_gloo(comm: Communicator, device: torch.device) -> bool:

@@ -205,7 +205,7 @@ class Session:
                              f"got {sorted(map(str, devices))}")
         device = next(iter(devices), torch.device("cpu"))
         config = scheduler_as_run(self.scheduler, dist.communicator(GroupType.DATA), device,
-                                  self.env.launch.loopback)
+                                  self.env.launch.one_machine)
         if self._hook is not None:  # one lane, fixed order: see register_comm_hook
             config = replace(config, policy="fifo", channels=1)
         codecs = [_codec_of(ps) for ps in sets]  # chosen once, here

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from scaleout.launch.environment import TESTBED_HOST_VAR
+
 __all__ = ["HostInfo"]
 
 
@@ -58,9 +60,12 @@ class HostInfo:
 
         Returns:
             ``GLOO_SOCKET_IFNAME`` (gloo binds this host's testbed interface),
-            ``MASTER_ADDR`` (host 0's address) and optionally ``MASTER_PORT``.
+            ``MASTER_ADDR`` (host 0's address), ``SCALEOUT_TESTBED_HOST`` (this host's index:
+            a rank here is on a machine of its own, though the launcher that started it
+            counts every rank as local) and optionally ``MASTER_PORT``.
         """
-        env = {"GLOO_SOCKET_IFNAME": self.ifname, "MASTER_ADDR": self.master_addr}
+        env = {"GLOO_SOCKET_IFNAME": self.ifname, "MASTER_ADDR": self.master_addr,
+               TESTBED_HOST_VAR: str(self.index)}
         if master_port is not None:
             env["MASTER_PORT"] = str(master_port)
         return env

@@ -90,6 +90,8 @@ def test_first_host_rejects_a_list_without_a_host() -> None:
     # a testbed host is a machine of its own, whatever the launcher counts as local
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.213.0.1",
       "SCALEOUT_TESTBED_HOST": "0"}, False),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "SCALEOUT_TESTBED_HOST": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.213.0.1"}, False),
     # a single-node MPI job whose script exports the node's name
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}, True),
@@ -116,15 +118,21 @@ def test_a_malformed_local_size_is_named() -> None:
         detect_launch({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x"})
 
 
-def test_an_attached_job_reads_its_local_size_as_init_does() -> None:
+def test_an_attached_job_reads_its_launch_as_init_does() -> None:
     """``scaleout.core.env.attach`` (torch.distributed initialised by the user, e.g. under
-    mpirun) takes the launcher's local size where the launch variables describe the same
-    job; else it does not say."""
-    from scaleout.core.env import _local_world_size
+    mpirun) reads the launcher's variables as ``init`` does where they describe a job of the
+    group's size (torch.distributed's rank); else only the torchrun-style ones."""
+    from scaleout.core.env import attached_launch
 
     mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}
-    assert _local_world_size(mpi, 2) == 2
-    assert _local_world_size(mpi, 4) is None  # another job's variables
-    assert _local_world_size({}, 1) == 1
-    assert _local_world_size({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x"}, 2) is None
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "4000"}
+    info = attached_launch(mpi, 1, 2)
+    assert (info.rank, info.local_rank, info.local_world_size, info.master_addr,
+            info.source, info.one_machine) == (1, 1, 2, "node0", "attached (openmpi)", True)
+    other = attached_launch(mpi, 3, 4)  # another job's variables
+    assert (other.rank, other.world_size, other.local_rank, other.local_world_size,
+            other.master_addr, other.source) == (3, 4, 0, None, "node0", "attached")
+    bad = attached_launch({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x",
+                           "SCALEOUT_TESTBED_HOST": "0"}, 0, 2)
+    assert (bad.source, bad.testbed_host, bad.one_machine) == ("attached", True, True)

@@ -381,13 +381,14 @@ def test_bad_arguments_and_failed_steps_leave_a_consistent_session() -> None:
     run_ranks(2, body_error_paths, timeout=60)
 
 
-def body_open_policy(rendezvous: str, local: int | None) -> None:
+def body_open_policy(rendezvous: str, local: int | None, testbed: bool) -> None:
     # the harness's ranks meet on 127.0.0.1, both local; another launch is faked on the
     # record the session reads (the process groups are already up on loopback)
     import dataclasses
     env = scaleout.init(timeout=30)
-    env._info = dataclasses.replace(env.launch, master_addr=rendezvous, local_world_size=local)
-    one_machine = rendezvous == "127.0.0.1" or local == 2
+    env._info = dataclasses.replace(env.launch, master_addr=rendezvous, local_world_size=local,
+                                    testbed_host=testbed)
+    one_machine = rendezvous == "127.0.0.1" or (local == 2 and not testbed)
     assert env.launch.one_machine is one_machine
     dist = env.create_distribution()
     # a bulk bucket of several chunks behind a small urgent one: priority has work to do
@@ -405,17 +406,18 @@ def body_open_policy(rendezvous: str, local: int | None) -> None:
     env.finalize()
 
 
-@pytest.mark.parametrize("rendezvous,local", [
-    ("127.0.0.1", 2),  # loopback
-    ("node0", 2),  # a single-node Slurm or MPI job meets on the node's name
-    ("10.0.0.1", None),  # elsewhere, the launcher not saying
-    ("10.0.0.1", 1),  # one rank per machine (a testbed host says 1)
+@pytest.mark.parametrize("rendezvous,local,testbed", [
+    ("127.0.0.1", 2, False),  # loopback
+    ("node0", 2, False),  # a single-node Slurm or MPI job meets on the node's name
+    ("10.0.0.1", None, False),  # elsewhere, the launcher not saying
+    ("10.0.0.1", 1, False),  # one rank per machine
+    ("10.213.0.1", 2, True),  # testbed hosts, started as local ranks by scaleout run
 ])
-def test_an_open_policy_is_fifo_for_ranks_on_one_machine(rendezvous: str,
-                                                         local: int | None) -> None:
+def test_an_open_policy_is_fifo_for_ranks_on_one_machine(rendezvous: str, local: int | None,
+                                                         testbed: bool) -> None:
     """Ranks all on one machine have no link to share: an open policy is fifo there (one
     lane), and priority where the plan has a bulk bucket to pre-empt elsewhere."""
-    run_ranks(2, body_open_policy, rendezvous, local, timeout=60)
+    run_ranks(2, body_open_policy, rendezvous, local, testbed, timeout=60)
 
 
 def test_one_machine_makes_fifo_of_host_copies_only() -> None:

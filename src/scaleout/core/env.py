@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import faulthandler
 import os
 import sys
@@ -22,7 +23,7 @@ from scaleout.core.communicator import release_groups
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
-from scaleout.launch.environment import LaunchInfo, detect_launch
+from scaleout.launch.environment import TESTBED_HOST_VAR, LaunchInfo, detect_launch
 from scaleout.launch.lifeline import watch_parent
 from scaleout.launch.secret import TOKEN_VAR, job_token
 
@@ -164,15 +165,22 @@ class Environment:
                 f"backend={self.backend} device={self.device} via {self._info.source}>")
 
 
-def _local_world_size(environ: Mapping[str, str], world_size: int) -> int | None:
-    """How many ranks the launcher that started this process put on this machine, read as
-    :func:`init` reads it, or ``None`` where the launch variables do not say or describe
-    another job than the initialised group's."""
+def attached_launch(environ: Mapping[str, str], rank: int, world_size: int) -> LaunchInfo:
+    """The launch record of a job that torch.distributed joined without :func:`init` (as
+    ``rank`` of ``world_size``): what the launcher's variables say, read as :func:`init`
+    reads them (the local rank and size under MPI and Slurm too), where they describe a job
+    of that size; else ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as they are."""
     try:
         launch = detect_launch(environ)
     except ValueError:
-        return None
-    return launch.local_world_size if launch.world_size == world_size else None
+        launch = None
+    if launch is not None and launch.world_size == world_size:
+        return dataclasses.replace(launch, rank=rank, source=f"attached ({launch.source})")
+    return LaunchInfo(rank=rank, world_size=world_size,
+                      local_rank=int(environ.get("LOCAL_RANK", "0")),
+                      master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(environ.get("MASTER_PORT", "29500")), source="attached",
+                      testbed_host=TESTBED_HOST_VAR in environ)
 
 
 def attach(*, check_consistency: bool = False) -> Environment:
@@ -187,11 +195,7 @@ def attach(*, check_consistency: bool = False) -> Environment:
     if not tdist.is_initialized():
         raise NotInitializedError("torch.distributed is not initialised: call scaleout.init() "
                                   "first (or pass a Distribution)")
-    info = LaunchInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(),
-                      local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                      master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      master_port=int(os.environ.get("MASTER_PORT", "29500")), source="attached",
-                      local_world_size=_local_world_size(os.environ, tdist.get_world_size()))
+    info = attached_launch(os.environ, tdist.get_rank(), tdist.get_world_size())
     timeout = DEFAULT_TIMEOUT
     return Environment(info, str(tdist.get_backend()), timeout, check_consistency)
 

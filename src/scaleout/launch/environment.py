@@ -11,12 +11,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "TESTBED_HOST_VAR", "detect_launch", "first_host", "local_world_size",
-           "machine", "proc_stat"]
+__all__ = ["LaunchInfo", "TESTBED_HOST_VAR", "detect_launch", "first_host", "machine",
+           "proc_stat"]
 
 DEFAULT_PORT = 29500
-#: Set by the testbed on each of its hosts (``Host.env``): this process runs on an emulated
-#: machine of its own, one rank per host, whatever the launcher says of the node.
+#: Set by the testbed on each of its hosts (``HostInfo.env``): this process runs on an
+#: emulated machine of its own, whatever the launcher that started it counts as local.
 TESTBED_HOST_VAR = "SCALEOUT_TESTBED_HOST"
 
 
@@ -32,8 +32,12 @@ class LaunchInfo:
         master_port: TCP port of the rendezvous.
         source: which convention supplied the values ("torchrun", "openmpi", "mpich", "slurm",
             "single").
-        local_world_size: how many of the ranks run on this machine, as the launcher says
-            (:func:`local_world_size`); ``None`` where it does not say.
+        local_world_size: how many of the ranks the launcher started on this machine
+            (torchrun's and ``scaleout run``'s ``LOCAL_WORLD_SIZE``, Open MPI's
+            ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``, a one-node Slurm
+            step's tasks); ``None`` where it does not say.
+        testbed_host: the process runs on a testbed host (:data:`TESTBED_HOST_VAR`): an
+            emulated machine of its own behind its own shaped link.
     """
 
     rank: int
@@ -43,6 +47,7 @@ class LaunchInfo:
     master_port: int
     source: str
     local_world_size: int | None = None
+    testbed_host: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -67,25 +72,23 @@ class LaunchInfo:
         """Whether every rank runs on this one machine, so that their traffic is the kernel's
         memory copies with no link between them: the rendezvous is on a loopback address, or
         the launcher puts all ``world_size`` ranks on this node (a single-node Slurm or MPI
-        job rendezvouses on the node's host name). Every rank of a job reads the same answer.
-        Not a question of security: a host-name rendezvous is reachable from elsewhere
-        (:attr:`loopback`)."""
-        return self.loopback or self.local_world_size == self.world_size
+        job rendezvouses on the node's host name), and they are not testbed hosts (which
+        ``scaleout run`` starts as local ranks of this machine). Every rank of a job reads
+        the same answer. Not a question of security: a host-name rendezvous is reachable
+        from elsewhere (:attr:`loopback`)."""
+        return self.loopback or (not self.testbed_host
+                                 and self.local_world_size == self.world_size)
 
 
-def local_world_size(environ: Mapping[str, str], source: str) -> int | None:
-    """How many ranks the launcher ``source`` runs on this node, or ``None`` where it does not
-    say: torchrun's and ``scaleout run``'s ``LOCAL_WORLD_SIZE``, Open MPI's
-    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``, and for Slurm all of the
-    step's tasks when the step has one node. 1 on a testbed host (:data:`TESTBED_HOST_VAR`):
-    each emulated machine runs one rank, while the launcher that started the ranks counts
-    them all as local.
+def _local_size(environ: Mapping[str, str], source: str) -> int | None:
+    """How many ranks the launcher ``source`` started on this node (:class:`LaunchInfo`'s
+    ``local_world_size``), or ``None`` where it does not say. Unlike
+    :func:`scaleout.core.backend.local_world_size` (GPUs to share: any launcher's variable,
+    at least this rank's), it reads only the launcher's own variable and Slurm's node count.
 
     Raises:
         ValueError: the variable is not an integer.
     """
-    if TESTBED_HOST_VAR in environ:
-        return 1
     if source == "slurm":
         nodes = next((environ[var] for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES",
                                                 "SLURM_NNODES") if var in environ), None)
@@ -159,7 +162,8 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="torchrun",
-            local_world_size=local_world_size(environ, "torchrun"),
+            local_world_size=_local_size(environ, "torchrun"),
+            testbed_host=TESTBED_HOST_VAR in environ,
         )
     for source, rank_var, size_var, local_var in (
         ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -167,7 +171,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
     ):
         if rank_var in environ and size_var in environ:
             size = _int(environ, size_var)
-            local_size = local_world_size(environ, source)
+            local_size = _local_size(environ, source)
             all_local = size == 1 or local_size == size
             if "MASTER_ADDR" not in environ and not all_local:
                 raise ValueError(
@@ -184,6 +188,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                 master_port=port,
                 source=source,
                 local_world_size=local_size,
+                testbed_host=TESTBED_HOST_VAR in environ,
             )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
@@ -201,7 +206,8 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="slurm",
-            local_world_size=local_world_size(environ, "slurm"),
+            local_world_size=_local_size(environ, "slurm"),
+            testbed_host=TESTBED_HOST_VAR in environ,
         )
     for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
         if have in environ:  # a torchrun-style launch with one of its pair lost

@@ -243,7 +243,10 @@ def test_cli_up_status_down(state_directory: Path, capsys: pytest.CaptureFixture
     name = _name("cli")
     try:
         assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbit", "--name", name]) == 0
-        assert "so-eth0" in capsys.readouterr().out
+        table = capsys.readouterr().out
+        # the env column is the host's whole environment for a rank started by hand
+        assert "GLOO_SOCKET_IFNAME=so-eth0 MASTER_ADDR=10." in table
+        assert "SCALEOUT_TESTBED_HOST=1" in table
         assert main(["testbed", "status", "--json"]) == 0
         (state,) = json.loads(capsys.readouterr().out)
         assert state["name"] == name and state["owner_pid"] is None  # persists after the CLI exits

@@ -29,7 +29,8 @@ examples:
   scaleout testbed down
 
 Hosts are network namespaces so-<name>-h<i> with interface so-eth0; ranks bind gloo
-to it with GLOO_SOCKET_IFNAME=so-eth0 and rendezvous at host 0 (MASTER_ADDR).
+to it with GLOO_SOCKET_IFNAME=so-eth0 and rendezvous at host 0 (MASTER_ADDR); status's env
+column is what a rank started by hand needs (SCALEOUT_TESTBED_HOST: a machine of its own).
 --delay/--jitter/--loss (e.g. --delay 50us) need the kernel's netem qdisc.
 Needs root and iproute2 (ip, tc). See docs/testbed.md.
 """
@@ -179,7 +180,8 @@ def _print_states(states: list[TestbedState], *, as_json: bool) -> None:
         )
         rows = [
             [str(h.index), h.namespace, h.ifname, h.address,
-             f"ip netns exec {h.namespace} ...", f"GLOO_SOCKET_IFNAME={h.ifname} MASTER_ADDR={h.master_addr}"]
+             f"ip netns exec {h.namespace} ...",
+             " ".join(f"{name}={value}" for name, value in h.env().items())]
             for h in state.hosts
         ]
         _table(["host", "namespace", "iface", "address", "run with", "env"], rows)

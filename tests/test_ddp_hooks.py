@@ -84,8 +84,8 @@ def body_powersgd() -> list[float]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_powersgd_hook_one_bucket_at_a_time_over_gloo(world: int) -> None:
     # Fresh interpreters, not forks of the long-lived pytest process: in one full-suite run
-    # (stop 38) a forked rank 2 stalled before its first line (its main thread waiting at the
-    # call, the GIL held by a thread with no Python frame) and the harness killed it at 60 s;
-    # alone, the test passed 12 of 12 times. Spawn costs ~2 s here.
+    # (stop 38) a forked rank 2 never got into the body (its main thread's innermost frame
+    # was the harness's call of it; one other thread, with no Python frame) and the harness
+    # stopped it at 60 s; alone, the test passed 12 of 12 times. Spawn costs ~2 s here.
     sums = run_ranks(world, body_powersgd, timeout=60, start_method="spawn")
     assert len({s[0] for s in sums}) == 1

@@ -14,7 +14,8 @@ also the ``scaleout`` and ``ddp`` rows of the same nine tables at 3 ranks (three
 two cores; ``benchmarks/results/stop31/testbed3/*.json``): 18 more, predicted with the model
 unchanged, from the 3-rank link and CPU the probe measured and the 3-rank ``lockstep`` rows.
 Since stop 34 also DLRM's ``scaleout`` rows with its tables row-sparse (stop 33's default on
-the testbed; :data:`ROW_SPARSE_ROWS`, the tables' codec :func:`row_sparse`).
+the testbed; :data:`ROW_SPARSE_ROWS`, the tables' codec :func:`row_sparse`), run again at
+stop 38 with the runtime as it now plans them (FIFO, early chunks, the row flags as bits).
 
 What goes in, and nothing else:
 
@@ -176,12 +177,15 @@ BLOCKQUANT_ROWS = MappingProxyType(
 # DLRM's tables row-sparse, scaleout's default on the CPU across machines since stop 33 (its
 # ``scaleout`` rows; the 3-rank table's ``scaleout+rows:dense_above=0.9`` row, the same
 # codec): (workload, ranks, rate, single ms, scaleout ms, MB/it, JSON under
-# benchmarks/results, row). The tables' codec is :func:`row_sparse`'s.
+# benchmarks/results, row). The tables' codec is :func:`row_sparse`'s. Since stop 38 the
+# runs of that stop (the runtime's FIFO for this plan and its row flags as bits, both since
+# stop 34); stop 33's, run under priority with byte flags, read 46.68 / 21.42 / 21.32 /
+# 41.09 ms (benchmarks/RESULTS.md, stop 38).
 ROW_SPARSE_ROWS = (
-    ("dlrm", 2, "100mbit", 5.59, 46.68, 0.528, "stop33/dlrm-100mbit-default", "scaleout"),
-    ("dlrm", 2, "1gbit", 6.31, 21.42, 0.528, "stop33/dlrm-1gbit-default", "scaleout"),
-    ("dlrm", 2, "10gbit", 5.63, 21.32, 0.528, "stop33/dlrm-10gbit-default", "scaleout"),
-    ("dlrm", 3, "1gbit", 4.99, 41.09, 0.583, "stop33/dlrm-3ranks-1gbit-rows",
+    ("dlrm", 2, "100mbit", 3.49, 44.91, 0.47, "stop38/rows/dlrm-100mbit", "scaleout"),
+    ("dlrm", 2, "1gbit", 3.55, 14.1, 0.47, "stop38/rows/dlrm-1gbit", "scaleout"),
+    ("dlrm", 2, "10gbit", 3.62, 13.96, 0.47, "stop38/rows/dlrm-10gbit", "scaleout"),
+    ("dlrm", 3, "1gbit", 3.51, 30.3, 0.535, "stop38/rows/dlrm-3ranks-1gbit-rows",
      "scaleout+rows:dense_above=0.9"),
 )
 DENSE_MB = {"dlrm": 5.21}  # the workload's gradient MB/it when sent whole (TESTBED_ROWS)
@@ -258,7 +262,11 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
     if peer == "scaleout, row-sparse tables":  # dense bytes per layer; the tables' codec moves
         work = testbed_workload(workload, single_ms, DENSE_MB[workload], ranks)  # the row's MB
         layer_codecs = row_sparse(work, grad_mb, SLOWDOWN[workload, ranks])
-    if peer.startswith("scaleout"):  # (every row ran before a chunk could leave early, and
+        # run at stop 38: the open policy decided as the runtime decides it (FIFO for this
+        # plan, its bulk lane holding no bucket of several chunks), chunks leaving early
+        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap",
+                                 layer_codecs=layer_codecs, **host)
+    elif peer.startswith("scaleout"):  # (every row ran before a chunk could leave early, and
         # with the priority policy whatever its plan: the default until stop 34)
         config = IterationConfig(scheduler=SchedulerConfig(policy="priority"), mode="overlap",
                                  codec=codec, layer_codecs=layer_codecs, early_chunks=False,
@@ -280,7 +288,8 @@ _PEERS = MappingProxyType({
     "ddp": "FIFO 25 MB buckets, sync",
     "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
     "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
-    "scaleout, row-sparse tables": "priority, overlap; the tables' bytes are the MB/it less the "
+    "scaleout, row-sparse tables": "the open policy as the runtime decides it (FIFO here), "
+    "overlap, early chunks (the runtime of stop 38); the tables' bytes are the MB/it less the "
     "dense MLPs', two rounds, 0.15 ms of CPU per MiB of table alone (rows_cpu_probe.py)",
 })
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["LaunchInfo", "TESTBED_HOST_VAR", "detect_launch", "first_host", "machine",
            "proc_stat"]
@@ -89,6 +89,8 @@ def _local_size(environ: Mapping[str, str], source: str) -> int | None:
     Raises:
         ValueError: the variable is not an integer.
     """
+    if source == "single":
+        return 1
     if source == "slurm":
         nodes = next((environ[var] for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES",
                                                 "SLURM_NNODES") if var in environ), None)
@@ -153,6 +155,13 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         ...                "MASTER_PORT": "1234"}).rank
         1
     """
+    info = _detect(environ)
+    return replace(info, local_world_size=_local_size(environ, info.source),
+                   testbed_host=TESTBED_HOST_VAR in environ)
+
+
+def _detect(environ: Mapping[str, str]) -> LaunchInfo:
+    """:func:`detect_launch` before the local size and the testbed flag."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         addr, port = _rendezvous(environ, "127.0.0.1")
         return LaunchInfo(
@@ -162,8 +171,6 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="torchrun",
-            local_world_size=_local_size(environ, "torchrun"),
-            testbed_host=TESTBED_HOST_VAR in environ,
         )
     for source, rank_var, size_var, local_var in (
         ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -187,8 +194,6 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                 master_addr=addr,
                 master_port=port,
                 source=source,
-                local_world_size=local_size,
-                testbed_host=TESTBED_HOST_VAR in environ,
             )
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
@@ -206,8 +211,6 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
             master_addr=addr,
             master_port=port,
             source="slurm",
-            local_world_size=_local_size(environ, "slurm"),
-            testbed_host=TESTBED_HOST_VAR in environ,
         )
     for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
         if have in environ:  # a torchrun-style launch with one of its pair lost
@@ -216,7 +219,7 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
                              f"run do), or neither for a single process")
     return LaunchInfo(
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
-        source="single", local_world_size=1,
+        source="single",
     )
 
 

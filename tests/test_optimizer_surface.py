@@ -305,3 +305,33 @@ def test_a_complex_parameter_is_named_at_construction() -> None:
             DataParallel(net, env.create_distribution())
     finally:
         env.finalize()  # (the forked ranks of later tests must not inherit a live group)
+
+
+def body_update_batch_steps_its_own() -> list[float]:
+    """An update batch steps its own parameters only. Others whose ``.grad`` is a kept zero
+    (``zero_grad(set_to_none=False)``) wait for their own batch. Before stop 39, weight
+    decay and momentum moved them once more per batch in overlap mode, whenever a step's
+    update came in several batches (e.g. a row-sparse bucket arriving apart from a dense
+    one). Nothing said so."""
+    env = scaleout.init(timeout=30)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
+                                               weight_decay=0.1), model)
+    for param in net.parameters():
+        param.grad = torch.zeros_like(param)
+    first, second = list(net[0].parameters()), list(net[1].parameters())
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.apply_update(first, [torch.ones_like(p) for p in first], [True] * len(first))
+    moved = [(p - b).abs().max().item() for p, b in zip(net.parameters(), before)]
+    assert all(p.grad is not None and not p.grad.any() for p in net.parameters())  # restored
+    model.close()
+    env.finalize()
+    return moved[len(first):] + [min(moved[:len(first)])]
+
+
+def test_an_update_batch_leaves_the_other_parameters_alone() -> None:
+    for moved in run_ranks(2, body_update_batch_steps_its_own, timeout=60):
+        assert moved[:-1] == [0.0, 0.0], moved  # the second layer: not its batch
+        assert moved[-1] > 0, moved  # the first layer's parameters did step

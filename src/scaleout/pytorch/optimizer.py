@@ -316,12 +316,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group, options in zip(self.param_groups, self._snapshot):
             group.update(options)
         held = [param.grad for param in params]  # (zeros from zero_grad(set_to_none=False))
+        # the others' .grad (zeros from zero_grad(set_to_none=False)) would step them too:
+        # their updates are other batches' (momentum would move them once more per batch)
+        chosen = {id(param) for param in params}
+        others = [(p, p.grad) for group in self.inner.param_groups for p in group["params"]
+                  if p.grad is not None and id(p) not in chosen]
         try:
+            for param, _ in others:
+                param.grad = None
             for param, grad, flag in zip(params, grads, used):
                 param.grad = grad.view_as(param) if flag else None
             self.inner.step()  # parameters without .grad are skipped by torch optimizers
         finally:
-            for param, grad in zip(params, held):
+            for param, grad in (*zip(params, held), *others):
                 param.grad = grad
             for group, options in zip(self.param_groups, saved):
                 group.update(options)

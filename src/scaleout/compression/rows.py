@@ -12,6 +12,7 @@ touched and propagate as in a dense allreduce.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,7 +32,7 @@ from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 from scaleout.core.collectives import ReduceOp
 
-__all__ = ["RowsCodec"]
+__all__ = ["ROWS_TOUCHED", "RowsCodec"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,17 +103,26 @@ class RowsCodec(Codec):
 
         Matrices of one row width back to back (a model's embedding tables) are handled as
         one block of rows: one flag pass, one gather and one scatter for all of them, so
-        the host's work per bucket does not grow with the number of tables."""
+        the host's work per bucket does not grow with the number of tables. A
+        :data:`ROWS_TOUCHED` hint in ``state`` stands in for the flag pass.
+
+        Raises:
+            ValueError: a :data:`ROWS_TOUCHED` hint that is not one bool per flagged row."""
         check_compressible(self.name, flat)
         if flat.numel() == 0:
             return flat.clone()
         blocks = _blocks(bucket_layout(shapes))
         matrices = [block for block in blocks if block[2]]
         chosen: dict[int, torch.Tensor] = {}  # block offset -> the rows sent (absent: whole)
+        hint = state.scratch.pop(ROWS_TOUCHED, None)  # (for this exchange only)
         if matrices:
-            scratch = state.work_buffer("magnitudes", flat.numel(), flat.dtype, device=flat.device)
-            flags = torch.cat([_touched(flat[o:o + n].view(-1, w), scratch[o:o + n].view(-1, w))
-                               for o, n, w, _ in matrices])
+            flags = _checked_hint(hint, sum(n // w for _, n, w, _ in matrices), flat.device)
+            if flags is None:  # find them: a pass over every matrix
+                scratch = state.work_buffer("magnitudes", flat.numel(), flat.dtype,
+                                            device=flat.device)
+                flags = torch.cat([_touched(flat[o:o + n].view(-1, w),
+                                            scratch[o:o + n].view(-1, w))
+                                   for o, n, w, _ in matrices])
             if comm.size <= BITS_UP_TO:  # a bit per row, every rank's to every rank: OR
                 bits = _packed(flags)
                 every = yield collectives.alltoall(comm, bits.repeat(comm.size))
@@ -136,6 +146,13 @@ class RowsCodec(Codec):
                 flat[o:o + n].copy_(part)
         return flat
 
+    @staticmethod
+    def row_counts(shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        """Per tensor of a bucket of ``shapes``: the rows :meth:`exchange_bucket` flags and
+        may skip (0: the tensor goes whole). The flags of a bucket (and a
+        :data:`ROWS_TOUCHED` hint) are these tensors' rows, in bucket order."""
+        return [_row_count(tuple(shape)) for shape in shapes]
+
     def _rows_to_send(self, union: torch.Tensor, matrices: list[_Block], state: CodecState
                       ) -> dict[int, torch.Tensor]:
         """Per block of matrices (by offset): the rows some rank touched, where a matrix
@@ -152,6 +169,32 @@ class RowsCodec(Codec):
                 chosen[o] = sent
             at += block.numel()
         return chosen
+
+
+#: The :class:`~scaleout.compression.CodecState` ``scratch`` key under which a caller that
+#: knows which rows a batch looked up hands them to the bucket's next
+#: :meth:`RowsCodec.exchange_bucket` (which takes it out, so it serves one exchange): a bool
+#: per flagged row (:meth:`RowsCodec.row_counts`, bucket order), true at least wherever the
+#: gradient row is not zero. The exchange then skips the pass over the matrices that finds
+#: them (``scaleout.pytorch.lookup_ids``: DLRM's 5 MB of tables, on the critical path).
+ROWS_TOUCHED = "rows_touched"
+
+
+def _checked_hint(hint: torch.Tensor | None, rows: int, device: torch.device
+                  ) -> torch.Tensor | None:
+    """A :data:`ROWS_TOUCHED` hint for ``rows`` flagged rows, on ``device`` (``None``: none).
+
+    Raises:
+        ValueError: it is not one bool per flagged row.
+    """
+    if hint is None:
+        return None
+    if not isinstance(hint, torch.Tensor) or hint.dtype != torch.bool or hint.numel() != rows:
+        got = (f"{hint.numel()} values of {hint.dtype}" if isinstance(hint, torch.Tensor)
+               else type(hint).__name__)
+        raise ValueError(f"rows: the {ROWS_TOUCHED!r} hint must be one bool per flagged row "
+                         f"({rows}), got {got}")
+    return hint.reshape(-1).to(device)
 
 
 #: Up to this many ranks the row flags travel as bits, each rank's to every rank (an
@@ -208,7 +251,7 @@ def _blocks(layout: list[tuple[int, int, tuple[int, ...]]]) -> list[_Block]:
     for o, n, s in layout:
         if n == 0:
             continue
-        if len(s) < 2 or s[0] < 2:
+        if not _row_count(s):
             blocks.append((o, n, 0, []))
             continue
         width = n // s[0]
@@ -218,6 +261,12 @@ def _blocks(layout: list[tuple[int, int, tuple[int, ...]]]) -> list[_Block]:
         else:
             blocks.append((o, n, width, [s[0]]))
     return blocks
+
+
+def _row_count(shape: tuple[int, ...]) -> int:
+    """Rows of a tensor of ``shape`` that a bucket's exchange flags: a matrix (2+ dims) of
+    2+ rows and some values; else 0 (it goes whole)."""
+    return shape[0] if len(shape) >= 2 and shape[0] >= 2 and math.prod(shape) else 0
 
 
 def _as_rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +27,9 @@ from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
+from scaleout.pytorch.dp_forward import ForwardHooks
 from scaleout.pytorch.exchange_stats import bind_recorders
+from scaleout.pytorch.lookup_ids import LookupRows
 from scaleout.pytorch.lookup_reads import exact_builtin, find_lookup_reads, rows_wanted
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
                                       register_layers, set_bucket_parameters)
@@ -46,7 +48,7 @@ from scaleout.session.trace import TraceRecorder
 
 __all__ = ["DataParallel"]
 
-class DataParallel(BackwardSide, CheckpointSurface):
+class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
@@ -74,9 +76,9 @@ class DataParallel(BackwardSide, CheckpointSurface):
             (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
 
     Weights read by embedding lookups alone (DLRM's tables), sent exact, travel row-sparse on
-    the CPU across machines (:mod:`scaleout.pytorch.lookup_reads`); one read by a lookup and
-    by other operations (a tied LM head), with ``SCALEOUT_SPLIT_TIED=1``, in two shares
-    (:mod:`scaleout.pytorch.tied`). The first forward's graph shows which.
+    the CPU across machines (:mod:`~scaleout.pytorch.lookup_reads`, ``lookup_ids``); one read
+    by a lookup and by other operations (a tied LM head), with ``SCALEOUT_SPLIT_TIED=1``, in
+    two shares (:mod:`scaleout.pytorch.tied`). The first forward's graph shows which.
 
     Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
     ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
@@ -155,6 +157,7 @@ class DataParallel(BackwardSide, CheckpointSurface):
         self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
         self._lookup_only: list[nn.Parameter] = []  # read by lookups alone, to go row-sparse
         self._shares: EarlyShares | None = None
+        self._lookup_rows: LookupRows | None = None  # each forward's rows, for the exchange
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
             broadcast_tensors(self._model_comm, [
@@ -270,8 +273,11 @@ class DataParallel(BackwardSide, CheckpointSurface):
                 output, [p for layer in self._layers for p in layer.params], self.comm,
                 self._device, rows=rows_wanted(self._device, self.env.launch.one_machine))
             self._commit()
-        if self._shares and self.training and torch.is_grad_enabled():
-            self._shares.hook(output)
+        if self.training and torch.is_grad_enabled():
+            if self._shares:
+                self._shares.hook(output)
+            if self._lookup_rows:
+                self._lookup_rows.observe(output)
         for layer in self._forward_order:  # layers this forward did not run
             self.updates.complete(layer)
         if self.training and self._buffer_average is not None:
@@ -357,6 +363,7 @@ class DataParallel(BackwardSide, CheckpointSurface):
                  for i, ps in layer.early.items()}
         self._shares = EarlyShares(early, holding_back=lambda: self._no_sync,
                                    on_share=self._on_share)
+        self._lookup_rows = LookupRows(session, self._forward_order, rows, self._on_grad)
 
     def _nothing_to_exchange(self) -> bool:
         """A lone rank (data and model groups of one), exact gradients, nothing recorded:
@@ -366,33 +373,6 @@ class DataParallel(BackwardSide, CheckpointSurface):
         return (self.comm.size == 1 and self._model_comm.size == 1 and self._compression is None
                 and self._comm_hook is None and self._trace is None and not self.distributed_update
                 and self._tuner is None and os.environ.get("SCALEOUT_ALONE_FAST_PATH", "1") != "0")
-
-    # -- hooks -------------------------------------------------------------------------
-
-    def _pre_hook(self, layer: Layer) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            if self._session is None:
-                if layer not in self._forward_order:
-                    self._forward_order.append(layer)
-                return
-            self.updates.complete(layer)
-            self._stopwatch.restart()
-        return torch.compiler.disable(hook)
-
-    def _completes(self, layers: list[Layer]) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            if self._session is not None:
-                for layer in layers:
-                    self.updates.complete(layer)
-        return torch.compiler.disable(hook)
-
-    def _post_hook(self, layer: Layer) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            if self._session is not None:  # (backward compute is timed from here on)
-                self._stopwatch.lap(self._session.statistics, layer.name, phase="forward")
-            else:
-                self._stopwatch.restart()
-        return torch.compiler.disable(hook)
 
     def _finish_buffers(self) -> None:
         if self._buffer_average is not None:

@@ -1,0 +1,163 @@
+"""Each forward's lookup ids say which rows the row-sparse exchange flags
+(``scaleout.pytorch.lookup_ids``): training still equals the single-process reference, the
+gradients are no longer searched for their rows, and every case where the ids could miss a row
+falls back to the search and stays exact.
+
+Float64 against ``test_lookup_rows``' reference: a row the ids missed would leave its
+gradient out of the sum, far above float reordering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scaleout
+from harness import run_ranks
+from scaleout.compression import CodecState, RowsCodec, compressed_allreduce
+from scaleout.compression import rows as rows_module
+from scaleout.compression.rows import ROWS_TOUCHED
+from scaleout.core.grid import GroupType
+from scaleout.pytorch import DataParallel, DistributedOptimizer
+from test_lookup_rows import PER_RANK, STEPS, Lookups, batch
+
+DENSE = 1e-3  # what the hook case adds to every row of emb.weight's gradient
+
+
+def _counting_scans() -> list[int]:
+    """Count the exchange's searches for touched rows in this rank."""
+    calls = [0]
+    search = rows_module._touched
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return search(*args, **kwargs)
+
+    rows_module._touched = counted
+    return calls
+
+
+def body(mode: str, case: str) -> int:
+    scans = _counting_scans()
+    env = scaleout.init(timeout=60)
+    world = env.world_size
+    torch.manual_seed(0 if env.rank == 0 else 7)  # DataParallel broadcasts rank 0's weights
+    net = Lookups().double()
+    if case == "hook":  # a dense term on every row: the ids would miss it
+        net.emb.weight.register_hook(lambda grad: grad + DENSE)
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9),
+                               model, mode=mode)
+    mine = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
+    for step in range(STEPS):
+        ids, targets = batch(step, world)
+        if case == "extra forward":  # a forward whose graph is never backpropagated
+            model(batch(step + 100, world)[0][mine])
+        if case == "micro-batches":  # two and one sample (positions as in the whole batch),
+            with model.no_sync():  # the first under no_sync()
+                (F.mse_loss(model(ids[mine][:2]), targets[mine][:2]) * 2 / PER_RANK).backward()
+            (F.mse_loss(model(ids[mine][2:]), targets[mine][2:]) / PER_RANK).backward()
+        else:
+            F.mse_loss(model(ids[mine]), targets[mine]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=case != "kept gradients")
+    model.synchronize()
+    expected = _reference_for(world, case)
+    for name, param in net.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name], rtol=1e-9, atol=1e-11,
+                                   msg=lambda m, n=name: f"rank {env.rank} {case} {n}: {m}")
+    model.close()
+    env.finalize()
+    return scans[0]
+
+
+def _reference_for(world: int, case: str) -> dict[str, torch.Tensor]:
+    if case != "hook":
+        return _plain_reference(world)
+    torch.manual_seed(0)
+    net = Lookups().double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
+    for step in range(STEPS):
+        ids, targets = batch(step, world)
+        for rank in range(world):
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            (F.mse_loss(net(ids[rows]), targets[rows]) / world).backward()
+        net.emb.weight.grad += DENSE  # each rank's hook, averaged
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.named_parameters()}
+
+
+def _plain_reference(world: int) -> dict[str, torch.Tensor]:
+    from test_lookup_rows import reference as plain
+
+    return plain(world)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "overlap"), (3, "sync")])
+def test_the_ids_replace_the_search_and_training_matches_single_process(
+        world: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")  # (the ranks are on one machine here)
+    assert run_ranks(world, body, mode, "plain") == [0] * world
+
+
+@pytest.mark.parametrize("case,searched", [
+    ("hook", True),  # a tensor hook may write any row
+    ("kept gradients", True),  # zero_grad(set_to_none=False): .grad exists at the forward
+    ("micro-batches", True),  # no_sync(): the first half's rows are in .grad
+    ("extra forward", False),  # its rows join the next exchange's: more, none missed
+])
+def test_where_the_ids_could_miss_a_row_the_exchange_searches_and_stays_exact(
+        case: str, searched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")
+    scans = run_ranks(2, body, "overlap", case)
+    assert all(n > 0 for n in scans) if searched else scans == [0, 0], (case, scans)
+
+
+def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:
+    """One bucket (two tables, a bias) exchanged with its rows searched for, then with
+    ``hint(touched rows)`` handed in: both sums."""
+    env = scaleout.init(timeout=30)
+    comm = env.create_distribution().communicator(GroupType.DATA)
+    shapes = [(6, 3), (4, 3), (5,)]
+    g = torch.Generator().manual_seed(env.rank)
+    grad = torch.zeros(6 * 3 + 4 * 3 + 5, dtype=torch.float64)
+    touched = torch.zeros(10, dtype=torch.bool)
+    touched[[env.rank, 7 + env.rank]] = True
+    grad[:30].view(10, 3)[touched] = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    grad[30:] = torch.randn(5, generator=g, dtype=torch.float64)
+    codec, out = RowsCodec(), []
+    for handed in (None, hint(touched)):
+        state = CodecState()
+        if handed is not None:
+            state.scratch[ROWS_TOUCHED] = handed
+        bucket = grad.clone()
+        try:
+            compressed_allreduce(codec, bucket, state, comm, shapes=shapes).wait(timeout=30)
+        except ValueError as err:
+            out.append(str(err))
+            continue
+        assert ROWS_TOUCHED not in state.scratch  # (it serves one exchange)
+        out.append(bucket)
+    env.finalize()
+    return out
+
+
+def _with_extra_rows(touched: torch.Tensor) -> torch.Tensor:
+    return touched | (torch.arange(10) % 4 == 0)  # more rows than touched: still the sum
+
+
+def _too_short(touched: torch.Tensor) -> torch.Tensor:
+    return touched[:9]
+
+
+def test_a_hint_gives_the_searched_sum_and_a_malformed_one_is_named() -> None:
+    for searched, hinted in run_ranks(2, _hinted_exchange, _with_extra_rows):
+        torch.testing.assert_close(hinted, searched, rtol=0, atol=0)
+    for _, error in run_ranks(2, _hinted_exchange, _too_short):
+        assert "hint must be one bool per flagged row (10), got 9 values" in error, error
+    assert RowsCodec.row_counts([(6, 3), (4, 3), (5,), (1, 3), (0, 3)]) == [6, 4, 0, 0, 0]

@@ -23,7 +23,7 @@ from scaleout.compression import rows as rows_module
 from scaleout.compression.rows import ROWS_TOUCHED
 from scaleout.core.grid import GroupType
 from scaleout.pytorch import DataParallel, DistributedOptimizer
-from test_lookup_rows import PER_RANK, STEPS, Lookups, batch
+from test_lookup_rows import PER_RANK, STEPS, Lookups, batch, reference
 
 DENSE = 1e-3  # what the hook case adds to every row of emb.weight's gradient
 
@@ -66,36 +66,13 @@ def body(mode: str, case: str) -> int:
         opt.step()
         opt.zero_grad(set_to_none=case != "kept gradients")
     model.synchronize()
-    expected = _reference_for(world, case)
+    expected = reference(world, DENSE if case == "hook" else 0.0)
     for name, param in net.named_parameters():
         torch.testing.assert_close(param.detach(), expected[name], rtol=1e-9, atol=1e-11,
                                    msg=lambda m, n=name: f"rank {env.rank} {case} {n}: {m}")
     model.close()
     env.finalize()
     return scans[0]
-
-
-def _reference_for(world: int, case: str) -> dict[str, torch.Tensor]:
-    if case != "hook":
-        return _plain_reference(world)
-    torch.manual_seed(0)
-    net = Lookups().double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
-    for step in range(STEPS):
-        ids, targets = batch(step, world)
-        for rank in range(world):
-            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            (F.mse_loss(net(ids[rows]), targets[rows]) / world).backward()
-        net.emb.weight.grad += DENSE  # each rank's hook, averaged
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in net.named_parameters()}
-
-
-def _plain_reference(world: int) -> dict[str, torch.Tensor]:
-    from test_lookup_rows import reference as plain
-
-    return plain(world)
 
 
 @pytest.mark.parametrize("world,mode", [(2, "overlap"), (3, "sync")])

@@ -47,7 +47,9 @@ def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(PER_RANK * world, 1, generator=g, dtype=torch.float64)
 
 
-def reference(world: int) -> dict[str, torch.Tensor]:
+def reference(world: int, dense_emb: float = 0.0) -> dict[str, torch.Tensor]:
+    """The single-process run on every rank's data; ``dense_emb`` is added to every row of
+    ``emb.weight``'s gradient each step (what a rank's gradient hook adds, averaged)."""
     torch.manual_seed(0)
     net = Lookups().double()
     opt = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
@@ -56,6 +58,8 @@ def reference(world: int) -> dict[str, torch.Tensor]:
         for rank in range(world):
             rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
             (F.mse_loss(net(ids[rows]), targets[rows]) / world).backward()
+        if dense_emb:
+            net.emb.weight.grad += dense_emb
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in net.named_parameters()}

@@ -57,10 +57,11 @@ def body(mode: str, case: str) -> int:
         ids, targets = batch(step, world)
         if case == "extra forward":  # a forward whose graph is never backpropagated
             model(batch(step + 100, world)[0][mine])
-        if case == "micro-batches":  # two and one sample (positions as in the whole batch),
-            with model.no_sync():  # the first under no_sync()
+        if case == "micro-batches":  # two samples, then the rest (an even split keeps the
+            with model.no_sync():  # positions of the whole batch), the first under no_sync()
                 (F.mse_loss(model(ids[mine][:2]), targets[mine][:2]) * 2 / PER_RANK).backward()
-            (F.mse_loss(model(ids[mine][2:]), targets[mine][2:]) / PER_RANK).backward()
+            (F.mse_loss(model(ids[mine][2:]), targets[mine][2:]) * (PER_RANK - 2)
+             / PER_RANK).backward()
         else:
             F.mse_loss(model(ids[mine]), targets[mine]).backward()
         opt.step()

@@ -29,7 +29,7 @@ node, which no public API registers, is not seen.)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class _Bucket:
     members: list[tuple[nn.Parameter, int]]  # each weight and its first flag
     rows: int  # flags in all
     seen_step: int = -1  # the codec state's exchanges at the last forward
-    valid: bool = field(default=True)  # every forward since the last exchange gave its rows
+    valid: bool = True  # every forward since the last exchange gave its rows
 
     def observe(self, readers: dict[int, list[tuple[Any, int]]], own_hook: Callable) -> None:
         """Add this forward's rows to the hint, or drop it until the next exchange."""

@@ -273,13 +273,12 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                 output, [p for layer in self._layers for p in layer.params], self.comm,
                 self._device, rows=rows_wanted(self._device, self.env.launch.one_machine))
             self._commit()
-        if self.training and torch.is_grad_enabled():
-            if self._shares:
-                self._shares.hook(output)
-            if self._lookup_rows:
-                self._lookup_rows.observe(output)
+        if self._shares and self.training and torch.is_grad_enabled():
+            self._shares.hook(output)
         for layer in self._forward_order:  # layers this forward did not run
             self.updates.complete(layer)
+        if self._lookup_rows and self.training and torch.is_grad_enabled():
+            self._lookup_rows.observe(output)  # (every exchange before it has completed)
         if self.training and self._buffer_average is not None:
             self._buffer_average.start()
         if self._session is not None:

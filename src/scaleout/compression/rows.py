@@ -12,11 +12,13 @@ touched and propagate as in a dense allreduce.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from scaleout.compression.base import (
@@ -130,7 +132,7 @@ class RowsCodec(Codec):
             else:  # a byte per row, MAX: the union in a ring's bytes
                 every = yield collectives.allreduce(comm, flags.to(torch.uint8), ReduceOp.MAX)
                 union = every.ne(0)
-            chosen = self._rows_to_send(union, matrices, state)
+            chosen = self._rows_to_send(union, matrices)
         pieces = [flat[o:o + n].view(-1, w).index_select(0, chosen[o]).view(-1)
                   if o in chosen else flat[o:o + n] for o, n, w, _ in blocks]
         summed = yield collectives.allreduce(comm, torch.cat(pieces))
@@ -153,21 +155,30 @@ class RowsCodec(Codec):
         :data:`ROWS_TOUCHED` hint) are these tensors' rows, in bucket order."""
         return [_row_count(tuple(shape)) for shape in shapes]
 
-    def _rows_to_send(self, union: torch.Tensor, matrices: list[_Block], state: CodecState
+    def _rows_to_send(self, union: torch.Tensor, matrices: list[_Block]
                       ) -> dict[int, torch.Tensor]:
         """Per block of matrices (by offset): the rows some rank touched, where a matrix
         with more than ``dense_above`` of its rows touched sends all of them; a block whose
-        every row goes is sent whole (absent). One host read per block: its rows."""
-        counts, matrix_of_row = _row_owners(matrices, state, union.device)
-        touched = torch.zeros_like(counts).index_add_(0, matrix_of_row, union.to(counts.dtype))
-        union |= (touched > self.dense_above * counts)[matrix_of_row]
+        every row goes is sent whole (absent). Two host reads per block: the touched rows'
+        count, then where each matrix's touched rows end (found in the sorted rows)."""
         chosen, at = {}, 0
-        for o, n, w, _ in matrices:
-            block = union[at:at + n // w]
-            sent = block.nonzero().view(-1)  # (host sync: round 2's size)
-            if sent.numel() < block.numel():
+        for o, n, w, per_matrix in matrices:
+            rows = n // w
+            sent = union[at:at + rows].nonzero().view(-1)  # (host sync: round 2's size)
+            at += rows
+            ends = list(itertools.accumulate(per_matrix))
+            upto = torch.searchsorted(sent, torch.tensor(ends, device=sent.device)).tolist()
+            dense = [m for m, (count, first, last) in enumerate(zip(per_matrix, [0, *upto], upto))
+                     if last - first > self.dense_above * count]
+            if dense:  # those matrices' rows all go, in order
+                pieces, begin = [], 0
+                for m in dense:
+                    pieces += [sent[begin:upto[m - 1] if m else 0],
+                               torch.arange(ends[m] - per_matrix[m], ends[m], device=sent.device)]
+                    begin = upto[m]
+                sent = torch.cat([*pieces, sent[begin:]])
+            if sent.numel() < rows:
                 chosen[o] = sent
-            at += block.numel()
         return chosen
 
 
@@ -207,7 +218,10 @@ _BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _packed(flags: torch.Tensor) -> torch.Tensor:
-    """Boolean ``flags`` as bits, eight to a uint8 (the last byte zero-padded)."""
+    """Boolean ``flags`` as bits, eight to a uint8 (the last byte zero-padded), flag ``8 j +
+    k`` in bit ``k`` of byte ``j``."""
+    if flags.device.type == "cpu":  # numpy's packing: ~10x faster than the tensor arithmetic
+        return torch.from_numpy(np.packbits(flags.numpy(), bitorder="little"))
     padded = torch.zeros(-(-flags.numel() // 8) * 8, dtype=torch.uint8, device=flags.device)
     padded[:flags.numel()] = flags
     weights = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=flags.device)
@@ -220,6 +234,9 @@ def _unpacked(every: torch.Tensor, count: int) -> torch.Tensor:
     union = every[0].clone()
     for other in every[1:]:
         union |= other
+    if union.device.type == "cpu":
+        bits = np.unpackbits(union.numpy(), count=count, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
     weights = torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=every.device)
     return (union.unsqueeze(1) & weights).ne(0).view(-1)[:count]
 
@@ -227,21 +244,6 @@ def _unpacked(every: torch.Tensor, count: int) -> torch.Tensor:
 #: ``(offset, numel, row width, rows of each matrix)``: matrices of one row width back to
 #: back, or (width 0) another tensor, sent whole.
 _Block = tuple[int, int, int, list[int]]
-
-
-def _row_owners(matrices: list[_Block], state: CodecState, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of each matrix, and each row's matrix (kept in ``state``: a bucket's layout
-    does not change)."""
-    counts = [rows for _, _, _, per_matrix in matrices for rows in per_matrix]
-    kept = state.scratch.get("rows_per_matrix"), state.scratch.get("matrix_of_row")
-    if (kept[0] is None or kept[1] is None or kept[0].numel() != len(counts)
-            or kept[1].numel() != sum(counts) or kept[0].device != device):
-        per_matrix = torch.tensor(counts, device=device)
-        kept = per_matrix, torch.repeat_interleave(
-            torch.arange(len(counts), device=device), per_matrix)
-        state.scratch["rows_per_matrix"], state.scratch["matrix_of_row"] = kept
-    return kept
 
 
 def _blocks(layout: list[tuple[int, int, tuple[int, ...]]]) -> list[_Block]:

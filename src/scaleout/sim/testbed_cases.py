@@ -15,7 +15,8 @@ two cores; ``benchmarks/results/stop31/testbed3/*.json``): 18 more, predicted wi
 unchanged, from the 3-rank link and CPU the probe measured and the 3-rank ``lockstep`` rows.
 Since stop 34 also DLRM's ``scaleout`` rows with its tables row-sparse (stop 33's default on
 the testbed; :data:`ROW_SPARSE_ROWS`, the tables' codec :func:`row_sparse`), run again at
-stop 38 with the runtime as it now plans them (FIFO, early chunks, the row flags as bits).
+stops 38 and 40 with the runtime as it now runs them (FIFO, early chunks, the row flags as
+bits, the rows from the forward's ids).
 
 What goes in, and nothing else:
 
@@ -175,23 +176,29 @@ BLOCKQUANT_ROWS = MappingProxyType(
 
 
 # DLRM's tables row-sparse, scaleout's default on the CPU across machines since stop 33 (its
-# ``scaleout`` rows; the 3-rank table's ``scaleout+rows:dense_above=0.9`` row, the same
-# codec): (workload, ranks, rate, single ms, scaleout ms, MB/it, JSON under
-# benchmarks/results, row). The tables' codec is :func:`row_sparse`'s. Since stop 38 the
-# runs of that stop (the runtime's FIFO for this plan and its row flags as bits, both since
-# stop 34); stop 33's, run under priority with byte flags, read 46.68 / 21.42 / 21.32 /
-# 41.09 ms (benchmarks/RESULTS.md, stop 38).
+# ``scaleout`` rows): (workload, ranks, rate, single ms, scaleout ms, MB/it, JSON under
+# benchmarks/results, row). The tables' codec is :func:`row_sparse`'s. Since stop 40 the runs
+# of that stop: the exchange handed the forward's ids (stop 39) and its faster host steps
+# (stop 40), the runtime's FIFO for this plan and its row flags as bits (both since stop 34).
+# Stop 38's runs read 44.91 / 14.10 / 13.96 ms at 2 ranks and 30.30 ms at 3 (that stop's
+# ``scaleout+rows:dense_above=0.9`` row: a codec the user names for every layer, whose
+# exchange still searches for the rows, since the runtime hands the ids only to the tables it
+# sends row-sparse itself); stop 33's, under priority with byte flags, 46.68 /
+# 21.42 / 21.32 / 41.09 ms (benchmarks/RESULTS.md, stops 38 and 40).
 ROW_SPARSE_ROWS = (
-    ("dlrm", 2, "100mbit", 3.49, 44.91, 0.47, "stop38/rows/dlrm-100mbit", "scaleout"),
-    ("dlrm", 2, "1gbit", 3.55, 14.1, 0.47, "stop38/rows/dlrm-1gbit", "scaleout"),
-    ("dlrm", 2, "10gbit", 3.62, 13.96, 0.47, "stop38/rows/dlrm-10gbit", "scaleout"),
-    ("dlrm", 3, "1gbit", 3.51, 30.3, 0.535, "stop38/rows/dlrm-3ranks-1gbit-rows",
-     "scaleout+rows:dense_above=0.9"),
+    ("dlrm", 2, "100mbit", 3.85, 44.35, 0.47, "stop40/rows/dlrm-100mbit", "scaleout"),
+    ("dlrm", 2, "1gbit", 3.70, 12.57, 0.47, "stop40/rows/dlrm-1gbit", "scaleout"),
+    ("dlrm", 2, "10gbit", 3.68, 11.86, 0.47, "stop40/rows/dlrm-10gbit", "scaleout"),
+    ("dlrm", 3, "1gbit", 3.82, 27.18, 0.547, "stop40/rows/dlrm-3ranks-1gbit-rows", "scaleout"),
 )
 DENSE_MB = {"dlrm": 5.21}  # the workload's gradient MB/it when sent whole (TESTBED_ROWS)
-#: The rows codec's CPU per byte of the tables it reads: encode, both rounds and decode on
-#: a group of one, one thread (``benchmarks/rows_cpu_probe.py``, stop 34: 0.11-0.18 ms/MiB).
-ROWS_S_PER_BYTE = 0.15e-3 / MB
+#: The rows codec's CPU per byte of the tables it reads: building the flags from the batch's
+#: ids, both rounds and decode on a group of one, one thread (``benchmarks/rows_cpu_probe.py``,
+#: "rows (ids)", stop 40: 0.133-0.147 ms/MiB in three runs). Until stop 40 0.15 ms/MiB, which
+#: the probe had measured with the bucket passed as one 1-D tensor: the codec's copies of a
+#: dense send, not a row-sparse exchange (which then cost 0.23-0.27 ms/MiB with ids, 0.39-0.43
+#: searching).
+ROWS_S_PER_BYTE = 0.142e-3 / MB
 
 
 def row_sparse(workload: Workload, grad_mb: float, slowdown: float) -> dict[str, CodecModel]:
@@ -289,8 +296,9 @@ _PEERS = MappingProxyType({
     "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
     "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
     "scaleout, row-sparse tables": "the open policy as the runtime decides it (FIFO here), "
-    "overlap, early chunks (the runtime of stop 38); the tables' bytes are the MB/it less the "
-    "dense MLPs', two rounds, 0.15 ms of CPU per MiB of table alone (rows_cpu_probe.py)",
+    "overlap, early chunks (the runtime of stop 40); the tables' bytes are the MB/it less the "
+    "dense MLPs', two rounds, 0.142 ms of CPU per MiB of table alone, the rows from the "
+    "batch's ids (rows_cpu_probe.py)",
 })
 
 

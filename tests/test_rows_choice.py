@@ -1,5 +1,6 @@
 """The row-sparse exchange's local steps, on one process: which rows a block sends, and the
-row flags as bits, against plain reference rules on random layouts."""
+row flags as bits (numpy's packing on the CPU, the tensor arithmetic elsewhere), against plain
+reference rules on random layouts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scaleout.compression import bits
 from scaleout.compression import rows as R
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -60,15 +62,17 @@ def test_each_block_sends_its_touched_rows_and_its_dense_matrices_whole(case) ->
 
 @SETTINGS
 @given(st.lists(st.booleans(), min_size=1, max_size=100), st.integers(1, 4))
-def test_row_flags_as_bits_are_the_same_on_every_path_and_or_on_arrival(flags, ranks) -> None:
+def test_row_flags_as_bits_are_lsb_first_on_every_path_and_or_on_arrival(flags, ranks) -> None:
     mine = torch.tensor(flags, dtype=torch.bool)
     others = [mine.roll(r) for r in range(ranks)]
     packed = [R._packed(f) for f in others]
-    padded = torch.zeros(len(packed[0]) * 8, dtype=torch.uint8)
-    padded[:mine.numel()] = others[0]
-    weights = torch.tensor(R._BIT_VALUES, dtype=torch.uint8)
-    assert torch.equal(packed[0], (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)), \
-        "flag 8j+k in bit k of byte j, as the tensor path (CUDA) packs them"
+    want = [sum(int(b) << k for k, b in enumerate(flags[j:j + 8])) for j in range(0, len(flags), 8)]
+    assert packed[0].dtype == torch.uint8 and packed[0].tolist() == want, \
+        "flag 8j+k in bit k of byte j"
+    padded = torch.zeros(len(want) * 8, dtype=torch.bool)
+    padded[:len(flags)] = mine
+    assert bits._gathered(padded).tolist() == want, "the tensor path (CUDA) packs the same"
+    assert torch.equal(bits._looked_up(packed[0]), padded), "and unpacks the same"
     union = R._unpacked(torch.stack(packed), mine.numel())
     assert union.dtype == torch.bool
     assert torch.equal(union, torch.stack(others).any(dim=0))

@@ -21,7 +21,7 @@ mean of 3 seeds: :meth:`SignCodec.unsuited` warns under any SGD momentum; sign i
 plain SGD.
 
 The codec runs its own one-round exchange so that a step costs a few passes over
-reused buffers: signs are packed 8 bytes at a time with one multiplication, and
+reused buffers: signs are packed 8 to a byte (:mod:`scaleout.compression.bits`), and
 unpacked with a 256-entry table of ``+-1`` rows; every rank's ``scale * sign`` is
 accumulated with one fused multiply-add per rank.
 """
@@ -47,56 +47,17 @@ from scaleout.compression.base import (
     set_residual,
     work_dtype,
 )
+from scaleout.compression.bits import bit_table, pack_bits, unpack_bits
 from scaleout.compression.kernels import kernels_for
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
 __all__ = ["SignCodec", "pack_bits", "unpack_bits"]
 
-# Eight 0/1 bytes read as one little-endian int64, times this, hold the 8 bits (first
-# byte lowest) in the top byte: the cross terms fall off either end.
-_GATHER_BITS = 0x0102040810204080
-
-
-def pack_bits(bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat bool tensor whose length is a multiple of 8 into uint8, LSB first.
-
-    Args:
-        bits: 1-D contiguous bool tensor, ``len(bits) % 8 == 0``.
-        out: Optional uint8 tensor of ``len(bits) // 8`` bytes to write into.
-
-    Returns:
-        uint8 tensor of ``len(bits) // 8`` bytes.
-
-    Raises:
-        ValueError: If the length is not a multiple of 8.
-    """
-    if bits.numel() % 8:
-        raise ValueError(f"pack_bits needs a multiple of 8 bits, got {bits.numel()}")
-    words = bits.contiguous().view(torch.uint8).view(torch.int64)
-    packed = (words * _GATHER_BITS).bitwise_right_shift_(56).bitwise_and_(0xFF)
-    if out is None:
-        return packed.to(torch.uint8)
-    return out.copy_(packed)
-
-
-def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: uint8 bytes to a flat bool tensor (8 per byte)."""
-    return _bits(packed.device)[packed.long()].reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _bits(device: torch.device) -> torch.Tensor:
-    """``[256, 8]`` bool on ``device``: row ``b`` holds the 8 bits of byte ``b``, LSB first
-    (built once per device, on it)."""
-    byte = torch.arange(256, device=device)[:, None]
-    return ((byte >> torch.arange(8, device=device)) & 1).bool()
-
-
 @functools.lru_cache(maxsize=None)
 def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[256, 8]`` on ``device``: row ``b`` holds ``+1`` / ``-1`` for the 8 bits of byte ``b``."""
-    return 1.0 - 2.0 * _bits(device).to(dtype)
+    return 1.0 - 2.0 * bit_table(device).to(dtype)
 
 
 _SCALES = ("rms", "mean")

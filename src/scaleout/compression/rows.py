@@ -166,14 +166,15 @@ class RowsCodec(Codec):
             rows = n // w
             sent = union[at:at + rows].nonzero().view(-1)  # (host sync: round 2's size)
             at += rows
-            ends = list(itertools.accumulate(per_matrix))
+            ends = list(itertools.accumulate(per_matrix))  # each matrix's rows: [end - n, end)
             upto = torch.searchsorted(sent, torch.tensor(ends, device=sent.device)).tolist()
-            dense = [m for m, (count, first, last) in enumerate(zip(per_matrix, [0, *upto], upto))
-                     if last - first > self.dense_above * count]
+            firsts = [0, *upto[:-1]]  # matrix m's touched rows are sent[firsts[m]:upto[m]]
+            dense = [m for m, count in enumerate(per_matrix)
+                     if upto[m] - firsts[m] > self.dense_above * count]
             if dense:  # those matrices' rows all go, in order
                 pieces, begin = [], 0
                 for m in dense:
-                    pieces += [sent[begin:upto[m - 1] if m else 0],
+                    pieces += [sent[begin:firsts[m]],
                                torch.arange(ends[m] - per_matrix[m], ends[m], device=sent.device)]
                     begin = upto[m]
                 sent = torch.cat([*pieces, sent[begin:]])

@@ -118,6 +118,48 @@ def test_a_latency_bound_link_rebuilds_the_plan_with_fewer_messages() -> None:
         assert torch.equal(a, b)
 
 
+def body_rebuilds() -> list[int]:
+    """Plans again three times (as the tuner's trials do), training a step after each: the
+    process groups made so far after each plan."""
+    import torch.distributed as tdist
+
+    from scaleout.scheduler import SchedulerConfig
+
+    made = [0]
+    new_group = tdist.new_group
+
+    def counted(*args: object, **kwargs: object) -> object:
+        made[0] += 1
+        return new_group(*args, **kwargs)
+
+    tdist.new_group = counted
+    env = scaleout.init(timeout=60)
+    net = _net()
+    model = DataParallel(net, env.create_distribution(),
+                         scheduler=SchedulerConfig(policy="priority", bucket_bytes=1 << 16))
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), model)
+    generator = torch.Generator().manual_seed(1 + env.rank)
+    counts = []
+    for policy in ("priority", "fifo", "priority", "fifo"):
+        if counts:
+            model._rebuild(SchedulerConfig(policy=policy, bucket_bytes=1 << 16), None)
+        F.cross_entropy(model(torch.randn(8, 128, generator=generator)),
+                        torch.randint(0, 10, (8,), generator=generator)).backward()
+        opt.step()
+        opt.zero_grad()
+        model.synchronize()
+        counts.append(made[0])
+    model.close()
+    env.finalize()
+    return counts
+
+
+def test_a_plan_made_again_sends_on_the_process_groups_of_the_last() -> None:
+    # each new gloo group would keep a thread waking 100 times a second, for good
+    for counts in run_ranks(2, body_rebuilds, timeout=120):
+        assert counts[1:] == [counts[0]] * 3, counts
+
+
 def test_a_choice_is_timed_and_every_rank_keeps_what_the_check_decided() -> None:
     """The real path: tuned at forward 4, the choice settles at 5, is timed over 5-6 and
     decided at 7; kept or undone, the report says which and the session runs it."""

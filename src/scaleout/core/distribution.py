@@ -53,6 +53,7 @@ class Distribution:
         self.data_parts = grid.data_parts
         self.model_parts = grid.model_parts
         self._comms: dict[GroupType, Communicator] = {}
+        self._spare: dict[tuple[GroupType, str], list[Communicator]] = {}  # (reuse)
         for group_type in GroupType:  # every rank creates every group in the same order
             for ranks in layout[group_type]:
                 # a group of one rank (the model group of a data-parallel grid) needs no
@@ -77,8 +78,14 @@ class Distribution:
         lanes, whose calls interleave in a timing-dependent order across communicators, so
         the blocking first-call check (``"first"``) could deadlock them; their plans are
         checked once with :func:`~scaleout.core.collectives.verify_plan`.
+
+        One handed back with :meth:`reuse` under the same group and name is taken again
+        instead of a new process group.
         """
         self._env.require_alive()
+        spare = self._spare.get((group, name))
+        if spare:
+            return spare.pop()
         layout = self.grid.groups()
         mine = None
         for ranks in layout[group]:
@@ -90,6 +97,17 @@ class Distribution:
                                     check_consistency=check)
         assert mine is not None
         return mine
+
+    def reuse(self, group: GroupType, comm: Communicator) -> None:
+        """Hand back ``comm``, a :meth:`duplicate` of ``group`` whose user is done with it and
+        has nothing in flight on it: the next duplicate of the same group and name takes it.
+
+        A process group is never freed, and each gloo group keeps a thread that wakes 100
+        times a second; a session planned again (the autotuner's trials) would otherwise
+        leave its lanes' groups behind each time. Every rank must hand back and duplicate in
+        the same order, as it duplicated.
+        """
+        self._spare.setdefault((group, comm.name), []).append(comm)
 
     def _new_group(self, ranks: tuple[int, ...], fresh: bool = False) -> Any:
         if len(ranks) == self._env.world_size and not fresh:

@@ -315,7 +315,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         assert old is not None
         owed = residual_slices(old)  # (gradient the codecs have not sent yet)
         self._scheduler, self._compression = scheduler, compression
-        old.close()
+        old.close(reuse=True)  # (its lanes' process groups serve the new plan's)
         self._commit()
         if self._session is not None and self._session is not old:
             carry_residuals(self._session, self._forward_order, owed, self.comm)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from scaleout.core.communicator import Communicator
 from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import Environment
@@ -74,6 +75,7 @@ class Session:
         self._global_minibatch: int | None = None
         self._committed = False
         self._engines: list[ProgressEngine] = []
+        self._duplicates: list[tuple[Distribution, Communicator]] = []  # (close)
         self._hook: tuple[Any, CommHook] | None = None
         self.buckets: list[GradBucket] = []
         #: The policy each distribution's plan runs under, in commit order (an open policy
@@ -223,13 +225,13 @@ class Session:
                          for plan in plans])
         channels = config.channels or 1
         self.policies.append(str(config.policy))
-        lanes = [dist.duplicate(GroupType.DATA, f"data-lane{i}") for i in range(config.lanes)]
-        extra = {(i, c): dist.duplicate(GroupType.DATA, f"data-lane{i}-channel{c}")
+        lanes = [self._duplicate(dist, f"data-lane{i}") for i in range(config.lanes)]
+        extra = {(i, c): self._duplicate(dist, f"data-lane{i}-channel{c}")
                  for i in range(config.lanes) for c in range(1, channels)}
         # its own process group only where a sharded update all-gathers increments: every
         # idle gloo group keeps a thread that wakes 100 times a second (`fused` in the plan
         # checked above says alike on every rank whether one is made)
-        increments = (dist.duplicate(GroupType.DATA, "data-increments")
+        increments = (self._duplicate(dist, "data-increments")
                       if any(ps.spec.distributed_update for ps in sets) else None)
         lengths = [0] * config.lanes
         buckets = []
@@ -259,6 +261,12 @@ class Session:
             bucket.engine, bucket.stream = engine, stream
         self._engines.append(engine)
         self.buckets.extend(buckets)
+
+    def _duplicate(self, dist: Distribution, name: str) -> Communicator:
+        """A communicator of its own over ``dist``'s data group (kept for :meth:`close`)."""
+        comm = dist.duplicate(GroupType.DATA, name)
+        self._duplicates.append((dist, comm))
+        return comm
 
     @staticmethod
     def _builtin_hook(members: list[ParameterSet], codec: Any) -> tuple[Any, CommHook]:
@@ -298,11 +306,17 @@ class Session:
                                  f"{{'states': {{{name!r}: codec state}}}}")
             compressed[name].state.codec_state.load_state_dict(entry["states"][name])
 
-    def close(self) -> None:
-        """Stop the progress engines."""
+    def close(self, *, reuse: bool = False) -> None:
+        """Stop the progress engines; with ``reuse`` (on every rank, nothing in flight: a
+        session planned again) hand its communicators back to their distributions for the
+        next session's lanes (:meth:`~scaleout.core.Distribution.reuse`)."""
         for engine in self._engines:
             engine.close()
         self._engines.clear()
+        if reuse:
+            for dist, comm in self._duplicates:
+                dist.reuse(GroupType.DATA, comm)
+        self._duplicates.clear()
 
     def __enter__(self) -> Session:
         return self

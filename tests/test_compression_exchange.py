@@ -62,7 +62,14 @@ def _lossless_body() -> dict[str, torch.Tensor]:
     magnitude = torch.where(torch.arange(512) % 3 == 0, -1.0, 1.0) * (r + 1)  # one magnitude per block
     out["sign"] = _exchange("sign", magnitude, CodecState(), d, poll=True)[0]
     u = torch.linspace(-1, 1, 30)
-    out["powersgd"] = _exchange("powersgd:rank=1", torch.outer(u, grad(r, 0, (20,))), CodecState(), d)[0]
+    low_rank = torch.outer(u, grad(r, 0, (20,)))
+    out["powersgd"] = _exchange("powersgd:rank=1", low_rank.clone(), CodecState(), d)[0]
+    # the average is written into the tensor where it can be (a flat view of the work
+    # dtype), else copied from scratch (a transposed view, fp16); the sum is multiplied back
+    out["powersgd-noncontig"] = _exchange("powersgd:rank=1", low_rank.clone().t(), CodecState(), d)[0]
+    out["powersgd-fp16"] = _exchange("powersgd:rank=1", low_rank.half(), CodecState(), d)[0]
+    out["powersgd-sum"] = _exchange("powersgd:rank=1", low_rank.clone(), CodecState(), d,
+                                    average=False)[0]
     out["empty"] = _exchange("blockquant", torch.zeros(0, 4), CodecState(), d)[0]
     env.finalize()
     return out
@@ -89,6 +96,10 @@ def test_lossless_cases_match_the_oracle(world_size: int) -> None:
     u = torch.linspace(-1, 1, 30)
     want = sum(torch.outer(u, grad(r, 0, (20,))) for r in ranks) / world_size
     assert torch.allclose(got["powersgd"], want, atol=1e-5)
+    assert torch.allclose(got["powersgd-noncontig"], want.t(), atol=1e-5)
+    assert got["powersgd-fp16"].dtype == torch.float16
+    assert torch.allclose(got["powersgd-fp16"].float(), want, atol=1e-2)
+    assert torch.allclose(got["powersgd-sum"], want * world_size, atol=1e-5)
     assert got["empty"].shape == (0, 4)
 
 

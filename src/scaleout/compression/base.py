@@ -51,7 +51,8 @@ __all__ = [
 #: A multi-round exchange: yields one request (or a list of requests) per round,
 #: receives what ``wait()`` returned (a tensor or a list of tensors), and finally
 #: returns the SUM over ranks of the decoded tensor, flat, in the work dtype (or in a
-#: narrower float dtype, which the caller widens while averaging: no extra pass).
+#: narrower float dtype, which the caller widens while averaging: no extra pass), or the
+#: sum already divided, as ``scaleout.compression.exchange.Divided``.
 ExchangeGenerator = Generator[Union[Request, Sequence[Request]], Any, torch.Tensor]
 
 

@@ -28,8 +28,31 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.request import Deadline, Request, countdown
 from scaleout.core.traffic import total_wire_bytes, wire_bytes
 
-__all__ = ["CompressedRequest", "ExchangeStats", "compressed_allreduce", "gather_payloads",
-           "generic_exchange", "wire_bytes"]
+__all__ = ["CompressedRequest", "Divided", "ExchangeStats", "compressed_allreduce",
+           "gather_payloads", "generic_exchange", "as_sum", "wire_bytes"]
+
+
+@dataclass(frozen=True)
+class Divided:
+    """What an exchange returns instead of the sum when it wrote the sum divided by ``by``
+    (the group's average, for ``by`` its size) while decoding: averaging then costs no pass
+    of its own (PowerSGD writes ``P Q^T / p`` straight into the bucket).
+
+    Attributes:
+        tensor: The divided sum, flat (it may be the tensor being reduced).
+        by: What the sum was divided by.
+    """
+
+    tensor: torch.Tensor
+    by: int
+
+
+def as_sum(result: torch.Tensor | Divided) -> torch.Tensor:
+    """The sum an exchange returned, whether as the sum or :class:`Divided` (multiplied
+    back in place)."""
+    if isinstance(result, Divided):
+        return result.tensor.mul_(result.by) if result.by != 1 else result.tensor
+    return result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,9 +229,11 @@ class CompressedRequest(Request):
         self._pending = [nxt] if self._single else list(nxt)
         self._calls += [(req.operation, req.nbytes) for req in self._pending]
 
-    def _finish(self, summed: torch.Tensor | None) -> None:
+    def _finish(self, summed: torch.Tensor | Divided | None) -> None:
         tensor = self._tensor
-        divisor = self._ranks if self._average else 1
+        divisor: float = self._ranks if self._average else 1
+        if isinstance(summed, Divided):  # divided already: what is left of the division
+            summed, divisor = summed.tensor, divisor / summed.by
         collectives.average_into(tensor, tensor if summed is None else summed, divisor)
         calls = tuple(self._calls)
         self._pending = []

@@ -32,7 +32,7 @@ from scaleout.compression.base import (
     update_buffer,
     work_dtype,
 )
-from scaleout.compression.exchange import generic_exchange
+from scaleout.compression.exchange import as_sum, generic_exchange
 from scaleout.compression.state import CodecState
 
 __all__ = ["MomentumCodec"]
@@ -139,8 +139,7 @@ class MomentumCodec(Codec):
 
     def _increment(self, inner: ExchangeGenerator, state: CodecState) -> ExchangeGenerator:
         """Run ``inner`` (the sum of momenta), keep the sum, return ``sum - beta * previous``."""
-        total = yield from inner
-        total = total.reshape(-1)
+        total = as_sum((yield from inner)).reshape(-1)
         dtype = work_dtype(total.dtype)
         total = total.to(dtype)
         keep = state.work_buffer("delivered_next", total.numel(), dtype, device=total.device)

@@ -73,7 +73,7 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
 
 
-def average_into(target: torch.Tensor, summed: torch.Tensor, divisor: int) -> torch.Tensor:
+def average_into(target: torch.Tensor, summed: torch.Tensor, divisor: float) -> torch.Tensor:
     """``target = summed / divisor`` in one pass: scaleout's one averaging site.
 
     ``summed`` may be ``target`` itself, another buffer of its dtype, or a narrower float

@@ -6,9 +6,16 @@ world-size-1 gloo group: encode, the codec's rounds, decode; no network), but as
 process's CPU time rather than wall time, so that other load on the machine does not count:
 on a 2-core machine shared with other work the wall time reads ~2x the CPU time, and the
 simulator already shares the cores between compute and this work (processor sharing). One
-thread, ResNet-18's 11.2M gradient values by default, median of the timed runs. Run::
+thread, median of the timed runs.
 
-    PYTHONPATH=src python3 benchmarks/codec_cpu_probe.py [VALUES] [REPEATS]
+The gradients are a workload's (``resnet18`` by default), fused into the buckets that
+DataParallel's default plan makes of them (``scaleout.scheduler.build_plan``, FIFO: 1 MB
+first, then 8 MB, in backward order) and passed with their shapes, as DataParallel passes
+them. Until stop 41 they went as one 1-D tensor of 11.2M values: the same for the
+element-wise codecs, but PowerSGD sends a 1-D tensor uncompressed, so its 0.24 ms/MB was a
+copy, not PowerSGD (on the buckets: ~1 ms/MB). Run::
+
+    PYTHONPATH=src python3 benchmarks/codec_cpu_probe.py [WORKLOAD] [REPEATS] [CODEC ...]
 """
 
 import sys
@@ -21,24 +28,45 @@ import torch.distributed as tdist
 from scaleout.compression import compressed_allreduce, make_codec
 from scaleout.compression.state import CodecState
 from scaleout.core.communicator import Communicator
+from scaleout.scheduler import SchedulerConfig
+from scaleout.scheduler.plan import PlanItem, build_plan
+from scaleout.workloads import get_workload
 
 CODECS = ("none", "cast:fp16", "blockquant", "sign", "topk:ratio=0.01", "powersgd:rank=2")
 
 
-def main(numel: int = 11_176_512, repeats: int = 7, warmup: int = 2) -> None:
+def buckets(workload: str) -> list[list[tuple[int, ...]]]:
+    """The shapes in each bucket of DataParallel's default plan (FIFO) for ``workload``."""
+    shapes = [tuple(p.shape) for p in get_workload(workload).build_model(0).parameters()]
+    items = [PlanItem(key=k, numel=max(1, torch.Size(s).numel()), dtype="float32",
+                      elem_bytes=4, position=k) for k, s in enumerate(shapes)]
+    plan = build_plan(items, SchedulerConfig(policy="fifo"))
+    return [[shapes[k] for k in bucket.keys] for bucket in plan]
+
+
+def main(workload: str = "resnet18", repeats: int = 7, codecs: tuple[str, ...] = CODECS,
+         warmup: int = 2) -> None:
     torch.set_num_threads(1)
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1,
                              timeout=timedelta(seconds=120))
-    x = torch.randn(numel)
-    mb = numel * 4 / 2**20
-    for spec in CODECS:
-        codec, work, state = make_codec(spec), torch.empty_like(x), CodecState()
+    plan = buckets(workload)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=gen)
+             for shapes in plan]
+    mb = sum(g.numel() for g in grads) * 4 / 2**20
+    print(f"{workload}: {len(plan)} buckets, {mb:.2f} MB", flush=True)
+    for spec in codecs:
+        codec = make_codec(spec)
+        works = [torch.empty_like(g) for g in grads]
+        states = [CodecState() for _ in grads]
         comm = Communicator.of_group(name="probe")
         wall, cpu = [], []
         for index in range(warmup + repeats):
-            work.copy_(x)
+            for work, g in zip(works, grads):
+                work.copy_(g)
             began, began_cpu = time.perf_counter(), time.process_time()
-            compressed_allreduce(codec, work, state, comm, group=None).wait()
+            for work, state, shapes in zip(works, states, plan):
+                compressed_allreduce(codec, work, state, comm, group=None, shapes=shapes).wait()
             if index >= warmup:
                 wall.append(time.perf_counter() - began)
                 cpu.append(time.process_time() - began_cpu)
@@ -50,4 +78,6 @@ def main(numel: int = 11_176_512, repeats: int = 7, warmup: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    args = sys.argv[1:]
+    main(args[0] if args else "resnet18", int(args[1]) if len(args) > 1 else 7,
+         tuple(args[2:]) or CODECS)

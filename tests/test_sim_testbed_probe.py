@@ -13,12 +13,14 @@ import pytest
 
 from scaleout.pytorch import tune_measure
 from scaleout.sim.collectives import collective_cost
+from scaleout.sim.config import codec_model
 from scaleout.sim.testbed_cases import (
     HOST_PROBE,
     LONE_CALLS,
     LONE_CALLS_FILE,
     PROBE_BYTES,
     PROBE_FILES,
+    CODEC_ROWS,
     ROW_SPARSE_ROWS,
     SLOWDOWN,
     TESTBED_ROWS,
@@ -190,3 +192,15 @@ def test_a_row_sparse_rows_figures_are_its_table_and_its_tables_move_its_bytes(r
                 for lay in work.layers)
     assert moved == pytest.approx(mb * 1e6, rel=1e-6)
     assert 0 < next(iter(codecs.values())).ratio < 0.1
+
+
+@pytest.mark.parametrize("row", CODEC_ROWS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}-{r[8]}")
+def test_a_codec_rows_figures_are_its_table_and_its_codec_moves_its_bytes(row) -> None:
+    workload, ranks, rate, single_ms, ours_ms, mb, table, peer, spec = row
+    summary = _summary(table, workload, ranks, rate)
+    assert single_ms == pytest.approx(summary["single"]["iter_ms"], abs=0.051)
+    assert ours_ms == pytest.approx(summary[peer]["iter_ms"], abs=0.051)
+    assert (ranks, rate) in HOST_PROBE and (workload, ranks) in SLOWDOWN
+    # the codec's ratio of the row's dense bytes is what the run measured on the wire
+    moved = mb * codec_model(spec).ratio
+    assert moved == pytest.approx(summary[peer]["bytes_per_iter"] / 1e6, rel=0.03)

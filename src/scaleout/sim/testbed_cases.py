@@ -16,7 +16,8 @@ unchanged, from the 3-rank link and CPU the probe measured and the 3-rank ``lock
 Since stop 34 also DLRM's ``scaleout`` rows with its tables row-sparse (stop 33's default on
 the testbed; :data:`ROW_SPARSE_ROWS`, the tables' codec :func:`row_sparse`), run again at
 stops 38 and 40 with the runtime as it now runs them (FIFO, early chunks, the row flags as
-bits, the rows from the forward's ids).
+bits, the rows from the forward's ids). Since stop 41 also runs with a codec the user names,
+from runs of their own (:data:`CODEC_ROWS`: ResNet-18 at 100 Mbit/s with PowerSGD).
 
 What goes in, and nothing else:
 
@@ -79,6 +80,7 @@ from scaleout.sim.workload import Layer, Workload
 
 __all__ = [
     "BLOCKQUANT_ROWS",
+    "CODEC_ROWS",
     "ROW_SPARSE_ROWS",
     "TESTBED_ROWS",
     "HOST_PROBE",
@@ -191,6 +193,16 @@ ROW_SPARSE_ROWS = (
     ("dlrm", 2, "10gbit", 3.68, 11.86, 0.47, "stop40/rows/dlrm-10gbit", "scaleout"),
     ("dlrm", 3, "1gbit", 3.82, 27.18, 0.547, "stop40/rows/dlrm-3ranks-1gbit-rows", "scaleout"),
 )
+# scaleout with a codec the user names, from runs of their own: (workload, ranks, rate, single
+# ms, scaleout ms, dense MB/it, JSON under benchmarks/results, row, codec). The codec is
+# ``CODECS[codec]`` (its ratio and its CPU, x the workload's slowdown); the runtime of the run:
+# the open policy (FIFO here: a compressed bucket travels whole, so the bulk lane has no
+# bucket of several chunks). Stop 41's first run after PowerSGD's fewer passes, taken as the
+# row before it was predicted (the second read 971.9 ms, single 854.9).
+CODEC_ROWS = (
+    ("resnet18", 2, "100mbit", 876.5, 1022.7, 44.70, "stop41/powersgd/after-resnet18-100mbit-1",
+     "scaleout+powersgd:2", "powersgd:rank=2"),
+)
 DENSE_MB = {"dlrm": 5.21}  # the workload's gradient MB/it when sent whole (TESTBED_ROWS)
 #: The rows codec's CPU per byte of the tables it reads: building the flags from the batch's
 #: ids, both rounds and decode on a group of one, one thread (``benchmarks/rows_cpu_probe.py``,
@@ -256,11 +268,16 @@ def probed_link(rate: str, ranks: int = 2) -> LinkModel:
                    cpu_s_per_message=per_message, cpu_s_per_byte=ms_per_mb / 1e3 / BENCH_MB)
 
 
+_CODEC_RUNS = {row: spec for *_, row, spec in CODEC_ROWS}
+_CODEC_OF = {"scaleout+blockquant": "blockquant", **_CODEC_RUNS}
+
+
 def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: float,
              peer: str) -> float:
     codec, layer_codecs = CodecModel(), {}
-    if peer == "scaleout+blockquant":  # its CPU (one thread alone) slows as the compute does
-        codec = codec_model("blockquant")
+    spec = _CODEC_OF.get(peer)
+    if spec:  # its CPU (one thread alone) slows as the compute does
+        codec = codec_model(spec)
         codec = replace(codec, seconds_per_byte=codec.seconds_per_byte * SLOWDOWN[workload, ranks])
     link = probed_link(rate, ranks)
     topology = link.topology()
@@ -273,6 +290,8 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
         # plan, its bulk lane holding no bucket of several chunks), chunks leaving early
         config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap",
                                  layer_codecs=layer_codecs, **host)
+    elif peer in _CODEC_RUNS:  # today's runtime: the open policy, as the runtime decides it
+        config = IterationConfig(scheduler=SchedulerConfig(), mode="overlap", codec=codec, **host)
     elif peer.startswith("scaleout"):  # (every row ran before a chunk could leave early, and
         # with the priority policy whatever its plan: the default until stop 34)
         config = IterationConfig(scheduler=SchedulerConfig(policy="priority"), mode="overlap",
@@ -295,6 +314,9 @@ _PEERS = MappingProxyType({
     "ddp": "FIFO 25 MB buckets, sync",
     "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
     "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
+    "scaleout+powersgd:2": "the open policy as the runtime decides it (FIFO here), overlap, "
+    "powersgd:rank=2 as CODECS['powersgd:rank=2'] (ratio 0.0074, 0.85 ms of CPU per MiB alone, "
+    "on the compute's cores, two rounds)",
     "scaleout, row-sparse tables": "the open policy as the runtime decides it (FIFO here), "
     "overlap, early chunks (the runtime of stop 40); the tables' bytes are the MB/it less the "
     "dense MLPs', two rounds, 0.142 ms of CPU per MiB of table alone, the rows from the "
@@ -303,8 +325,8 @@ _PEERS = MappingProxyType({
 
 
 def testbed_scenarios() -> tuple[Scenario, ...]:
-    """Every table's scaleout and ddp rows, its blockquant row where it has one, and the
-    row-sparse tables' scaleout rows."""
+    """Every table's scaleout and ddp rows, its blockquant row where it has one, the
+    row-sparse tables' scaleout rows, and the runs with a codec (:data:`CODEC_ROWS`)."""
     out = []
     tables = [(w, n, r, single, mb, table, [("scaleout", ours, "scaleout"), ("ddp", ddp, "ddp")]
                + ([("scaleout+blockquant", BLOCKQUANT_ROWS[w, n, r], "scaleout+blockquant")]
@@ -312,6 +334,8 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
               for w, n, r, single, ours, ddp, mb, table in TESTBED_ROWS]
     tables += [(w, n, r, single, mb, table, [("scaleout, row-sparse tables", ours, row)])
                for w, n, r, single, ours, mb, table, row in ROW_SPARSE_ROWS]
+    tables += [(w, n, r, single, mb, table, [(row, ours, row)])
+               for w, n, r, single, ours, mb, table, row, _ in CODEC_ROWS]
     for workload, ranks, rate, single, mb, table, peers in tables:
         for peer, measured, row in peers:
             out.append(

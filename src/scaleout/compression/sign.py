@@ -49,6 +49,7 @@ from scaleout.compression.base import (
 )
 from scaleout.compression.bits import bit_table, pack_bits, unpack_bits
 from scaleout.compression.kernels import kernels_for
+from scaleout.compression.masks import negative_into
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
@@ -278,7 +279,7 @@ class SignCodec(Codec):
             parts.append(block_scales(magnitude[full:].view(1, n - full), self.scale == "rms"))
         scales = torch.cat(parts).to(scale_dtype(flat.dtype))
         bits = state.work_buffer("bits", nblocks * self.block_size, torch.bool, device=device)
-        torch.lt(flat, 0, out=bits[:n])
+        negative_into(flat, bits[:n])
         bits[n:] = False
         signs = pack_bits(bits, out=state.work_buffer("signs", bits.numel() // 8, torch.uint8, device=device))
         return signs, scales

@@ -34,6 +34,7 @@ from scaleout.compression.base import (
     step_too_large,
 )
 from scaleout.compression.exchange import gather_payloads
+from scaleout.compression.masks import not_below
 from scaleout.compression.state import CodecState
 
 __all__ = ["TopKCodec"]
@@ -187,7 +188,7 @@ def _largest(values: torch.Tensor, k: int, state: CodecState) -> torch.Tensor:
         position = max(0, int(sample.numel() * (1.0 - keep)) - 1)
         threshold = sample.kthvalue(position + 1).values
         # The one host synchronisation: how many candidates survived sizes the next step.
-        candidates = torch.lt(magnitude, threshold).logical_not_().nonzero().view(-1)
+        candidates = not_below(magnitude, threshold)
         if candidates.numel() >= k:
             chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
             return torch.sort(candidates[chosen]).values

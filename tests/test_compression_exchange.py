@@ -70,6 +70,12 @@ def _lossless_body() -> dict[str, torch.Tensor]:
     out["powersgd-fp16"] = _exchange("powersgd:rank=1", low_rank.half(), CodecState(), d)[0]
     out["powersgd-sum"] = _exchange("powersgd:rank=1", low_rank.clone(), CodecState(), d,
                                     average=False)[0]
+    signed = torch.where(torch.arange(512) % 3 == 0, -1.0, 1.0) * (r + 1)  # (sign's was averaged)
+    for spec in ("topk:ratio=1", "sign"):  # their average is written into the tensor too
+        x = signed.view(32, 16) if spec == "sign" else grad(r, 0)
+        out[f"{spec}-sum"] = _exchange(spec, x.clone(), CodecState(), d, average=False)[0]
+        out[f"{spec}-noncontig"] = _exchange(spec, x.clone().t(), CodecState(), d)[0]
+    out["sign-short-block"] = _exchange("sign", signed[:300].clone(), CodecState(), d)[0]
     out["empty"] = _exchange("blockquant", torch.zeros(0, 4), CodecState(), d)[0]
     env.finalize()
     return out
@@ -100,6 +106,13 @@ def test_lossless_cases_match_the_oracle(world_size: int) -> None:
     assert got["powersgd-fp16"].dtype == torch.float16
     assert torch.allclose(got["powersgd-fp16"].float(), want, atol=1e-2)
     assert torch.allclose(got["powersgd-sum"], want * world_size, atol=1e-5)
+    topk_mean = sum(grad(r, 0) for r in ranks) / world_size
+    assert torch.allclose(got["topk:ratio=1-sum"], topk_mean * world_size, atol=1e-5)
+    assert torch.allclose(got["topk:ratio=1-noncontig"], topk_mean.t(), atol=1e-6)
+    sign_mean = signs * sum(r + 1 for r in ranks) / world_size
+    assert torch.allclose(got["sign-sum"], sign_mean.view(32, 16) * world_size)
+    assert torch.allclose(got["sign-noncontig"], sign_mean.view(32, 16).t())
+    assert torch.allclose(got["sign-short-block"], sign_mean[:300])
     assert got["empty"].shape == (0, 4)
 
 

@@ -28,15 +28,16 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.request import Deadline, Request, countdown
 from scaleout.core.traffic import total_wire_bytes, wire_bytes
 
-__all__ = ["CompressedRequest", "Divided", "ExchangeStats", "compressed_allreduce",
-           "gather_payloads", "generic_exchange", "as_sum", "wire_bytes"]
+__all__ = ["CompressedRequest", "Divided", "ExchangeStats", "average_target",
+           "compressed_allreduce", "gather_payloads", "generic_exchange", "wire_bytes"]
 
 
 @dataclass(frozen=True)
 class Divided:
     """What an exchange returns instead of the sum when it wrote the sum divided by ``by``
     (the group's average, for ``by`` its size) while decoding: averaging then costs no pass
-    of its own (PowerSGD writes ``P Q^T / p`` straight into the bucket).
+    of its own (PowerSGD writes ``P (Q / p)^T`` straight into the bucket, sign and top-k sum
+    each rank's share divided by ``p``; see :func:`average_target`).
 
     Attributes:
         tensor: The divided sum, flat (it may be the tensor being reduced).
@@ -47,12 +48,14 @@ class Divided:
     by: int
 
 
-def as_sum(result: torch.Tensor | Divided) -> torch.Tensor:
-    """The sum an exchange returned, whether as the sum or :class:`Divided` (multiplied
-    back in place)."""
-    if isinstance(result, Divided):
-        return result.tensor.mul_(result.by) if result.by != 1 else result.tensor
-    return result
+def average_target(tensor: torch.Tensor, dtype: torch.dtype, state: CodecState) -> torch.Tensor:
+    """Where an exchange writes the average it returns as :class:`Divided`: ``tensor`` itself,
+    flat, when it is contiguous and of ``dtype`` (the work dtype: no copy afterwards), else
+    the state's ``"result"`` scratch (the request copies it over). The codec must have read
+    all it needs of ``tensor`` before it writes there."""
+    if tensor.is_contiguous() and tensor.dtype == dtype:
+        return tensor.view(-1)
+    return state.work_buffer("result", tensor.numel(), dtype, device=tensor.device)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from scaleout.compression.base import (
     update_buffer,
     work_dtype,
 )
-from scaleout.compression.exchange import as_sum, generic_exchange
+from scaleout.compression.exchange import Divided, generic_exchange
 from scaleout.compression.state import CodecState
 
 __all__ = ["MomentumCodec"]
@@ -138,14 +138,20 @@ class MomentumCodec(Codec):
         return out.view(tensor.shape)
 
     def _increment(self, inner: ExchangeGenerator, state: CodecState) -> ExchangeGenerator:
-        """Run ``inner`` (the sum of momenta), keep the sum, return ``sum - beta * previous``."""
-        total = as_sum((yield from inner)).reshape(-1)
+        """Run ``inner`` (the sum of momenta), keep the sum, return ``sum - beta * previous``
+        (divided as ``inner`` divided it, when it returned :class:`Divided`)."""
+        result = yield from inner
+        by = result.by if isinstance(result, Divided) else 1
+        total = (result.tensor if by != 1 else result).reshape(-1)
         dtype = work_dtype(total.dtype)
         total = total.to(dtype)
         keep = state.work_buffer("delivered_next", total.numel(), dtype, device=total.device)
-        keep.copy_(total)
+        if by != 1:  # kept as the sum
+            torch.mul(total, by, out=keep)
+        else:
+            keep.copy_(total)
         previous = state.buffers.get("delivered")
         if previous is not None:
-            total.sub_(previous.to(total.device, dtype), alpha=self.momentum)
+            total.sub_(previous.to(total.device, dtype), alpha=self.momentum / by)
         update_buffer(state, "delivered", keep, scratch="delivered_next")
-        return total
+        return Divided(total, by) if by != 1 else total

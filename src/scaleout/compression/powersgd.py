@@ -34,7 +34,7 @@ from scaleout.compression.base import (
     store_residual,
     step_too_large,
 )
-from scaleout.compression.exchange import Divided
+from scaleout.compression.exchange import Divided, average_target
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 
@@ -184,7 +184,7 @@ class PowerSGDCodec(Codec):
         first = torch.cat([work[o:o + n] for _, o, n, _ in plain] + [p.reshape(-1) for p in ps])
         first = yield collectives.allreduce(comm, first)
         ranks = comm.size
-        out = _output(flat, work, state)
+        out = average_target(flat, work.dtype, state)
         at = 0
         for _, o, n, _ in plain:
             torch.div(first[at:at + n], ranks, out=out[o:o + n])
@@ -263,14 +263,6 @@ def gram_schmidt(p: torch.Tensor) -> torch.Tensor:
             rest = q[:, i + 1:]
             rest.sub_(col @ (col.T @ rest))
     return q
-
-
-def _output(flat: torch.Tensor, work: torch.Tensor, state: CodecState) -> torch.Tensor:
-    """Where a bucket's average is written: the bucket itself when it is a flat view of the
-    same dtype as the work (no copy afterwards), else a scratch buffer."""
-    if flat.is_contiguous() and flat.dtype == work.dtype:
-        return flat.view(-1)
-    return state.work_buffer("result", work.numel(), work.dtype, device=work.device)
 
 
 def _t_matmul(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from scaleout.compression.base import (
     work_dtype,
 )
 from scaleout.compression.bits import bit_table, pack_bits, unpack_bits
+from scaleout.compression.exchange import Divided, average_target
 from scaleout.compression.kernels import kernels_for
 from scaleout.compression.masks import negative_into
 from scaleout.compression.state import CodecState
@@ -198,18 +199,27 @@ class SignCodec(Codec):
         wire[nscale:].copy_(signs)
         gathered = yield collectives.allgather(comm, wire)
         rows = gathered.view(comm.size, -1)
-        total = state.work_buffer("sum", signs.numel() * 8, flat.dtype, device=flat.device)
-        blocks = total.view(-1, self.block_size)
+        # Each rank's scale * sign, divided by the group's size, summed straight into the
+        # tensor where it can take them (its whole blocks; the short last one apart): the
+        # average, with no pass of its own.
+        n, size = flat.numel(), self.block_size
+        full = n // size
+        out = average_target(tensor, flat.dtype, state)
+        parts = [(out[:full * size].view(full, size), slice(0, full), size)]
+        if full * size < n:
+            parts.append((out[full * size:].view(1, -1), slice(full, full + 1), n - full * size))
         for rank, row in enumerate(rows):
             their_scales = row[:nscale].clone().view(scales.dtype).to(flat.dtype)[:, None]
-            units = self._units_into(row[nscale:], state, flat.dtype).view_as(blocks)
-            if rank == 0:
-                torch.mul(units, their_scales, out=blocks)
-            else:
-                blocks.addcmul_(units, their_scales)
+            their_scales.div_(comm.size)
+            units = self._units_into(row[nscale:], state, flat.dtype).view(-1, size)
+            for target, blocks, width in parts:
+                if rank == 0:
+                    torch.mul(units[blocks, :width], their_scales[blocks], out=target)
+                else:
+                    target.addcmul_(units[blocks, :width], their_scales[blocks])
             if rank == comm.rank:
                 self._settle_residual(flat, units.view(-1), scales, state)
-        return total[: flat.numel()]
+        return Divided(out, comm.size)
 
     def unsuited(self, optimizer: Any, *, compresses_momentum: bool = False) -> str | None:
         """Adaptive optimizers and SGD with momentum, whether the gradient or the momentum is

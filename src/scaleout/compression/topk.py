@@ -33,7 +33,7 @@ from scaleout.compression.base import (
     work_dtype,
     step_too_large,
 )
-from scaleout.compression.exchange import gather_payloads
+from scaleout.compression.exchange import Divided, average_target, gather_payloads
 from scaleout.compression.masks import not_below
 from scaleout.compression.state import CodecState
 
@@ -152,16 +152,20 @@ class TopKCodec(Codec):
     def exchange(
         self, tensor: torch.Tensor, state: CodecState, comm: Communicator
     ) -> ExchangeGenerator:
-        """The generic gather, summed into a reused buffer (a fresh one costs page faults)."""
+        """The generic gather, each rank's values divided by the group's size and summed
+        straight into the tensor where it can take them (:func:`average_target`): the average,
+        with no pass of its own."""
         payload, ctx = self.encode(tensor, state)
         payloads = yield from gather_payloads(payload, comm)
-        out = state.work_buffer("sum", ctx.numel, work_dtype(ctx.dtype), device=tensor.device)
-        return _scatter_sum(payloads, out.zero_())
+        out = average_target(tensor, work_dtype(ctx.dtype), state)
+        return Divided(_scatter_sum(payloads, out.zero_(), comm.size), comm.size)
 
 
-def _scatter_sum(payloads: Sequence[Sequence[torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
+def _scatter_sum(payloads: Sequence[Sequence[torch.Tensor]], out: torch.Tensor,
+                 divisor: int = 1) -> torch.Tensor:
     for values, indices in payloads:
-        out.index_add_(0, indices.to(torch.int64), values.to(out.dtype))
+        values = values.to(out.dtype)
+        out.index_add_(0, indices.to(torch.int64), values if divisor == 1 else values / divisor)
     return out
 
 

@@ -71,11 +71,12 @@ def _lossless_body() -> dict[str, torch.Tensor]:
     out["powersgd-sum"] = _exchange("powersgd:rank=1", low_rank.clone(), CodecState(), d,
                                     average=False)[0]
     signed = torch.where(torch.arange(512) % 3 == 0, -1.0, 1.0) * (r + 1)  # (sign's was averaged)
-    for spec in ("topk:ratio=1", "sign"):  # their average is written into the tensor too
-        x = signed.view(32, 16) if spec == "sign" else grad(r, 0)
+    for spec in ("topk:ratio=1", "sign", "blockquant"):  # their average is written into the tensor
+        x = signed.view(32, 16) if spec != "topk:ratio=1" else grad(r, 0)
         out[f"{spec}-sum"] = _exchange(spec, x.clone(), CodecState(), d, average=False)[0]
         out[f"{spec}-noncontig"] = _exchange(spec, x.clone().t(), CodecState(), d)[0]
     out["sign-short-block"] = _exchange("sign", signed[:300].clone(), CodecState(), d)[0]
+    out["blockquant-avg"] = _exchange("blockquant", signed.view(32, 16).clone(), CodecState(), d)[0]
     out["empty"] = _exchange("blockquant", torch.zeros(0, 4), CodecState(), d)[0]
     env.finalize()
     return out
@@ -113,6 +114,10 @@ def test_lossless_cases_match_the_oracle(world_size: int) -> None:
     assert torch.allclose(got["sign-sum"], sign_mean.view(32, 16) * world_size)
     assert torch.allclose(got["sign-noncontig"], sign_mean.view(32, 16).t())
     assert torch.allclose(got["sign-short-block"], sign_mean[:300])
+    # (blockquant rounds these values: its sum and its transposed input against its average)
+    assert torch.allclose(got["blockquant-sum"], got["blockquant-avg"] * world_size)
+    assert torch.equal(got["blockquant-noncontig"], got["blockquant-avg"].t())
+    assert torch.allclose(got["blockquant-avg"], sign_mean.view(32, 16), atol=0.05)
     assert got["empty"].shape == (0, 4)
 
 

@@ -37,6 +37,7 @@ from scaleout.compression.base import (
     store_residual,
     work_dtype,
 )
+from scaleout.compression.exchange import Divided, average_target
 from scaleout.compression.kernels import kernels_for
 from scaleout.compression.state import CodecState
 from scaleout.core import collectives
@@ -199,8 +200,12 @@ class BlockQuantCodec(Codec):
             flat, exponents, ranks, TensorMeta(tensor.shape, tensor.dtype), state, saturate=False,
             kernels=kernels)
         summed = yield collectives.allreduce(comm, payload[0], ReduceOp.SUM)
-        return self._decode_flat(summed, ctx, out=state.work_buffer(
-            "quantized", summed.numel(), flat.dtype, device=flat.device), kernels=kernels)
+        if kernels is not None:
+            return self._decode_flat(summed, ctx, out=state.work_buffer(
+                "quantized", summed.numel(), flat.dtype, device=flat.device), kernels=kernels)
+        # the average straight into the tensor where it can take it: no pass of its own
+        out = average_target(tensor, flat.dtype, state)
+        return Divided(self._decode_flat(summed, ctx, out=out, divisor=ranks), ranks)
 
     # -- internals -----------------------------------------------------------
     #
@@ -296,12 +301,16 @@ class BlockQuantCodec(Codec):
         return [mantissas], ctx
 
     def _decode_flat(self, mantissas: torch.Tensor, ctx: BlockQuantCtx,
-                     out: torch.Tensor | None = None, kernels: ModuleType | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kernels: ModuleType | None = None,
+                     divisor: int = 1) -> torch.Tensor:
+        """The values (divided by ``divisor``: the torch path only) into ``out`` or anew."""
         dtype = work_dtype(ctx.meta.dtype)
         if kernels is not None:
             out = torch.empty(mantissas.numel(), dtype=dtype, device=mantissas.device) if out is None else out
             return kernels.decode(mantissas, ctx.exponents, ctx.levels, ctx.block_size, out)
         scale = self._step_sizes(ctx.exponents.to(torch.int32), ctx.levels, dtype)
+        if divisor != 1:
+            scale.div_(divisor)
         values = mantissas.to(dtype) if out is None else out.copy_(mantissas)
         for segment, rows in self._segments(values):
             segment.mul_(scale[rows, None])

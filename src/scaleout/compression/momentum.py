@@ -141,8 +141,9 @@ class MomentumCodec(Codec):
         """Run ``inner`` (the sum of momenta), keep the sum, return ``sum - beta * previous``
         (divided as ``inner`` divided it, when it returned :class:`Divided`)."""
         result = yield from inner
-        by = result.by if isinstance(result, Divided) else 1
-        total = (result.tensor if by != 1 else result).reshape(-1)
+        divided = isinstance(result, Divided)
+        total, by = (result.tensor, result.by) if divided else (result, 1)
+        total = total.reshape(-1)
         dtype = work_dtype(total.dtype)
         total = total.to(dtype)
         keep = state.work_buffer("delivered_next", total.numel(), dtype, device=total.device)
@@ -154,4 +155,4 @@ class MomentumCodec(Codec):
         if previous is not None:
             total.sub_(previous.to(total.device, dtype), alpha=self.momentum / by)
         update_buffer(state, "delivered", keep, scratch="delivered_next")
-        return Divided(total, by) if by != 1 else total
+        return Divided(total, by) if divided else total

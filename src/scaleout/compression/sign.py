@@ -65,6 +65,17 @@ def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 _SCALES = ("rms", "mean")
 
 
+def _block_parts(flat: torch.Tensor, size: int) -> list[tuple[torch.Tensor, slice, int]]:
+    """``flat`` as ``(view, blocks, width)``: its whole blocks of ``size`` values as rows, then
+    its short last block as one row, with the blocks each covers and their width."""
+    n = flat.numel()
+    full = n // size
+    parts = [(flat[:full * size].view(full, size), slice(0, full), size)]
+    if full * size < n:
+        parts.append((flat[full * size:].view(1, -1), slice(full, full + 1), n - full * size))
+    return parts
+
+
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the scales on the wire for gradients of ``dtype``: float64 for float64 (a
     float32 scale would overflow above ~3e38 and flush below ~1e-45), else float32 (which
@@ -202,16 +213,12 @@ class SignCodec(Codec):
         # Each rank's scale * sign, divided by the group's size, summed straight into the
         # tensor where it can take them (its whole blocks; the short last one apart): the
         # average, with no pass of its own.
-        n, size = flat.numel(), self.block_size
-        full = n // size
         out = average_target(tensor, flat.dtype, state)
-        parts = [(out[:full * size].view(full, size), slice(0, full), size)]
-        if full * size < n:
-            parts.append((out[full * size:].view(1, -1), slice(full, full + 1), n - full * size))
+        parts = _block_parts(out, self.block_size)
         for rank, row in enumerate(rows):
             their_scales = row[:nscale].clone().view(scales.dtype).to(flat.dtype)[:, None]
             their_scales.div_(comm.size)
-            units = self._units_into(row[nscale:], state, flat.dtype).view(-1, size)
+            units = self._units_into(row[nscale:], state, flat.dtype).view(-1, self.block_size)
             for target, blocks, width in parts:
                 if rank == 0:
                     torch.mul(units[blocks, :width], their_scales[blocks], out=target)
@@ -305,13 +312,8 @@ class SignCodec(Codec):
         """Keep ``flat - scale * sign`` as the residual (``flat`` is overwritten)."""
         if not self.error_feedback:
             return
-        n = flat.numel()
         padded = units.view(-1, self.block_size)
-        full = n // self.block_size
         mine = scales.to(flat.dtype)[:, None]
-        flat[: full * self.block_size].view(-1, self.block_size).addcmul_(
-            padded[:full], mine[:full], value=-1.0)
-        if full * self.block_size < n:
-            flat[full * self.block_size:].addcmul_(
-                padded[full, : n - full * self.block_size], mine[full], value=-1.0)
+        for target, blocks, width in _block_parts(flat, self.block_size):
+            target.addcmul_(padded[blocks, :width], mine[blocks], value=-1.0)
         set_residual(state, flat)

@@ -308,19 +308,25 @@ def _predict(workload: str, ranks: int, rate: str, single_ms: float, grad_mb: fl
     return simulate(work, topology, config).iteration_s * 1e3
 
 
+def _codec_said(spec: str, digits: int, mb: str) -> str:
+    """``CODECS[spec]`` in words, from its figures."""
+    codec = codec_model(spec)
+    return (f"{spec} as CODECS['{spec}'] (ratio {codec.ratio:.{digits}f}, "
+            f"{codec.seconds_per_byte * MB * 1e3:.2f} ms of CPU per {mb} alone, on the "
+            "compute's cores, two rounds)")
+
+
 _PEERS = MappingProxyType({
     "scaleout": "priority, overlap, a bucket's chunks sent when its last layer is in (the "
     "runtime until stop 34)",
     "ddp": "FIFO 25 MB buckets, sync",
-    "scaleout+blockquant": "priority, overlap, blockquant as CODECS['blockquant'] (ratio "
-    "0.252, 1.47 ms of CPU per MB alone, on the compute's cores, two rounds)",
+    "scaleout+blockquant": "priority, overlap, " + _codec_said("blockquant", 3, "MB"),
     "scaleout+powersgd:2": "the open policy as the runtime decides it (FIFO here), overlap, "
-    "powersgd:rank=2 as CODECS['powersgd:rank=2'] (ratio 0.0074, 0.85 ms of CPU per MiB alone, "
-    "on the compute's cores, two rounds)",
+    + _codec_said("powersgd:rank=2", 4, "MiB"),
     "scaleout, row-sparse tables": "the open policy as the runtime decides it (FIFO here), "
     "overlap, early chunks (the runtime of stop 40); the tables' bytes are the MB/it less the "
-    "dense MLPs', two rounds, 0.142 ms of CPU per MiB of table alone, the rows from the "
-    "batch's ids (rows_cpu_probe.py)",
+    f"dense MLPs', two rounds, {ROWS_S_PER_BYTE * MB * 1e3:.3f} ms of CPU per MiB of table "
+    "alone, the rows from the batch's ids (rows_cpu_probe.py)",
 })
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -224,18 +225,21 @@ def _choice(runner_up: bool = False) -> object:
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, check: object, model: object, choice: object,
-           per_iteration: list[float]) -> object:
-    """Drive ``check`` through one trial per figure of ``per_iteration`` (one settling and two
-    timed iterations each); the decision."""
+           per_iteration: list[float], drift: float = 0.0) -> object:
+    """Drive ``check`` through its windows (``tune_check.windows``: one settling iteration,
+    then the timed ones), an iteration of trial ``i`` lasting ``per_iteration[i]`` plus
+    ``drift`` x the iterations run before it; the decision."""
     from scaleout.pytorch import tune_check
 
-    ticks, now = [], 1.0
-    for seconds in per_iteration:
-        ticks += [now, now + seconds, now + 2 * seconds]
-        now += 3 * seconds
+    ticks, now, ran = [], 1.0, 0
+    for trial, timed in tune_check.windows(check.verify, len(per_iteration)):
+        for _ in range(1 + timed):  # the settling iteration, then the timed ones
+            now += per_iteration[trial] + drift * ran
+            ran += 1
+            ticks.append(now)  # the next forward
     clock = iter(ticks)
     monkeypatch.setattr(tune_check.time, "perf_counter", lambda: next(clock))
-    for _ in range(3 * len(per_iteration) - 1):
+    for _ in range(len(ticks) - 1):
         assert check.at_forward(model, choice) is None
     return check.at_forward(model, choice)
 
@@ -271,20 +275,49 @@ def test_the_faster_of_the_choice_and_its_runner_up_is_kept(
     rebuilt: list = []
     check = tune_check.ChoiceCheck(default_s=0.02, fallback=defaults, verify=2, plans=plans)
     decided = _timed(monkeypatch, check, _check_model(rebuilt), choice, [choice_s, runner_s])
-    assert rebuilt[0] == plans[1]  # the runner-up was built after the choice was timed
+    # the runner-up was built after the choice's first window, the choice after the runner-up's
+    assert rebuilt[:2] == [plans[1], plans[0]]
     said = decided.reasons[-1]
     assert f"the choice {format_time(choice_s)}, the runner-up {format_time(runner_s)}" in said
     if kept == "runner-up":
-        assert rebuilt == [plans[1]]  # it stays in use
+        assert rebuilt == [plans[1], plans[0], plans[1]]  # built again: it stays in use
         assert decided.scheduler == choice.runner_up.scheduler
         assert dict(decided.codecs) == {"l0": "topk:ratio=0.01"} and decided.runner_up is None
         assert decided.reasons[-1].endswith("the runner-up is kept")
     elif kept == "choice":
-        assert rebuilt == [plans[1], plans[0]]  # back to the choice
+        assert rebuilt == [plans[1], plans[0]]  # the choice's second window: in use
         assert decided.key() == choice.key() and decided.reasons[-1].endswith("the choice is kept")
     else:
-        assert rebuilt == [plans[1], defaults] and decided.codecs == {}
+        assert rebuilt == [plans[1], plans[0], defaults] and decided.codecs == {}
         assert decided.reasons[-1].endswith("the defaults are restored")
+
+
+@pytest.mark.parametrize("verify", [1, 2, 3, 4])
+@pytest.mark.parametrize("drift", [-4e-4, 4e-4])
+def test_a_warm_up_drift_favours_neither_trial(monkeypatch: pytest.MonkeyPatch, verify: int,
+                                               drift: float) -> None:
+    """Iterations getting faster (or slower) by 2% of one each iteration, as they do while a run
+    warms up. Equally fast trials are timed alike; a runner-up 1% slower than the choice is
+    not kept when the iterations get faster, nor 1% faster one dropped when they get slower.
+    Timed one after the other, the runner-up drew 4-10% of drift and both went wrong."""
+    from scaleout.pytorch import tune_check
+    from scaleout.scheduler import SchedulerConfig
+
+    choice, defaults = _choice(runner_up=True), (SchedulerConfig(), None)
+    plans = ((choice.scheduler, "choice codecs"), (choice.runner_up.scheduler, "runner codecs"))
+    runner_s = 0.02 * (1.01 if drift < 0 else 0.99)  # the wrong side of what drift favours
+    for per_iteration, kept in (([0.02, 0.02], None),
+                                ([0.02, runner_s], "choice" if drift < 0 else "runner-up")):
+        check = tune_check.ChoiceCheck(default_s=0.5, fallback=defaults, verify=verify,
+                                       plans=plans)
+        decided = _timed(monkeypatch, check, _check_model([]), choice, per_iteration, drift)
+        said = decided.reasons[-1]
+        times = [float(t) for t in re.findall(r"the (?:choice|runner-up) ([0-9.]+)ms", said)]
+        assert len(times) == 2, said
+        if kept is None:
+            assert times[0] == pytest.approx(times[1], rel=1e-9), said
+        else:
+            assert said.endswith(f"the {kept} is kept"), said
 
 
 @pytest.mark.gpu
@@ -376,22 +409,29 @@ def test_bench_train_runs_a_self_tuning_variant_only_with_enough_warm_up() -> No
     from scaleout.bench.train import TrainBenchConfig
 
     config = TrainBenchConfig(workload="digits-mlp", compression=("none", "auto", "auto-exact"),
-                              warmup=9, testbed=False)
+                              warmup=10, testbed=False)
     assert config.configurations[1:4] == ("scaleout", "scaleout+auto", "scaleout+auto-exact")
     with pytest.raises(ValueError, match="warm-up"):
-        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=8, testbed=False)
+        TrainBenchConfig(workload="digits-mlp", compression=("auto",), warmup=9, testbed=False)
 
 
 def test_a_longer_warm_up_lengthens_the_tuners_windows_and_fits_in_it() -> None:
     from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
 
+    from scaleout.pytorch.tune_check import windows
+
+    assert AUTO_WARMUP == 10
     assert tune_windows(AUTO_WARMUP) == (1, 2)  # the least: one measured, two timed a trial
     assert tune_windows(AUTO_WARMUP_DEFAULT) == (3, 4)
     verifies = []
     for warmup in range(AUTO_WARMUP, 40):
         measure, verify = tune_windows(warmup)
-        # build, measure, then two trials of one to settle and verify timed, then the kept one
-        assert 1 + measure + 2 * (1 + verify) + 1 == warmup and measure >= 1, warmup
+        # build, measure, then three windows (choice, runner-up, choice) of one to settle and
+        # their timed iterations, then the kept one
+        order = windows(verify, 2)
+        assert [trial for trial, _ in order] == [0, 1, 0], order
+        assert order[0][1] + order[2][1] >= verify and order[1][1] == verify
+        assert 1 + measure + sum(1 + n for _, n in order) + 1 == warmup and measure >= 1, warmup
         verifies.append(verify)
     assert verifies == sorted(verifies) and verifies[-1] > 2
     assert tune_windows(3) == (1, 2)  # (a direct build below the bench's minimum)
@@ -400,11 +440,11 @@ def test_a_longer_warm_up_lengthens_the_tuners_windows_and_fits_in_it() -> None:
 def test_scaleout_tune_prints_the_choice_on_loopback(capsys) -> None:
     from scaleout.cli.main import main
 
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "9",
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "10",
                  "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "codecs: none (exact)" in out and "measured after tuning" in out
-    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "8"]) == 2
+    assert main(["tune", "--workload", "digits-mlp", "--no-testbed", "--warmup", "9"]) == 2
 
 
 def test_a_codec_is_timed_by_its_best_run_not_one_spike(monkeypatch) -> None:

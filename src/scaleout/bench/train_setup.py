@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaleout.pytorch.tune_check import check_iterations
 from scaleout.workloads import Workload
 
 __all__ = ["AUTO_WARMUP", "AUTO_WARMUP_DEFAULT", "LR", "MOMENTUM", "Setup", "SetupOptions",
@@ -21,24 +22,27 @@ LR = 0.01
 MOMENTUM = 0.9
 
 #: The fewest warm-up iterations with ``compression="auto"``: one builds the plan, one is
-#: measured, then the tuned plan and its runner-up (when it has one) each run one iteration to
-#: settle and two timed ones (``TuneConfig.verify``), and one runs the plan that check kept.
-AUTO_WARMUP = 9
+#: measured, then the check (:mod:`scaleout.pytorch.tune_check`) runs the tuned plan, its
+#: runner-up (when it has one) and the tuned plan again, each window one iteration to settle
+#: and then one, two and one timed (``TuneConfig.verify`` = 2, the choice's split around the
+#: runner-up's), and one runs the plan that check kept.
+AUTO_WARMUP = 10
 #: ``bench train``'s and ``scaleout tune``'s warm-up with ``auto`` when none is given: the
 #: six iterations beyond :data:`AUTO_WARMUP` lengthen the windows that time the defaults (3
 #: iterations instead of 1) and each trial of the check (4 instead of 2) (:func:`tune_windows`).
 #: DLRM's iterations on this machine spread by +-20% (11-25 ms at 10 Gbit/s): with one and two,
 #: the check restored the defaults in 2 of 4 runs where its choice ran 1.2x faster.
-AUTO_WARMUP_DEFAULT = 15
+AUTO_WARMUP_DEFAULT = 16
 
 
 def tune_windows(warmup: int) -> tuple[int, int]:
-    """``(measure, verify)`` of the tuner in a warm-up of ``warmup`` iterations: four run the
-    plan's build, each trial's settling and the kept plan; of the rest, every third one beyond
-    :data:`AUTO_WARMUP` goes to each of the two trials' ``verify``, the others to ``measure``
-    (9 -> (1, 2), 12 -> (2, 3), 15 -> (3, 4); fewer than 9 -> (1, 2))."""
-    verify = 2 + max(warmup - AUTO_WARMUP, 0) // 3
-    return max(warmup - 4 - 2 * verify, 1), verify
+    """``(measure, verify)`` of the tuner in a warm-up of ``warmup`` iterations: the plan's
+    build, the check (:func:`~scaleout.pytorch.tune_check.check_iterations` with a runner-up)
+    and the kept plan take what ``verify`` needs; of every five iterations beyond
+    :data:`AUTO_WARMUP` four go to the check (``verify`` + 2), the rest to ``measure``
+    (10 -> (1, 2), 15 -> (2, 4), 16 -> (3, 4); fewer than 10 -> (1, 2))."""
+    verify = 2 + 2 * (max(warmup - AUTO_WARMUP, 0) // 5)
+    return max(warmup - 2 - check_iterations(verify, 2), 1), verify
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,9 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--iters", type=int, default=10,
                         help="timed iterations per run (default 10)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed iterations before them (default 2; 15 with "
+                        help="untimed iterations before them (default 2; 16 with "
                              "--compression auto, which tunes and checks its choice during "
-                             "them; 9, the least it takes)")
+                             "them; 10, the least it takes)")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",

@@ -17,8 +17,8 @@ EXAMPLE = """examples:
 It starts the ranks of `scaleout bench train` with DataParallel(tune=...) (SGD, momentum 0.9),
 runs --warmup iterations (the tuner measures the defaults from the second on, measures the
 link and the codecs, chooses, and times its choice, and a close runner-up, against the
-defaults, keeping the fastest: of 9 warm-up iterations 1 measures and 2 time each trial, of
-the default 15, 3 and 4), then --iters timed iterations on the plan kept, and
+defaults, keeping the fastest: of 10 warm-up iterations 1 measures and 2 time each trial, of
+the default 16, 3 and 4), then --iters timed iterations on the plan kept, and
 prints the choice, why, the predicted time of the best candidates and the measured one.
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and tc.
 """

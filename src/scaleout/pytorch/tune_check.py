@@ -4,10 +4,15 @@ did is undone, and a runner-up the model could not tell from the choice is timed
 The tuner chooses with a model (:func:`scaleout.sim.tuning.choose`); a model can be wrong
 where it does not see a cost (DLRM's compressed tables at 1 Gbit/s were predicted at 31-49 ms
 per iteration and ran at 64-79 ms; benchmarks/RESULTS.md, "The autotuner"). So after the
-rebuild, :class:`ChoiceCheck` lets one iteration settle, times ``verify`` iterations of the
-chosen plan by the wall clock between forwards and, when the choice has a runner-up (another
-codec predicted within a few percent), rebuilds with the runner-up and times it the same way.
-The fastest of them is compared with the defaults' time per iteration over the measured
+rebuild, :class:`ChoiceCheck` times the chosen plan by the wall clock between forwards, each
+window after one iteration to settle. When the choice has a runner-up (another codec, or the
+other policy, predicted within a few percent) the two are timed in the order choice,
+runner-up, choice: the choice's ``verify`` iterations are split into two windows around the
+runner-up's ``verify``, so a warm-up whose iterations are still getting faster (or slower)
+favours neither. Timed one after the other, the runner-up went second and drew the drift:
+ResNet-18 at 100 Mbit/s kept top-k, timed 3.6% faster than PowerSGD during a warm-up whose
+compute ran at 1.22 s/it, and ran 6% slower than PowerSGD afterwards at 0.90 s/it (RESULTS.md,
+stop 41). The fastest is compared with the defaults' time per iteration over the measured
 iterations before tuning. Every figure is the slowest rank's (an all-reduce MAX), so every
 rank decides alike; the plan is rebuilt with what won (the defaults when every trial was
 slower than they were).
@@ -24,7 +29,7 @@ import torch
 from scaleout.core.collectives import ReduceOp, allreduce
 from scaleout.sim.units import format_time
 
-__all__ = ["ChoiceCheck", "slowest"]
+__all__ = ["ChoiceCheck", "check_iterations", "slowest", "windows"]
 
 
 def slowest(comm: Any, device: torch.device, values: list[float]) -> list[float]:
@@ -38,6 +43,21 @@ def slowest(comm: Any, device: torch.device, values: list[float]) -> list[float]
     return figures.tolist()
 
 
+def windows(verify: int, trials: int) -> tuple[tuple[int, int], ...]:
+    """The check's timed windows as ``(trial, iterations)``, in the order they run: the choice
+    alone, or the choice, the runner-up and the choice again, each choice window
+    ``ceil(verify / 2)`` iterations (the two centred on the runner-up's)."""
+    if trials == 1:
+        return ((0, verify),)
+    half = -(-verify // 2)
+    return ((0, half), (1, verify), (0, half))
+
+
+def check_iterations(verify: int, trials: int) -> int:
+    """Forwards the check takes, each window's settling iteration included."""
+    return sum(1 + n for _, n in windows(verify, trials))
+
+
 @dataclass
 class ChoiceCheck:
     """One pending check of a tuning choice (see the module docstring).
@@ -45,7 +65,8 @@ class ChoiceCheck:
     Attributes:
         default_s: the defaults' measured seconds per iteration (this rank's).
         fallback: the ``(scheduler, compression)`` the choice replaced.
-        verify: iterations of each trial to time.
+        verify: iterations of each trial to time (the choice's split in two windows when it
+            has a runner-up: :func:`windows`).
         plans: the trials' ``(scheduler, compression)``: the choice's (in use when the check
             starts), then its runner-up's when it has one.
     """
@@ -56,25 +77,35 @@ class ChoiceCheck:
     plans: tuple[tuple[Any, Any], ...]
     _forwards: int = 0
     _started: float = 0.0
-    _times: list[float] = field(default_factory=list)
+    _window: int = 0
+    _spent: list[float] = field(default_factory=list)  # seconds timed, per trial
+    _timed: list[int] = field(default_factory=list)  # iterations timed, per trial
+
+    def __post_init__(self) -> None:
+        self._spent, self._timed = [0.0] * len(self.plans), [0] * len(self.plans)
 
     def at_forward(self, model: Any, choice: Any) -> Any | None:
         """Call at the start of every forward after the rebuild; returns the choice as it
         stands once decided (what was kept named in its reasons), else ``None``."""
         now = time.perf_counter()
+        order = windows(self.verify, len(self.plans))
+        trial, iterations = order[self._window]
         self._forwards += 1
-        if self._forwards == 1:  # the plan's first iteration is over: time from here
+        if self._forwards == 1:  # the window's first iteration is over: time from here
             self._started = now
             return None
-        if self._forwards <= self.verify:
+        if self._forwards <= iterations:
             return None
-        self._times.append((now - self._started) / self.verify)
-        if len(self._times) < len(self.plans):  # the next trial's turn
+        self._spent[trial] += now - self._started
+        self._timed[trial] += iterations
+        self._window += 1
+        if self._window < len(order):  # the next window's turn
             model.synchronize()
-            model._rebuild(*self.plans[len(self._times)])
+            model._rebuild(*self.plans[order[self._window][0]])
             self._forwards = 0
             return None
-        default_s, *times = slowest(model.comm, model._device, [self.default_s, *self._times])
+        default_s, *times = slowest(model.comm, model._device, [
+            self.default_s, *(s / n for s, n in zip(self._spent, self._timed))])
         said = ", ".join(f"{name} {format_time(t)}" for name, t in
                          zip(("the choice", "the runner-up"), times))
         said = f"measured per iteration: {said}; the defaults {format_time(default_s)}"
@@ -84,7 +115,7 @@ class ChoiceCheck:
             model._rebuild(*self.fallback)
             return replace(choice, scheduler=self.fallback[0], codecs={}, runner_up=None,
                            reasons=(*choice.reasons, said + ": the defaults are restored"))
-        if best != len(times) - 1:  # another trial is in use
+        if best != trial:  # (``trial``: the one in use)
             model.synchronize()
             model._rebuild(*self.plans[best])
         if best == 0:

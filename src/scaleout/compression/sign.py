@@ -48,6 +48,7 @@ from scaleout.compression.base import (
     work_dtype,
 )
 from scaleout.compression.bits import bit_table, pack_bits, unpack_bits
+from scaleout.compression.blocks import block_rows
 from scaleout.compression.exchange import Divided, average_target
 from scaleout.compression.kernels import kernels_for
 from scaleout.compression.masks import negative_into
@@ -63,17 +64,6 @@ def _units(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 _SCALES = ("rms", "mean")
-
-
-def _block_parts(flat: torch.Tensor, size: int) -> list[tuple[torch.Tensor, slice, int]]:
-    """``flat`` as ``(view, blocks, width)``: its whole blocks of ``size`` values as rows, then
-    its short last block as one row, with the blocks each covers and their width."""
-    n = flat.numel()
-    full = n // size
-    parts = [(flat[:full * size].view(full, size), slice(0, full), size)]
-    if full * size < n:
-        parts.append((flat[full * size:].view(1, -1), slice(full, full + 1), n - full * size))
-    return parts
 
 
 def scale_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -214,16 +204,16 @@ class SignCodec(Codec):
         # tensor where it can take them (its whole blocks; the short last one apart): the
         # average, with no pass of its own.
         out = average_target(tensor, flat.dtype, state)
-        parts = _block_parts(out, self.block_size)
+        parts = block_rows(out, self.block_size)
         for rank, row in enumerate(rows):
             their_scales = row[:nscale].clone().view(scales.dtype).to(flat.dtype)[:, None]
             their_scales.div_(comm.size)
             units = self._units_into(row[nscale:], state, flat.dtype).view(-1, self.block_size)
-            for target, blocks, width in parts:
+            for target, blocks in parts:
                 if rank == 0:
-                    torch.mul(units[blocks, :width], their_scales[blocks], out=target)
+                    torch.mul(units[blocks, :target.shape[1]], their_scales[blocks], out=target)
                 else:
-                    target.addcmul_(units[blocks, :width], their_scales[blocks])
+                    target.addcmul_(units[blocks, :target.shape[1]], their_scales[blocks])
             if rank == comm.rank:
                 self._settle_residual(flat, units.view(-1), scales, state)
         return Divided(out, comm.size)
@@ -314,6 +304,6 @@ class SignCodec(Codec):
             return
         padded = units.view(-1, self.block_size)
         mine = scales.to(flat.dtype)[:, None]
-        for target, blocks, width in _block_parts(flat, self.block_size):
-            target.addcmul_(padded[blocks, :width], mine[blocks], value=-1.0)
+        for target, blocks in block_rows(flat, self.block_size):
+            target.addcmul_(padded[blocks, :target.shape[1]], mine[blocks], value=-1.0)
         set_residual(state, flat)

@@ -43,8 +43,9 @@ from scaleout.pytorch import DataParallel, DistributedOptimizer
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 TOLERANCE_PP = 1.0
-#: Initial weights of the copies; the data order is the same for all of them.
-SEEDS = (0, 1, 2)
+#: Initial weights of the copies; the data order is the same for all of them. Six: with three,
+#: cast:fp16 (MLP, lr 0.1) read -1.02 on one machine, -0.3 with six (docs/codecs.md, "Seeds").
+SEEDS = (0, 1, 2, 3, 4, 5)
 EPOCHS = 10
 LAST = 3  # epochs whose test accuracy is averaged
 GLOBAL_BATCH = 64

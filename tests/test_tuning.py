@@ -225,16 +225,18 @@ def _choice(runner_up: bool = False) -> object:
 
 
 def _timed(monkeypatch: pytest.MonkeyPatch, check: object, model: object, choice: object,
-           per_iteration: list[float], drift: float = 0.0) -> object:
+           per_iteration: list[float], drift: float = 0.0,
+           per_window: list[float] | None = None) -> object:
     """Drive ``check`` through its windows (``tune_check.windows``: one settling iteration,
-    then the timed ones), an iteration of trial ``i`` lasting ``per_iteration[i]`` plus
-    ``drift`` x the iterations run before it; the decision."""
+    then the timed ones), an iteration of trial ``i`` lasting ``per_iteration[i]`` (or of
+    window ``j``, ``per_window[j]``) plus ``drift`` x the iterations run before it; the
+    decision."""
     from scaleout.pytorch import tune_check
 
     ticks, now, ran = [], 1.0, 0
-    for trial, timed in tune_check.windows(check.verify, len(per_iteration)):
+    for j, (trial, timed) in enumerate(tune_check.windows(check.verify, len(per_iteration))):
         for _ in range(1 + timed):  # the settling iteration, then the timed ones
-            now += per_iteration[trial] + drift * ran
+            now += (per_window[j] if per_window else per_iteration[trial]) + drift * ran
             ran += 1
             ticks.append(now)  # the next forward
     clock = iter(ticks)
@@ -278,7 +280,8 @@ def test_the_faster_of_the_choice_and_its_runner_up_is_kept(
     # the runner-up was built after the choice's first window, the choice after the runner-up's
     assert rebuilt[:2] == [plans[1], plans[0]]
     said = decided.reasons[-1]
-    assert f"the choice {format_time(choice_s)}, the runner-up {format_time(runner_s)}" in said
+    assert f"the choice {format_time(choice_s)} (windows {format_time(choice_s)} and " in said
+    assert f"), the runner-up {format_time(runner_s)}" in said
     if kept == "runner-up":
         assert rebuilt == [plans[1], plans[0], plans[1]]  # built again: it stays in use
         assert decided.scheduler == choice.runner_up.scheduler
@@ -297,27 +300,42 @@ def test_the_faster_of_the_choice_and_its_runner_up_is_kept(
 def test_a_warm_up_drift_favours_neither_trial(monkeypatch: pytest.MonkeyPatch, verify: int,
                                                drift: float) -> None:
     """Iterations getting faster (or slower) by 2% of one each iteration, as they do while a run
-    warms up. Equally fast trials are timed alike; a runner-up 1% slower than the choice is
-    not kept when the iterations get faster, nor 1% faster one dropped when they get slower.
-    Timed one after the other, the runner-up drew 4-10% of drift and both went wrong."""
+    warms up: equally fast trials are timed alike, and a runner-up 1% slower than the choice is
+    not kept. Timed one after the other, the runner-up drew 4-10% of drift and was kept when
+    the iterations were getting faster."""
     from scaleout.pytorch import tune_check
     from scaleout.scheduler import SchedulerConfig
 
     choice, defaults = _choice(runner_up=True), (SchedulerConfig(), None)
     plans = ((choice.scheduler, "choice codecs"), (choice.runner_up.scheduler, "runner codecs"))
-    runner_s = 0.02 * (1.01 if drift < 0 else 0.99)  # the wrong side of what drift favours
-    for per_iteration, kept in (([0.02, 0.02], None),
-                                ([0.02, runner_s], "choice" if drift < 0 else "runner-up")):
+    for per_iteration in ([0.02, 0.02], [0.02, 0.0202]):
         check = tune_check.ChoiceCheck(default_s=0.5, fallback=defaults, verify=verify,
                                        plans=plans)
         decided = _timed(monkeypatch, check, _check_model([]), choice, per_iteration, drift)
         said = decided.reasons[-1]
         times = [float(t) for t in re.findall(r"the (?:choice|runner-up) ([0-9.]+)ms", said)]
-        assert len(times) == 2, said
-        if kept is None:
+        assert len(times) == 2 and said.endswith("the choice is kept"), said
+        if per_iteration[0] == per_iteration[1]:
             assert times[0] == pytest.approx(times[1], rel=1e-9), said
-        else:
-            assert said.endswith(f"the {kept} is kept"), said
+
+
+@pytest.mark.parametrize("runner_s, kept", [(0.0195, "choice"), (0.0185, "runner-up")])
+def test_a_runner_up_must_lead_by_more_than_the_choices_own_spread(
+        monkeypatch: pytest.MonkeyPatch, runner_s: float, kept: str) -> None:
+    """The choice's two windows read 19.5 and 20.5 ms: a runner-up 2.5% faster than their mean
+    is within that 5% and the model's choice stands; one 7.5% faster is kept."""
+    from scaleout.pytorch import tune_check
+    from scaleout.scheduler import SchedulerConfig
+
+    choice, defaults = _choice(runner_up=True), (SchedulerConfig(), None)
+    plans = ((choice.scheduler, "choice codecs"), (choice.runner_up.scheduler, "runner codecs"))
+    check = tune_check.ChoiceCheck(default_s=0.5, fallback=defaults, verify=2, plans=plans)
+    decided = _timed(monkeypatch, check, _check_model([]), choice, [0.02, runner_s],
+                     per_window=[0.0195, runner_s, 0.0205])
+    said = decided.reasons[-1]
+    assert said.endswith(f"the {kept} is kept"), said
+    if kept == "choice":
+        assert "(its 2.5% lead is within the choice's own spread, 5.0%)" in said, said
 
 
 @pytest.mark.gpu

@@ -122,8 +122,8 @@ class TrainBenchConfig:
         if set(AUTO) & set(self.compression) and self.warmup < AUTO_WARMUP:
             raise ValueError(f"compression 'auto' tunes during the warm-up: warmup must be >= "
                              f"{AUTO_WARMUP} (one iteration builds the plan, one is measured, the "
-                             f"choice and its runner-up each run one to settle and two timed, "
-                             f"one runs what was kept), got "
+                             f"choice, its runner-up and the choice again each run one to "
+                             f"settle and one, two and one timed, one runs what was kept), got "
                              f"{self.warmup}")
         for spec in self.compression:
             if spec not in AUTO:

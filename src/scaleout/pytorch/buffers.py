@@ -16,12 +16,13 @@ __all__ = ["BufferAverage"]
 
 
 class BufferAverage:
-    """Averages ``buffers`` over ``comm`` (its own communicator: it never queues behind
-    gradients).
+    """Averages ``buffers`` over ``comm``.
 
     Args:
         buffers: the module's floating buffers.
-        comm: a communicator of the data group.
+        comm: a communicator of the data group on which no gradient travels (DataParallel's
+            own: its buckets go on the lanes' groups), so the average never queues behind
+            them; called from the thread that issues that communicator's other calls.
     """
 
     def __init__(self, buffers: list[torch.Tensor], comm: Communicator) -> None:

@@ -41,7 +41,8 @@ def thread_cpu() -> dict[str, list[float]]:
     """``[CPU seconds, voluntary context switches]`` so far of each of this process's threads,
     by name: Python threads by their ``threading`` name (the OS shows ``python3`` for all of
     them), gloo's by their kernel name (``gloo_tcp_loop``, ``pt_gloo_runloop``), summed per
-    name. Empty where ``/proc`` is not."""
+    name (``BY_TID=1``: per thread, ``name#tid``; each gloo process group has a loop thread of
+    its own). Empty where ``/proc`` is not."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -60,7 +61,8 @@ def thread_cpu() -> dict[str, list[float]]:
                              if line.startswith("voluntary_ctxt_switches"))
         except OSError:  # the thread ended meanwhile
             continue
-        totals = out[names.get(int(task), kernel_name)]
+        name = names.get(int(task), kernel_name)
+        totals = out[f"{name}#{task}" if os.environ.get("BY_TID") == "1" else name]
         totals[0] += (int(fields[11]) + int(fields[12])) / ticks
         totals[1] += waits
     return out

@@ -12,8 +12,9 @@ same deterministic search (:func:`scaleout.sim.tuning.choose`, the simulator pri
 runtime's own plans) and makes the same choice, which is verified across ranks before the
 plan is rebuilt with it. The choice is then timed for ``TuneConfig.verify`` iterations (and so
 is its runner-up, an alternative the model predicts within ``TuneConfig.runner_up_within`` of
-it: another codec, or for exact gradients the other policy); the faster is kept, or the
-defaults come back when they ran faster than both (:mod:`scaleout.pytorch.tune_check`).
+it: another codec, or for exact gradients the other policy, timed between two halves of the
+choice's); the runner-up is kept only when clearly faster, and the defaults come back when
+they ran faster than what was kept (:mod:`scaleout.pytorch.tune_check`).
 
 Example (every rank):
     >>> model = DataParallel(net, dist, tune=TuneConfig(allow_lossy=True))
@@ -74,8 +75,10 @@ class TuneConfig:
             when they ran slower than the defaults did, the defaults come back
             (:mod:`scaleout.pytorch.tune_check`); 0 keeps the choice unmeasured.
         runner_up_within: the choice's best alternative (another codec; for exact gradients
-            the other policy) predicted within this fraction of it is timed too (``verify``
-            iterations after one to settle), the faster kept; 0 (or ``verify=0``): none.
+            the other policy) predicted within this fraction of it is timed too, between two
+            windows of the choice (``verify`` iterations each, after one to settle; the
+            choice's split in two), and kept when it leads by more than the choice's two
+            windows differ; 0 (or ``verify=0``): none.
 
     Raises:
         ValueError / TypeError: a bad value (an unknown codec spec included).

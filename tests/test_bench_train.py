@@ -10,6 +10,7 @@ import doctest
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,23 @@ def test_every_configuration_trains_tables_with_plain_sgd() -> None:
     assert len(dense["params"]) + len(tables["params"]) == len(list(net.parameters()))
     (only,) = param_groups(get_workload("digits-mlp").build_model(0))
     assert len(only["params"]) == len(list(get_workload("digits-mlp").build_model(0).parameters()))
+
+
+def test_warm_ranks_that_do_not_leave_after_their_last_round_are_stopped() -> None:
+    """finish() waits a bounded time for the ranks to leave by themselves, then stops them
+    and says so (the runner used to wait the whole round timeout: stop 42)."""
+    import threading
+
+    from scaleout.bench.train import LEAVE_S
+    from scaleout.bench.train_warm import WarmRanks
+
+    assert 0 < LEAVE_S <= 60
+    for leaves in (True, False):
+        ranks = WarmRanks.__new__(WarmRanks)
+        ranks._stop = threading.Event()
+        ranks._thread = threading.Thread(
+            target=lambda e=ranks._stop, quick=leaves: e.wait(0.05 if quick else 30), daemon=True)
+        ranks._thread.start()
+        started = time.monotonic()
+        assert ranks.finish(1.0) is leaves
+        assert not ranks.alive and time.monotonic() - started < 5  # stopped, not waited out

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -251,14 +252,25 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                     throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
                     bar.finish_run(f"{throughput:.1f} samples/s")
                     runs.append({**result, "round": r, "order": order, "config": name})
-            for ranks in warm.values():
-                ranks.finish(_round_timeout(config))
+            for name, ranks in warm.items():
+                if not ranks.finish(LEAVE_S):
+                    print(f"bench train: configuration {name!r}: its ranks had not left "
+                          f"{LEAVE_S:g} s after their last round; stopped them (every round's "
+                          "result was already in)", file=sys.stderr, flush=True)
     finally:
         for ranks in warm.values():
             ranks.stop()
         bar.close()
     return {"config": config.as_dict(), "network": place.network, "runs": runs,
             "warm_ranks": bool(warm)}
+
+
+#: How long a configuration's warm ranks may take to leave once their last round's result is
+#: in (a barrier, the process group's teardown, exit: seconds). Beyond it they are stopped:
+#: they can no longer change the measurement. The DDP peer's ranks were once seen still
+#: alive 240 s after their last round over loopback (stop 42, cause not found), where the
+#: runner used to wait the whole round timeout (30 minutes by default).
+LEAVE_S = 30.0
 
 
 def _round_timeout(config: TrainBenchConfig) -> float:

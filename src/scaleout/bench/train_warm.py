@@ -114,11 +114,14 @@ class WarmRanks:
         self._stop.set()
         self._thread.join(timeout_s)
 
-    def finish(self, timeout_s: float) -> None:
-        """After the last round: let the ranks leave by themselves, else stop them."""
+    def finish(self, timeout_s: float) -> bool:
+        """After the last round: let the ranks leave by themselves within ``timeout_s``, else
+        stop them; whether they left by themselves."""
         self._thread.join(timeout_s)
-        if self.alive:
-            self.stop()
+        if not self.alive:
+            return True
+        self.stop()
+        return False
 
     def failure(self, what: str) -> BenchFailed:
         """A :class:`BenchFailed` saying ``what`` happened, with the ranks' last output."""

@@ -57,35 +57,3 @@ def test_options_that_differ_across_ranks_are_named_on_every_rank(case: str, ran
         assert "DataParallel options" in message, message
         mine, theirs = message.split("; rank 1: ")
         assert rank0 in mine and rank1 in theirs, message
-
-
-def body_groups() -> tuple[int, bool]:
-    import torch
-    import torch.distributed as tdist
-
-    env = scaleout.init(timeout=20)
-    made = []
-    original = tdist.new_group
-    tdist.new_group = lambda *a, **k: made.append(a) or original(*a, **k)
-    try:
-        torch.manual_seed(env.rank)
-        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-        model = DataParallel(net, env.create_distribution(), scheduler=SchedulerConfig(policy="fifo"))
-        for _ in range(3):
-            model(torch.randn(6, 4) + env.rank).sum().backward()
-        model.synchronize()
-        flat = torch.cat([net[1].running_mean, net[1].running_var])
-        gathered = model.distribution.allgather(flat, group=scaleout.GroupType.DATA).wait()
-        model.close()
-    finally:
-        tdist.new_group = original
-        env.finalize()
-    return len(made), all(torch.equal(g, flat) for g in gathered.view(2, -1))
-
-
-def test_the_buffers_average_makes_no_process_group_of_its_own() -> None:
-    """Each gloo group keeps a thread that wakes 100 times a second: a FIFO DataParallel of a
-    BatchNorm model makes one (its lane's); the buffers, averaged alike on both ranks, travel
-    on the data group's own (they had a third group until stop 42)."""
-    for made, agree in run_ranks(2, body_groups, timeout=40):
-        assert made == 1 and agree, (made, agree)

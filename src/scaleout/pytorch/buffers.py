@@ -16,13 +16,12 @@ __all__ = ["BufferAverage"]
 
 
 class BufferAverage:
-    """Averages ``buffers`` over ``comm``.
+    """Averages ``buffers`` over ``comm`` (its own communicator: it never queues behind
+    gradients).
 
     Args:
         buffers: the module's floating buffers.
-        comm: a communicator of the data group on which no gradient travels (DataParallel's
-            own: its buckets go on the lanes' groups), so the average never queues behind
-            them; called from the thread that issues that communicator's other calls.
+        comm: a communicator of the data group.
     """
 
     def __init__(self, buffers: list[torch.Tensor], comm: Communicator) -> None:

@@ -164,13 +164,9 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                 *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
         broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
                                       *module.buffers()])
-        # the buffers' average goes on the data group's own communicator: it is started and
-        # finished by this thread, in program order, as every other call on it; the
-        # gradients go on the lanes' groups, so it queues behind none of them (a group of its
-        # own kept a gloo thread that wakes 100 times a second: ~140 wake-ups and ~3 ms of
-        # CPU per ResNet-18 iteration, RESULTS.md, stop 42)
-        self._buffer_average = (BufferAverage(floats, self.comm)
-                                if broadcast_buffers and floats else None)
+        self._buffer_average = (
+            BufferAverage(floats, distribution.duplicate(GroupType.DATA, "buffers"))
+            if broadcast_buffers and floats else None)
         self._handles: list[Any] = []
         self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
         for layer in self._layers:

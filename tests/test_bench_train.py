@@ -10,6 +10,7 @@ import doctest
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -368,3 +369,36 @@ def test_warm_ranks_that_do_not_leave_after_their_last_round_are_stopped() -> No
         started = time.monotonic()
         assert ranks.finish(1.0) is leaves
         assert not ranks.alive and time.monotonic() - started < 5  # stopped, not waited out
+
+
+def test_fresh_ranks_that_do_not_exit_after_the_result_are_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A configuration's fresh ranks get LEAVE_S after the first one exited; one that
+    outstays it is stopped and the result stands, with a line on stderr. Without a result
+    it is a failed configuration. (Stop 43: a DDP rank hung at exit and the runner waited.)"""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent("""
+        import json, os, sys, time
+        if os.environ["RANK"] == "0":
+            if sys.argv[2] == "result":
+                with open(sys.argv[1], "w") as handle:
+                    json.dump({"median_iter_s": 1.0}, handle)
+        else:
+            time.sleep(60)  # finished, yet not exiting
+    """))
+    cfg = TrainBenchConfig(workload="digits-mlp", testbed=False)
+    place = train.Placement(wrapper=None, master_addr="127.0.0.1", network={})
+    monkeypatch.setattr(train, "LEAVE_S", 1.0)
+    for written in ("result", "nothing"):
+        monkeypatch.setattr(train, "_worker_args",
+                            lambda _c, _n, path, w=written: [str(worker), path, w])
+        started = time.monotonic()
+        if written == "result":
+            assert train._run_once(cfg, "ddp", place, str(tmp_path), None) == {
+                "median_iter_s": 1.0}
+            assert "its ranks had not left 1 s after the first one did" in capsys.readouterr().err
+        else:
+            with pytest.raises(train.BenchFailed, match="exit code 1"):
+                train._run_once(cfg, "ddp", place, str(tmp_path), None)
+        assert time.monotonic() - started < 20

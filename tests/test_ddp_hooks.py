@@ -53,6 +53,13 @@ def test_a_failed_bucket_fails_its_future_and_the_next_bucket_still_starts() -> 
     assert second.wait().item() == 1.0
 
 
+#: DDP models kept until the rank's ``os._exit``. Freeing one can deadlock: its reducer holds
+#: the last reference to the gloo group and is freed with the GIL held, so the group's
+#: destructor joins a gloo thread that may still be freeing a work object, which needs the
+#: GIL (the stacks are in ``scaleout.bench.train_worker.main``).
+_KEPT: list[object] = []
+
+
 def body_powersgd() -> list[float]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +69,7 @@ def body_powersgd() -> list[float]:
     net = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(48, 48), nn.ReLU())],
                         nn.Linear(48, 10))
     model = DistributedDataParallel(net, bucket_cap_mb=0.01)  # a bucket per layer or two
+    _KEPT.append(model)
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                         start_powerSGD_iter=2)
     model.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
@@ -83,9 +91,9 @@ def body_powersgd() -> list[float]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_powersgd_hook_one_bucket_at_a_time_over_gloo(world: int) -> None:
-    # Fresh interpreters, not forks of the long-lived pytest process: in one full-suite run
-    # (stop 38) a forked rank 2 never got into the body (its main thread's innermost frame
-    # was the harness's call of it; one other thread, with no Python frame) and the harness
-    # stopped it at 60 s; alone, the test passed 12 of 12 times. Spawn costs ~2 s here.
+    # Fresh interpreters, not forks of the long-lived pytest process. In one full-suite run
+    # (stop 38) a forked rank 2 hung with the harness's call of the body as its innermost
+    # frame and one gloo thread with no Python frame: the deadlock at freeing the model that
+    # _KEPT now prevents (stop 43 caught it with native stacks). Spawn costs ~2 s here.
     sums = run_ranks(world, body_powersgd, timeout=60, start_method="spawn")
     assert len({s[0] for s in sums}) == 1

@@ -299,3 +299,62 @@ def test_a_rank_that_left_early_is_named(tmp_path: Path, later: int) -> None:
                          output), output
     else:
         assert "had exited" not in output
+
+
+# -- 6. a rank that finished but does not exit: stopped after `linger`, when asked -------------
+
+LINGERS = """
+    import os, sys, time
+    if os.environ["RANK"] == "1":
+        time.sleep({rank1_s})  # done, yet still here (a teardown that hangs)
+    print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("linger", [None, 1.0])
+def test_a_rank_that_does_not_exit_after_a_clean_exit(tmp_path: Path,
+                                                      linger: float | None) -> None:
+    script = write_job(tmp_path, LINGERS.format(rank1_s=3.0))
+    out = Counting()
+    started = time.monotonic()
+    code = launch([str(script)], LaunchConfig(nprocs=2, grace=1.0, linger=linger), out=out)
+    took = time.monotonic() - started
+    report = "".join(out.text)
+    if linger is None:  # waited: a rank 0 that evaluates after the others left is common
+        assert code == 0 and report.count("finished") == 2 and took >= 3.0, report
+    else:
+        assert code == 1 and took < 3.0, report
+        assert ("scaleout run: not exiting: rank 1 still running 1 s after rank 0 exited with "
+                "code 0 (done, yet not exiting: a hang at teardown?); stopped it") in report
+        assert "failed first" not in report  # (rank 1's SIGTERM is not a failure of its own)
+
+
+def test_linger_from_the_command_line(tmp_path: Path) -> None:
+    run = start_run(["--linger", "0.5", str(write_job(tmp_path, LINGERS.format(rank1_s=20)))])
+    output, errors = run.communicate(timeout=20)
+    assert run.returncode == 1, output + errors
+    assert "not exiting: rank 1 still running 0.5 s after rank 0 exited" in output + errors
+
+
+def test_a_rank_that_exits_within_linger_is_no_failure(tmp_path: Path) -> None:
+    script = write_job(tmp_path, LINGERS.format(rank1_s=0.5))
+    out = Counting()
+    assert launch([str(script)], LaunchConfig(nprocs=2, linger=10.0), out=out) == 0
+    assert "not exiting" not in "".join(out.text)
+
+
+@pytest.mark.parametrize("linger", [-1.0, float("inf"), True, "5"])
+def test_linger_must_be_seconds(linger: object) -> None:
+    with pytest.raises(ValueError, match="linger must be a finite number of seconds"):
+        LaunchConfig(nprocs=1, linger=linger)  # type: ignore[arg-type]
+
+
+def test_the_other_nodes_get_the_same_linger() -> None:
+    from scaleout.launch.launcher import node_command
+
+    config = LaunchConfig(nprocs=2, nnodes=2, master_addr="node0", master_port=29500,
+                          env={"SCALEOUT_JOB_TOKEN": "secret"}, linger=30.0)
+    assert node_command(["train.py"], config, 1).endswith("--linger 30 train.py")
+    assert "--linger" not in node_command(["train.py"], LaunchConfig(
+        nprocs=2, nnodes=2, master_addr="node0", master_port=29500,
+        env={"SCALEOUT_JOB_TOKEN": "secret"}), 1)

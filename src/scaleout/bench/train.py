@@ -33,7 +33,7 @@ from scaleout.bench.train_failures import BenchFailed, failure_reason
 from scaleout.bench.train_progress import ProgressBar
 from scaleout.bench.train_warm import WarmRanks
 from scaleout.bench.train_worker import PROGRESS_MARK
-from scaleout.launch.launcher import LaunchConfig, RankWrapper, free_port, launch
+from scaleout.launch.launcher import LINGERED_SAY, LaunchConfig, RankWrapper, free_port, launch
 
 __all__ = ["AUTO_WARMUP", "run_configuration", "TrainBenchConfig", "BenchFailed", "Placement",
            "run_benchmark", "rotation", "split_variant", "trace_folder", "variant_name"]
@@ -108,6 +108,12 @@ def _launcher_stopped(code: int, lines: list[str]) -> bool:
         line.startswith("scaleout run: got SIG") for line in lines[-3:])
 
 
+def _outstayed(lines: list[str]) -> bool:
+    """Whether the launcher stopped ranks that had not exited ``linger`` s after a clean
+    exit (it says so last)."""
+    return any(line.startswith(LINGERED_SAY) for line in lines[-3:])
+
+
 class _RankOutput:
     """Receives the ranks' output lines: progress marks drive the bar, the rest is kept."""
 
@@ -161,7 +167,7 @@ def _launch_config(config: TrainBenchConfig, name: str, place: Placement, *,
         env["CUDA_VISIBLE_DEVICES"] = ""
     return LaunchConfig(nprocs=1 if name == "single" else config.ranks,
                         master_addr=place.master_addr, master_port=port, env=env,
-                        allocator=config.allocator)
+                        allocator=config.allocator, linger=LEAVE_S)
 
 
 def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
@@ -176,7 +182,11 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
                   out=out)  # type: ignore[arg-type]
     if _launcher_stopped(code, out.lines):
         raise Interrupted(code - 128)
-    if code != 0 or not os.path.exists(path):
+    if code != 0 and os.path.exists(path) and _outstayed(out.lines):
+        print(f"bench train: configuration {name!r}: its ranks had not left {LEAVE_S:g} s after "
+              "the first one did; stopped them (the result was already in)",
+              file=sys.stderr, flush=True)
+    elif code != 0 or not os.path.exists(path):
         tail = "\n".join(f"    {line}" for line in out.lines[-40:])
         raise BenchFailed(f"configuration {name!r} failed (exit code {code}); its output:\n{tail}",
                           failure_reason(out.lines, code))
@@ -265,11 +275,12 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
             "warm_ranks": bool(warm)}
 
 
-#: How long a configuration's warm ranks may take to leave once their last round's result is
-#: in (a barrier, the process group's teardown, exit: seconds). Beyond it they are stopped:
-#: they can no longer change the measurement. The DDP peer's ranks were once seen still
-#: alive 240 s after their last round over loopback (stop 42, cause not found), where the
-#: runner used to wait the whole round timeout (30 minutes by default).
+#: How long a configuration's ranks may take to leave once their last result is in (a
+#: barrier, the process group's teardown, exit: seconds): warm ranks after their last
+#: round, fresh ones after the first rank exited. Beyond it they are stopped: they can no
+#: longer change the measurement. The DDP peer's ranks were seen hanging at exit (stops 42
+#: and 43: freeing DDP's reducer deadlocked against gloo, see ``train_worker.main``), where
+#: the runner used to wait without a bound (fresh ranks) or the whole round timeout (warm).
 LEAVE_S = 30.0
 
 

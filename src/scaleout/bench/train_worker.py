@@ -137,7 +137,16 @@ def _timed_round(args: argparse.Namespace, setup: object, iteration: object,
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> object:
+    """Run the configuration; return its set-up, which the caller keeps until it exits.
+
+    Freeing a ``ddp`` set-up can deadlock: DDP's reducer holds the last reference to its
+    gloo process group and is freed with the GIL held, so the group's destructor joins a
+    worker thread that may still be freeing the final barrier's work, which needs the GIL
+    (seen under load: ``~ProcessGroupGloo`` in ``std::thread::join`` on the main thread,
+    ``gil_scoped_acquire`` in ``~AsyncBarrierWork`` on the gloo thread). As a script the
+    worker ends with ``os._exit`` while the set-up is still referenced.
+    """
     args = _parser().parse_args(argv)
     if args.rounds < 1 or (args.rounds > 1 and args.go is None):
         raise SystemExit(f"train_worker: --rounds {args.rounds} needs --go (and must be >= 1)")
@@ -206,10 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         write_trace(workload=args.workload, batch_size=args.batch,
                     command=f"scaleout bench train --workload {args.workload} "
                             f"(configuration {args.config}, {world} ranks)")
+    return setup
 
 
 if __name__ == "__main__":
-    main()
+    kept = main()  # never freed: see main()
     # The results are written and every process group is destroyed. Skip interpreter
     # finalisation: on gloo it can abort ("terminate called without an active
     # exception") when torch's C++ work objects are freed after Python's, which would

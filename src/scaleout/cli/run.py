@@ -30,7 +30,7 @@ instead of faulting it in again every iteration."""
 
 # run's own options that take a value; everything from the script (or -m) on is the target's
 _VALUED = {"-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-           "--testbed", "--max-restarts", "--allocator"}
+           "--testbed", "--max-restarts", "--allocator", "--linger"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -68,6 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="after a failure, start every rank again up to K times "
                              "(default 0; single node only)")
+    parser.add_argument("--linger", type=float, default=None, metavar="S",
+                        help="after the first rank exits with 0, stop the ranks still "
+                             "running S seconds later and fail the job (a hang at "
+                             "teardown); default: wait for them")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     parser.add_argument("--allocator", choices=ALLOCATORS, default=DEFAULT_ALLOCATOR,
                         help="keep (default): each rank's glibc reuses the memory it frees "
@@ -101,7 +105,8 @@ def handler(args: argparse.Namespace) -> int:
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix,
-                              max_restarts=args.max_restarts, allocator=args.allocator)
+                              max_restarts=args.max_restarts, allocator=args.allocator,
+                              linger=args.linger)
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

@@ -42,7 +42,11 @@ from scaleout.launch.restarts import STATE_DIR_VAR, attempt_env
 from scaleout.launch.secret import TOKEN_VAR, new_token
 from scaleout.launch.stop_signals import restore_signals, take_stop_signals
 
-__all__ = ["LaunchConfig", "RankWrapper", "launch", "free_port", "command_for", "node_command"]
+__all__ = ["LINGERED_SAY", "LaunchConfig", "RankWrapper", "launch", "free_port", "command_for",
+           "node_command"]
+
+#: How the launcher's line begins when it stopped ranks that outstayed ``linger``.
+LINGERED_SAY = "scaleout run: not exiting"
 
 # Per local rank: (argv prefix, extra environment), e.g. to run inside a testbed host.
 RankWrapper = Callable[[int], tuple[list[str], dict[str, str]]]
@@ -93,6 +97,10 @@ class LaunchConfig:
         settle: after the first rank fails, seconds the others get to end by themselves
             (each survivor's watchdog names the failed rank within about a second on one
             node) before they are stopped; they are stopped at once when all have ended.
+        linger: after the first rank exits with 0, seconds the others get to exit too;
+            any still running then is stopped, named, and the job fails (it finished its
+            work but not its exit: a hang at teardown). ``None`` waits for them as long as
+            they run (a rank 0 that evaluates or saves after the others left is common).
         max_restarts: after a failure, start every rank again up to this many times
             (single node only: restarts across nodes are not coordinated).
         env: extra environment for every rank.
@@ -112,6 +120,7 @@ class LaunchConfig:
     prefix_output: bool = True
     grace: float = 3.0
     settle: float = 5.0
+    linger: float | None = None
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
     allocator: str = DEFAULT_ALLOCATOR
@@ -122,8 +131,10 @@ class LaunchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("grace", "settle"):
+        for name in ("grace", "settle", "linger"):
             value = getattr(self, name)
+            if value is None and name == "linger":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -228,7 +239,7 @@ def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
         os.mkdir(reports)
         env = {**attempt_env(attempt, config.max_restarts, state), REPORT_DIR_VAR: reports}
         ranks = _run_once(argv, config, wrapper, out, signals, env)
-        code, cause = _report(ranks, out, blamed(reports))
+        code, cause = _report(ranks, out, blamed(reports), config.linger)
         if code == 0:
             if causes:
                 _say(out, f"scaleout run: every rank finished after {_restarts(len(causes))} "
@@ -274,18 +285,27 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
             }
             if ranks.signal is None:
                 ranks.start(rank, [*prefix, *argv], env, config.prefix_output)
-        ranks.watch(config.settle)
+        ranks.watch(config.settle, config.linger)
     finally:
         ranks.stop(config.grace)  # every rank, also after an exception
     return ranks
 
 
-def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None) -> tuple[int, str]:
+def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None,
+            linger: float | None) -> tuple[int, str]:
     """Say why the attempt ended; return the launcher's exit code and the cause in brief."""
     if ranks.signal is not None:
         name = signal_name(ranks.signal)
         _say(out, f"scaleout run: got {name}; stopped every rank")
         return 128 + ranks.signal, f"got {name}"
+    if ranks.lingered:
+        names = ", ".join(f"rank {rank}" for rank in ranks.lingered)
+        first = min((at, rank) for at, rank, code in ranks.exits if code == 0)[1]
+        cause = (f"{names} still running {linger:g} s after rank {first} exited with code 0 "
+                 "(done, yet not exiting: a hang at teardown?)")
+        _say(out, f"{LINGERED_SAY}: {cause}; stopped "
+                  f"{'it' if len(ranks.lingered) == 1 else 'them'}")
+        return 1, cause
     failed = ranks.first_failure()
     if failed is None:
         return 0, ""
@@ -333,6 +353,8 @@ def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) ->
         options.append("--no-prefix")
     if config.allocator != DEFAULT_ALLOCATOR:
         options += ["--allocator", config.allocator]
+    if config.linger is not None:
+        options += ["--linger", f"{config.linger:g}"]
     return shlex.join(["scaleout", "run", *options, *target])
 
 

@@ -93,6 +93,7 @@ class Ranks:
         self.exits: list[tuple[float, int, int]] = []  # (time, rank, code) in order of exit
         self.changed = threading.Event()  # a rank exited, or the launcher got a signal
         self.signal: int | None = None
+        self.lingered: list[int] = []  # ranks still running ``linger`` s after a clean exit
         self.dropping = False  # the output is gone: the pumps drop what they read
         self.guard: Guardian | None = None
         self.token = secrets.token_hex(8)  # every rank's ATTEMPT_VAR: what its guardian ends
@@ -147,27 +148,39 @@ class Ranks:
             self.signal = signum
         self.changed.set()
 
-    def watch(self, settle: float = 0.0) -> tuple[int, int] | None:
+    def watch(self, settle: float = 0.0, linger: float | None = None) -> tuple[int, int] | None:
         """Wait until every rank exits (None), one fails ((rank, code)) or a signal (None).
 
         After a failure the others get ``settle`` seconds to end by themselves (a survivor
-        that names the failed rank, then exits) before the caller stops them.
+        that names the failed rank, then exits) before the caller stops them. With
+        ``linger``, after the first rank exits with 0 the others get that many seconds to
+        exit too; those still running then are listed in :attr:`lingered` (None).
         """
         failed: list[tuple[int, int]] = []
         until = float("inf")
         while self.signal is None:
             with self.lock:
                 failed = [(rank, code) for _, rank, code in self.exits if code != 0]
+                clean = [at for at, _, code in self.exits if code == 0]
                 done = len(self.exits) == len(self.procs)
             if done:
                 break
             if failed and until == float("inf"):
                 until = time.monotonic() + settle
+            if not failed and clean and linger is not None:
+                until = min(until, clean[0] + linger)
             if time.monotonic() >= until:
+                if not failed:
+                    self.lingered = self._running()
                 break
             self.changed.wait(min(0.5, max(until - time.monotonic(), 0.0)))
             self.changed.clear()
         return failed[0] if failed and self.signal is None else None
+
+    def _running(self) -> list[int]:
+        with self.lock:
+            gone = {rank for _, rank, _ in self.exits}
+        return sorted(rank for rank in self.procs if rank not in gone)
 
     def stop(self, grace: float) -> None:
         """SIGTERM to every rank's process group, SIGKILL after ``grace`` seconds; then

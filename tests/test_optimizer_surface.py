@@ -321,7 +321,7 @@ def body_update_batch_steps_its_own() -> list[float]:
                                                weight_decay=0.1), model)
     for param in net.parameters():
         param.grad = torch.zeros_like(param)
-    first, second = list(net[0].parameters()), list(net[1].parameters())
+    first = list(net[0].parameters())
     before = [p.detach().clone() for p in net.parameters()]
     opt.apply_update(first, [torch.ones_like(p) for p in first], [True] * len(first))
     moved = [(p - b).abs().max().item() for p, b in zip(net.parameters(), before)]

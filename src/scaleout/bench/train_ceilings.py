@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from scaleout.core.gloo_device import new_group_on_world_device
+
 __all__ = ["CEILINGS", "LockstepSGD", "build_lockstep"]
 
 #: Ceiling configurations a user may name with ``--vs``.
@@ -48,7 +50,8 @@ class LockstepSGD(torch.optim.SGD):
         numel = sum(p.numel() for group in self.param_groups for p in group["params"])
         self._token = torch.zeros(1)
         self._bytes = torch.zeros(numel) if traffic else None
-        self._group = tdist.new_group(backend="gloo") if traffic else None
+        # (on the world group's gloo device, as scaleout's groups: no idle I/O thread more)
+        self._group = new_group_on_world_device(backend="gloo") if traffic else None
         self._inflight: Any = None
 
     @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -10,10 +11,15 @@ import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator, ReduceOp
+from scaleout.core.gloo_device import new_group_on_world_device
 from scaleout.core.grid import Grid, GroupType
 from scaleout.core.request import Request
 
-__all__ = ["Distribution", "Member"]
+__all__ = ["Distribution", "Member", "OWN_DEVICES_VAR"]
+
+#: ``1``: every new gloo group gets a device (an I/O thread) of its own, as torch makes them,
+#: instead of sharing the world group's (:mod:`scaleout.core.gloo_device`); for measuring.
+OWN_DEVICES_VAR = "SCALEOUT_GLOO_OWN_DEVICES"
 
 
 class Member(Protocol):
@@ -112,7 +118,9 @@ class Distribution:
     def _new_group(self, ranks: tuple[int, ...], fresh: bool = False) -> Any:
         if len(ranks) == self._env.world_size and not fresh:
             return tdist.group.WORLD
-        return tdist.new_group(list(ranks))
+        if os.environ.get(OWN_DEVICES_VAR) == "1":  # (to measure what sharing saves)
+            return tdist.new_group(list(ranks))
+        return new_group_on_world_device(list(ranks))
 
     @property
     def env(self) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,11 +14,7 @@ from scaleout.core.gloo_device import new_group_on_world_device
 from scaleout.core.grid import Grid, GroupType
 from scaleout.core.request import Request
 
-__all__ = ["Distribution", "Member", "OWN_DEVICES_VAR"]
-
-#: ``1``: every new gloo group gets a device (an I/O thread) of its own, as torch makes them,
-#: instead of sharing the world group's (:mod:`scaleout.core.gloo_device`); for measuring.
-OWN_DEVICES_VAR = "SCALEOUT_GLOO_OWN_DEVICES"
+__all__ = ["Distribution", "Member"]
 
 
 class Member(Protocol):
@@ -118,8 +113,6 @@ class Distribution:
     def _new_group(self, ranks: tuple[int, ...], fresh: bool = False) -> Any:
         if len(ranks) == self._env.world_size and not fresh:
             return tdist.group.WORLD
-        if os.environ.get(OWN_DEVICES_VAR) == "1":  # (to measure what sharing saves)
-            return tdist.new_group(list(ranks))
         return new_group_on_world_device(list(ranks))
 
     @property

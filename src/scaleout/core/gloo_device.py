@@ -19,6 +19,7 @@ world group's devices to the constructor that accepts them. Where any of that is
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-__all__ = ["new_group_on_world_device"]
+__all__ = ["OWN_DEVICES_VAR", "new_group_on_world_device"]
+
+#: ``1``: every new gloo group gets a device (an I/O thread) of its own, as torch makes them,
+#: instead of sharing the world group's; for measuring what sharing saves.
+OWN_DEVICES_VAR = "SCALEOUT_GLOO_OWN_DEVICES"
 
 _LOCK = threading.Lock()  # (the swap below is module state: one group at a time)
 
@@ -45,7 +50,7 @@ def new_group_on_world_device(ranks: list[int] | None = None,
 def _world_devices() -> list[Any] | None:
     """The world group's gloo devices, where the world group is a gloo group whose options
     show them; else ``None``."""
-    if tdist.get_backend() != "gloo":
+    if tdist.get_backend() != "gloo" or os.environ.get(OWN_DEVICES_VAR) == "1":
         return None
     try:
         backend = tdist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]

@@ -25,6 +25,7 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import DEFAULT_TIMEOUT, Environment, attach
 from scaleout.core.env import init as core_init
+from scaleout.core.gloo_device import new_group_on_world_device
 from scaleout.core.grid import GroupType
 from scaleout.horovod.errors import NotInitialized
 from scaleout.horovod.launch_vars import horovod_environ, node_key
@@ -256,7 +257,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(f"a process set needs ranks in 0..{rt.env.world_size - 1}, got {ranks}")
     if any(ps.ranks == ranks for ps in rt.process_sets.values()):
         raise ValueError(f"a process set with ranks {ranks} is registered already")
-    group = tdist.new_group(ranks)  # every rank takes part in creating it
+    group = new_group_on_world_device(ranks)  # every rank takes part in creating it
     set_id = rt.next_set_id
     rt.next_set_id += 1
     member = rt.env.rank in ranks

@@ -5,7 +5,7 @@ every 10 ms even when idle, and torch gives every new gloo group a device of its
 data-parallel rank holds three groups (the world group, a lane, the BatchNorm buffers'),
 so two such threads woke 200 times a second beside the one carrying the gradients: on two
 ResNet-18 ranks over loopback, ~1,100 more ``epoll_wait`` calls per iteration than DDP's
-single group, and ~70 ms/it more system time (RESULTS.md, stop 43). A group made here keeps
+single group, and twice the context switches (RESULTS.md, stop 43). A group made here keeps
 its own gloo context, connections and worker threads (collectives of different groups still
 never queue behind one another); only the device, which multiplexes their sockets, is the
 world group's, as DDP's one group has one device.

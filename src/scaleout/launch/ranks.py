@@ -157,7 +157,7 @@ class Ranks:
         exit too; those still running then are listed in :attr:`lingered` (None).
         """
         failed: list[tuple[int, int]] = []
-        until = float("inf")
+        settled = float("inf")  # when the survivors of a failure are stopped
         while self.signal is None:
             with self.lock:
                 failed = [(rank, code) for _, rank, code in self.exits if code != 0]
@@ -165,10 +165,10 @@ class Ranks:
                 done = len(self.exits) == len(self.procs)
             if done:
                 break
-            if failed and until == float("inf"):
-                until = time.monotonic() + settle
-            if not failed and clean and linger is not None:
-                until = min(until, clean[0] + linger)
+            if failed and settled == float("inf"):
+                settled = time.monotonic() + settle
+            until = (settled if failed or not clean or linger is None
+                     else clean[0] + linger)
             if time.monotonic() >= until:
                 if not failed:
                     self.lingered = self._running()

@@ -104,14 +104,19 @@ def _launcher_stopped(code: int, lines: list[str]) -> bool:
     """Whether the launcher stopped the ranks because *it* got a signal (it says so, exit code
     128 + N); a rank killed by that signal from outside exits with the same code but is a
     failed configuration."""
-    return code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) and any(
-        line.startswith("scaleout run: got SIG") for line in lines[-3:])
+    return code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) and _launcher_said(
+        lines, "scaleout run: got SIG")
 
 
 def _outstayed(lines: list[str]) -> bool:
     """Whether the launcher stopped ranks that had not exited ``linger`` s after a clean
-    exit (it says so last)."""
-    return any(line.startswith(LINGERED_SAY) for line in lines[-3:])
+    exit."""
+    return _launcher_said(lines, LINGERED_SAY)
+
+
+def _launcher_said(lines: list[str], start: str) -> bool:
+    """Whether one of the last lines (where the launcher says why it ended) begins so."""
+    return any(line.startswith(start) for line in lines[-3:])
 
 
 class _RankOutput:

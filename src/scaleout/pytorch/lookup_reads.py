@@ -72,10 +72,15 @@ def graph_readers(outputs: Any, params: dict[int, nn.Parameter],
     """Per parameter id in ``params``: the graph nodes that read it, with the input slot.
 
     Breadth first from the outputs (an LM head sits next to them); stops early once
-    ``enough(found so far)`` holds.
+    ``enough(found so far)`` holds. Every node met stays referenced until the walk ends: a
+    node's Python object can be made on access and freed after it (torch 2.11 on the
+    device machine), and a freed object's ``id`` goes to the next one made, so a walk that
+    kept ids alone took unvisited nodes for seen ones and missed DLRM's tables (RESULTS.md,
+    stop 44).
     """
     found: dict[int, list[tuple[Node, int]]] = {}
-    queue, seen = deque(_roots(outputs)), set()
+    roots = _roots(outputs)
+    queue, seen = deque(roots), {id(node): node for node in roots}  # id -> node, kept alive
     while queue:
         node = queue.popleft()
         for slot, (nxt, _) in enumerate(node.next_functions):
@@ -85,7 +90,7 @@ def graph_readers(outputs: Any, params: dict[int, nn.Parameter],
             if variable is not None and id(variable) in params:
                 found.setdefault(id(variable), []).append((node, slot))
             elif id(nxt) not in seen:
-                seen.add(id(nxt))
+                seen[id(nxt)] = nxt
                 queue.append(nxt)
         if enough is not None and enough(found):
             break

@@ -67,6 +67,17 @@ def _child(conn: Any, rank: int, world_size: int, port: int, fn: Callable[..., A
         os._exit(code)
 
 
+#: torch's own notices about the machine rather than the code: a CUDA build of torch on a
+#: machine without a CUDA runtime (torch 2.11+cu130 on a CPU machine) says this when
+#: inductor starts. Tests that assert "no warnings" leave these out.
+TORCH_MACHINE_NOTICES = ("No CUDA runtime is found",)
+
+
+def machine_notice(line: str) -> bool:
+    """Whether ``line`` is one of :data:`TORCH_MACHINE_NOTICES`."""
+    return any(notice in line for notice in TORCH_MACHINE_NOTICES)
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_available() -> bool:
     """Whether torch can use CUDA here, asked in a child process: asking in this one could

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import scaleout
-from harness import run_ranks
+from harness import machine_notice, run_ranks
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 
@@ -62,6 +62,7 @@ def body() -> tuple[dict[str, list[float]], list[str]]:
     # torch's own deprecation notices (torch.jit internals on import) are not ours to fix
     noise = [str(w.message).splitlines()[0] for w in caught
              if not issubclass(w.category, DeprecationWarning)] + handler.records
+    noise = [line for line in noise if not machine_notice(line)]
     return losses, noise
 
 

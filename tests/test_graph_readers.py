@@ -1,6 +1,7 @@
 """The autograd graph walk that finds which nodes read each parameter
 (:func:`scaleout.pytorch.lookup_reads.graph_readers`) reaches every node, also where a node's
-Python object is made on access and freed after it.
+Python object is made on access and freed after it; and an embedding it does not see is
+named in a warning, not sent whole in silence.
 
 torch 2.11 (the device machine's) does that: the walk used to keep only the ids of the nodes it
 had met, a freed node's id went to the next node made, and the walk took unvisited nodes for
@@ -11,12 +12,16 @@ new one once it is gone.
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from scaleout.pytorch import lookup_reads
+from scaleout.pytorch.modules import find_layers
 
 
 class _Node:
@@ -76,3 +81,34 @@ def test_every_reader_is_found_when_node_objects_are_made_on_access(
     _FREED.clear()
     assert len(found) == len(params)
     assert all(len(readers) == 1 for readers in found.values())
+
+
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.sparse = nn.Embedding(10, 4, sparse=True)  # (its gradient is sparse already)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids) + self.sparse(ids)).sum()
+
+
+def test_embedding_weights_the_walk_does_not_see_are_named_in_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _Tables()
+    ran = lookup_reads.ran_embeddings(find_layers(model))
+    assert list(ran) == ["emb.weight"]
+    alone = SimpleNamespace(size=1, rank=0)
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the walk sees the table: nothing to say
+        _, only = lookup_reads.find_lookup_reads(model(torch.tensor([1, 2])), params, alone,
+                                                 torch.device("cpu"), rows=True, embeddings=ran)
+    assert any(p is model.emb.weight for p in only)
+    monkeypatch.setattr(lookup_reads, "graph_readers", lambda outputs, params: {})
+    with pytest.warns(RuntimeWarning, match=r"no read of the embedding weight\(s\) emb.weight, "
+                                            r"although their modules ran: they travel whole"):
+        _, only = lookup_reads.find_lookup_reads(model(torch.tensor([1, 2])), params, alone,
+                                                 torch.device("cpu"), rows=True, embeddings=ran)
+    assert only == []

@@ -30,7 +30,8 @@ from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_st
 from scaleout.pytorch.dp_forward import ForwardHooks
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.lookup_ids import LookupRows
-from scaleout.pytorch.lookup_reads import exact_builtin, find_lookup_reads, rows_wanted
+from scaleout.pytorch.lookup_reads import (exact_builtin, find_lookup_reads, ran_embeddings,
+                                            rows_wanted)
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
                                       register_layers, set_bucket_parameters)
 from scaleout.pytorch.placement import is_local, placement_of, registration
@@ -269,9 +270,11 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
         if self._session is None:
+            ran = ran_embeddings(self._forward_order) if torch.is_grad_enabled() else None
             self._tied, self._lookup_only = find_lookup_reads(
                 output, [p for layer in self._layers for p in layer.params], self.comm,
-                self._device, rows=rows_wanted(self._device, self.env.launch.one_machine))
+                self._device, rows=rows_wanted(self._device, self.env.launch.one_machine),
+                embeddings=ran)
             self._commit()
         if self._shares and self.training and torch.is_grad_enabled():
             self._shares.hook(output)

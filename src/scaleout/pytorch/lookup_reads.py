@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator
 
 __all__ = ["LOOKUP_DENSE_ABOVE", "ROWS_ENV_VAR", "exact_builtin", "find_lookup_reads",
-           "graph_readers", "is_lookup", "rows_by_default", "rows_wanted"]
+           "graph_readers", "is_lookup", "ran_embeddings", "rows_by_default", "rows_wanted"]
 
 #: A lookup's gradient goes whole when more than this share of its rows was touched on some
 #: rank. Each row flag costs one value of a row of ``d`` values, so rows pay almost up to
@@ -119,13 +120,27 @@ def _share_read(readers: list[tuple[Node, int]], rows: int) -> float | None:
     return torch.unique(ids).numel() / max(rows, 1)
 
 
+def ran_embeddings(layers: Iterable[Any]) -> dict[str, nn.Parameter]:
+    """The trainable weights, by layer name, of the dense ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` modules among ``layers`` (:class:`~scaleout.pytorch.modules.Layer`:
+    those the first forward ran)."""
+    return {f"{layer.name}.weight" if layer.name else "weight": layer.module.weight
+            for layer in layers
+            if isinstance(layer.module, (nn.Embedding, nn.EmbeddingBag))
+            and not layer.module.sparse and layer.module.weight.requires_grad}
+
+
 def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Communicator,
-                      device: torch.device, *, rows: bool
+                      device: torch.device, *, rows: bool,
+                      embeddings: dict[str, nn.Parameter] | None = None,
                       ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """``(tied, lookup_only)``: the parameters ``outputs``' graph reads by an embedding lookup
     and by something else, and, when ``rows`` (row-sparse lookups wanted: :func:`rows_wanted`),
     those it reads by embedding lookups alone, less those whose rows this batch read more
     than ``LOOKUP_DENSE_ABOVE`` of (a positional embedding). Rank 0's graph decides.
+    ``embeddings``: the weights (by name) of the embedding modules this forward ran with
+    autograd on; rank 0 warns, naming them, when the graph shows no read of some of them
+    (they then travel whole: not row-sparse, not split).
 
     Raises:
         ValueError: on every rank, when the ranks' ``rows`` differ (``SCALEOUT_LOOKUP_ROWS``
@@ -133,6 +148,14 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
     """
     params = list(params)
     readers = graph_readers(outputs, {id(p): p for p in params})
+    unread = [name for name, p in (embeddings or {}).items() if not readers.get(id(p))]
+    if unread and comm.rank == 0:
+        more = f" and {len(unread) - 8} more" if len(unread) > 8 else ""
+        warnings.warn(
+            f"scaleout: the first forward's autograd graph shows no read of the embedding "
+            f"weight(s) {', '.join(unread[:8])}{more}, although their modules ran: they travel "
+            f"whole (not row-sparse, not split) with torch {torch.__version__}", RuntimeWarning,
+            stacklevel=2)
     kinds = torch.tensor([*(_kind(readers.get(id(p), []), p.shape[0] if p.dim() else 1)
                             for p in params), int(rows)],
                          dtype=torch.int64, device=device)

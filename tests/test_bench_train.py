@@ -402,3 +402,31 @@ def test_fresh_ranks_that_do_not_exit_after_the_result_are_stopped(
             with pytest.raises(train.BenchFailed, match="exit code 1"):
                 train._run_once(cfg, "ddp", place, str(tmp_path), None)
         assert time.monotonic() - started < 20
+
+
+def test_scaleouts_own_warnings_are_said_once_and_kept_with_the_results(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank's warning from scaleout (a path that runs other than meant) reaches the user
+    once per benchmark, and the configuration's results keep it; torch's own do not count.
+    (Stop 44: DLRM's tables went whole on the device machine, seen only in its MB/it.)"""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent("""
+        import json, os, sys, warnings
+        warnings.warn("scaleout: tables travel whole", RuntimeWarning)
+        warnings.warn("something of torch's", UserWarning)
+        if os.environ["RANK"] == "0":
+            with open(sys.argv[1], "w") as handle:
+                json.dump({"median_iter_s": 1.0}, handle)
+    """))
+    monkeypatch.setattr(train, "_worker_args", lambda _c, _n, path: [str(worker), path])
+    cfg = TrainBenchConfig(workload="digits-mlp", ranks=2, testbed=False)
+    place = train.Placement(wrapper=None, master_addr="127.0.0.1", network={})
+    said: set[str] = set()
+    for _ in range(2):  # two rounds of fresh ranks: said once
+        result = train._run_once(cfg, "scaleout", place, str(tmp_path), None, said=said)
+        assert result["warnings"] == ["scaleout: tables travel whole"], result
+    err = capsys.readouterr().err
+    assert err.count("bench train: configuration 'scaleout' warned: scaleout: tables travel "
+                     "whole") == 1, err
+    assert "something of torch's" not in err

@@ -119,12 +119,24 @@ def _launcher_said(lines: list[str], start: str) -> bool:
     return any(line.startswith(start) for line in lines[-3:])
 
 
-class _RankOutput:
-    """Receives the ranks' output lines: progress marks drive the bar, the rest is kept."""
+#: A warning of scaleout's own in the ranks' output (``warnings`` prints "file:line:
+#: Category: message", and scaleout's messages begin "scaleout:").
+OWN_WARNING = "Warning: scaleout:"
 
-    def __init__(self, bar: ProgressBar | None) -> None:
+
+class _RankOutput:
+    """Receives the ranks' output lines: progress marks drive the bar, the rest is kept.
+    scaleout's own warnings (a path that runs other than meant: tables sent whole, say) are
+    kept in ``warnings`` for the configuration's results and said on stderr, once per
+    message in a benchmark (``said``, shared by its configurations)."""
+
+    def __init__(self, bar: ProgressBar | None, name: str = "",
+                 said: set[str] | None = None) -> None:
         self._bar = bar
+        self._name = name
+        self._said = set() if said is None else said
         self.lines: list[str] = []
+        self.warnings: list[str] = []
 
     def write(self, text: str) -> int:
         for line in text.splitlines():
@@ -134,7 +146,17 @@ class _RankOutput:
                     self._bar.update(int(done) / max(int(total), 1))
             elif line.strip():
                 self.lines.append(line)
+                if OWN_WARNING in line:
+                    self._warned("scaleout: " + line.split(OWN_WARNING, 1)[1].strip())
         return len(text)
+
+    def _warned(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+        if message not in self._said:
+            self._said.add(message)
+            print(f"\nbench train: configuration {self._name!r} warned: {message}",
+                  file=sys.stderr, flush=True)
 
     def flush(self) -> None:
         return None
@@ -176,13 +198,14 @@ def _launch_config(config: TrainBenchConfig, name: str, place: Placement, *,
 
 
 def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: str,
-              bar: ProgressBar | None, *, round_index: int = 0) -> dict[str, object]:
+              bar: ProgressBar | None, *, round_index: int = 0,
+              said: set[str] | None = None) -> dict[str, object]:
     path = os.path.join(directory, f"{name}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     traces = trace_folder(config, name, round_index)
     launch_config = _launch_config(config, name, place, traces=traces)
-    out = _RankOutput(bar)
+    out = _RankOutput(bar, name, said)
     code = launch(_worker_args(config, name, path), launch_config, wrapper=place.wrapper,
                   out=out)  # type: ignore[arg-type]
     if _launcher_stopped(code, out.lines):
@@ -199,6 +222,8 @@ def _run_once(config: TrainBenchConfig, name: str, place: Placement, directory: 
         result = json.load(handle)
     if traces is not None and os.path.isdir(traces):  # configurations without DataParallel
         result["trace_dir"] = traces                    # (single, ddp, ...) record nothing
+    if out.warnings:
+        result["warnings"] = out.warnings
     return result
 
 
@@ -245,10 +270,11 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
     runs: list[dict[str, object]] = []
     failed: set[str] = set()
     warm: dict[str, WarmRanks] = {}
+    said: set[str] = set()  # scaleout's warnings already shown
     try:
         with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
             if config.warm and config.rounds > 1 and config.trace is None:
-                warm = _start_warm(config, names, place, tmp, bar, runs, failed)
+                warm = _start_warm(config, names, place, tmp, bar, runs, failed, said)
             for r in range(config.rounds):
                 for order, name in enumerate(rotation(names, r)):
                     bar.start(f"round {r + 1}/{config.rounds}: {name}")
@@ -257,13 +283,17 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
                         continue
                     try:
                         result = (warm[name].run_round(r, _round_timeout(config)) if warm else
-                                  _run_once(config, name, place, tmp, bar, round_index=r))
+                                  _run_once(config, name, place, tmp, bar, round_index=r,
+                                            said=said))
                     except BenchFailed as err:
                         failed.add(name)
                         bar.finish_run("failed")
                         runs.append({"round": r, "order": order, "config": name,
                                      "error": str(err), "reason": err.reason})
                         continue
+                    warned = getattr(warm[name].out, "warnings", ()) if warm else ()
+                    if warned:  # (warm ranks: said at the set-up of their first round)
+                        result["warnings"] = list(warned)
                     throughput = result["batch_per_rank"] * result["ranks"] / result["median_iter_s"]
                     bar.finish_run(f"{throughput:.1f} samples/s")
                     runs.append({**result, "round": r, "order": order, "config": name})
@@ -297,7 +327,7 @@ def _round_timeout(config: TrainBenchConfig) -> float:
 
 def _start_warm(config: TrainBenchConfig, names: tuple[str, ...], place: Placement,
                 directory: str, bar: ProgressBar, runs: list[dict[str, object]],
-                failed: set[str]) -> dict[str, WarmRanks]:
+                failed: set[str], said: set[str]) -> dict[str, WarmRanks]:
     """Start every configuration's warm ranks and wait until all of them are idle; a
     configuration that ends before that is recorded as failed."""
     bar.start("starting warm ranks")
@@ -315,7 +345,7 @@ def _start_warm(config: TrainBenchConfig, names: tuple[str, ...], place: Placeme
             name, _worker_args(config, name, result),
             _launch_config(config, name, place, port=port), folder=folder,
             json_path=result, rounds=config.rounds,
-            out=_RankOutput(bar), wrapper=place.wrapper, go_timeout_s=go_timeout)
+            out=_RankOutput(bar, name, said), wrapper=place.wrapper, go_timeout_s=go_timeout)
     deadline = time.monotonic() + config.timeout_s
     waiting = dict(warm)
     while waiting and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness import run_ranks
 from scaleout.pytorch import lookup_reads
 from scaleout.pytorch.modules import find_layers
 
@@ -112,3 +113,18 @@ def test_embedding_weights_the_walk_does_not_see_are_named_in_a_warning(
         _, only = lookup_reads.find_lookup_reads(model(torch.tensor([1, 2])), params, alone,
                                                  torch.device("cpu"), rows=True, embeddings=ran)
     assert only == []
+
+
+def _walk_body(device: str) -> tuple[int, int]:
+    model = _Tables().to(device)
+    params = {id(p): p for p in model.parameters()}
+    found = lookup_reads.graph_readers(model(torch.tensor([1, 2], device=device)), params)
+    return len(found), len(params)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_walk_reads_every_parameter_of_a_real_graph(device: str) -> None:
+    """On this torch's own nodes (the device machine's torch for ``cuda``): the tables, the
+    sparse one too, and the linear layer."""
+    ((found, total),) = run_ranks(1, _walk_body, device, timeout=120)
+    assert found == total == 4

@@ -407,14 +407,17 @@ def test_fresh_ranks_that_do_not_exit_after_the_result_are_stopped(
 def test_scaleouts_own_warnings_are_said_once_and_kept_with_the_results(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """A rank's warning from scaleout (a path that runs other than meant) reaches the user
-    once per benchmark, and the configuration's results keep it; torch's own do not count.
+    """A rank's warning from scaleout (its message says so, or scaleout's code raised it)
+    reaches the user once per benchmark, and the configuration's results keep it; torch's
+    own do not count.
     (Stop 44: DLRM's tables went whole on the device machine, seen only in its MB/it.)"""
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent("""
         import json, os, sys, warnings
         warnings.warn("scaleout: tables travel whole", RuntimeWarning)
         warnings.warn("something of torch's", UserWarning)
+        print("/x/site-packages/scaleout/pytorch/optimizer.py:243: UserWarning: the .grad of "
+              "w was changed", file=sys.stderr)  # (as a warning from scaleout's code reads)
         if os.environ["RANK"] == "0":
             with open(sys.argv[1], "w") as handle:
                 json.dump({"median_iter_s": 1.0}, handle)
@@ -425,8 +428,10 @@ def test_scaleouts_own_warnings_are_said_once_and_kept_with_the_results(
     said: set[str] = set()
     for _ in range(2):  # two rounds of fresh ranks: said once
         result = train._run_once(cfg, "scaleout", place, str(tmp_path), None, said=said)
-        assert result["warnings"] == ["scaleout: tables travel whole"], result
+        assert result["warnings"] == ["scaleout: tables travel whole",
+                                      "the .grad of w was changed"], result
     err = capsys.readouterr().err
     assert err.count("bench train: configuration 'scaleout' warned: scaleout: tables travel "
                      "whole") == 1, err
+    assert err.count("warned: the .grad of w was changed") == 1, err
     assert "something of torch's" not in err

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -119,9 +120,10 @@ def _launcher_said(lines: list[str], start: str) -> bool:
     return any(line.startswith(start) for line in lines[-3:])
 
 
-#: A warning of scaleout's own in the ranks' output (``warnings`` prints "file:line:
-#: Category: message", and scaleout's messages begin "scaleout:").
-OWN_WARNING = "Warning: scaleout:"
+#: A warning of scaleout's own in the ranks' output: ``warnings`` prints "file:line:
+#: Category: message", the file one of scaleout's (the worker is one too) or the message
+#: beginning "scaleout:". Group 1: the message.
+OWN_WARNING = re.compile(r"(?:/scaleout/\S*\.py:\d+: \w*Warning: |\w*Warning: (?=scaleout:))(.*)")
 
 
 class _RankOutput:
@@ -146,8 +148,8 @@ class _RankOutput:
                     self._bar.update(int(done) / max(int(total), 1))
             elif line.strip():
                 self.lines.append(line)
-                if OWN_WARNING in line:
-                    self._warned("scaleout: " + line.split(OWN_WARNING, 1)[1].strip())
+                if (own := OWN_WARNING.search(line)) is not None:
+                    self._warned(own.group(1).strip())
         return len(text)
 
     def _warned(self, message: str) -> None:

@@ -102,3 +102,32 @@ def test_torchs_class_is_restored_after_a_failure(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match="the store is gone"):
         gloo_device.new_group_on_world_device([0, 1])
     assert distributed_c10d.ProcessGroupGloo is torch_class
+
+
+def test_what_else_torch_passes_goes_on_the_options_or_torch_makes_the_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.14 makes gloo groups with ``enable_reconfigure=``, which the options carry;
+    an argument they cannot carry gets torch's own making (its own device), not an error."""
+    from torch.distributed import distributed_c10d
+
+    class Options:
+        def __init__(self) -> None:
+            self._timeout = self._devices = None
+            self.enable_reconfigure = False
+
+    class TorchGloo:
+        _Options = Options
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.args, self.kwargs = args, kwargs
+
+    monkeypatch.setattr(distributed_c10d, "ProcessGroupGloo", TorchGloo)
+    with gloo_device._gloo_groups_on(["device"]):
+        carried = distributed_c10d.ProcessGroupGloo("store", 0, 2, timeout=5,
+                                                    enable_reconfigure=True)
+        unknown = distributed_c10d.ProcessGroupGloo("store", 0, 2, timeout=5, new_flag=1)
+    options = carried.args[3]
+    assert carried.args[:3] == ("store", 0, 2) and not carried.kwargs
+    assert (options._devices, options._timeout, options.enable_reconfigure) == (["device"], 5, True)
+    assert unknown.args == ("store", 0, 2) and unknown.kwargs == {"timeout": 5, "new_flag": 1}
+    assert distributed_c10d.ProcessGroupGloo is TorchGloo

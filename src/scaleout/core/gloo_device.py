@@ -12,8 +12,9 @@ world group's, as DDP's one group has one device.
 
 torch's ``new_group`` takes no gloo options (``pg_options`` is ignored for gloo), so the
 group is made while ``distributed_c10d.ProcessGroupGloo`` names a subclass that passes the
-world group's devices to the constructor that accepts them. Where any of that is missing
-(another torch), the group is made as torch makes it.
+world group's devices to the constructor that accepts them, with whatever else torch passes
+(torch 2.14 adds ``enable_reconfigure``) set on the same options. Where any of that is
+missing (another torch), the group is made as torch makes it.
 """
 
 from __future__ import annotations
@@ -68,10 +69,17 @@ def _gloo_groups_on(devices: list[Any]) -> Iterator[None]:
     torch_class = distributed_c10d.ProcessGroupGloo
 
     class OnWorldDevice(torch_class):  # type: ignore[misc, valid-type]
-        def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any,
+                     **more: Any) -> None:
             options = torch_class._Options()
+            if not all(hasattr(options, name) for name in more):
+                # an argument the options cannot carry: torch's own making, own device
+                super().__init__(store, rank, size, timeout=timeout, **more)
+                return
             options._timeout = timeout
             options._devices = devices
+            for name, value in more.items():  # (torch 2.14: enable_reconfigure)
+                setattr(options, name, value)
             super().__init__(store, rank, size, options)
 
     distributed_c10d.ProcessGroupGloo = OnWorldDevice

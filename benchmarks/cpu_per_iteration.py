@@ -127,9 +127,11 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
     system = (after.ru_stime - before.ru_stime) / iters
     voluntary = (after.ru_nvcsw - before.ru_nvcsw) / iters  # waits
     switches = voluntary + (after.ru_nivcsw - before.ru_nivcsw) / iters  # + preempted
+    faults = (after.ru_minflt - before.ru_minflt) / iters  # pages the kernel mapped (zeroed)
     if os.environ.get("CPU_JSON"):  # one JSON line per rank, appended
         record = {"config": config, "workload": workload_name, "rank": rank, "world": world,
                   "iters": iters, "wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu,
+                  "system_ms": 1e3 * system, "minor_faults": faults,
                   "main_ms": dict(zip(("forward", "backward", "step"),
                                       (1e3 * p / iters for p in phases))),
                   "threads_ms": {n: 1e3 * v[0] for n, v in threads.items()},
@@ -141,7 +143,8 @@ def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
         print(f"{config} {workload_name} {world} ranks: {1e3 * wall:.2f} ms/it wall, "
               f"{1e3 * cpu:.2f} ms/it CPU ({1e3 * system:.2f} system), {switches:.1f} context "
               f"switches/it ({voluntary:.1f} voluntary); main thread CPU forward "
-              f"{forward:.2f} backward {backward:.2f} step {step:.2f} ms/it", flush=True)
+              f"{forward:.2f} backward {backward:.2f} step {step:.2f} ms/it; {faults:.0f} minor page "
+              f"faults/it", flush=True)
         for column, title, unit in ((0, "CPU per thread (ms/it, clock ticks)", 1e3),
                                     (1, "voluntary context switches per thread per iteration", 1)):
             ranked = sorted(((v[column], n) for n, v in threads.items() if v[column] > 0),

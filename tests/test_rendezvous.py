@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as tdist
 
+from scaleout.core.watchdog import Watchdog, _PeerWatch
 from scaleout.launch.environment import LaunchInfo
 from scaleout.launch.launcher import free_port
 from scaleout.launch.rendezvous import AuthStore, rendezvous
@@ -225,6 +226,37 @@ DELETED = """
     env.finalize()
     print("finished", flush=True)
 """
+
+
+@pytest.mark.parametrize("action", ["delete", "overwrite"])
+def test_a_rank_finds_its_own_heartbeat_entry_tampered_with(
+        capsys: pytest.CaptureFixture[str], action: str) -> None:
+    """Two watchdogs that beat in step read each other's entry just after it was written, so
+    an outsider's deletion between those two moments is rarely seen (the test below missed it
+    once under load). Each rank reads its own entry back before writing the next: here the
+    peer's entry is fresh at every read and only the own one is touched, between two beats."""
+    port = free_port()
+    info = LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                      master_port=port, source="test")
+    job = rendezvous(info, "secret", timeout=5)
+    dog = Watchdog(job, rank=0, world=2, limit=2.0, store_host=None)  # (its thread not run)
+    peer = job.connection(timeout=3)
+    watch = _PeerWatch(1, time.monotonic())
+    outsider = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
+    for beats in (1, 2):
+        peer.set("hb/1", f'{{"beat": {beats}}}')
+        assert dog._round(watch, beats) is None
+        assert "deleted or overwritten" not in capsys.readouterr().err
+    for key in outsider.list_keys():  # every entry (names are hidden); the peer's rewritten
+        if action == "delete":
+            outsider.delete_key(key)
+        else:
+            outsider.set(key, b"not sealed with the job's token")
+    peer.set("hb/1", '{"beat": 3}')
+    assert dog._round(watch, 3) is None  # the peer is not blamed
+    said = capsys.readouterr().err
+    assert "rank 0: rank 0's heartbeat entry was deleted or overwritten" in said
+    assert "rank 0 is not blamed" in said
 
 
 @pytest.mark.parametrize("action", ["delete", "overwrite"])

@@ -218,6 +218,10 @@ class Watchdog:
         host = process_state(self._host_pid) if self._host_pid else None
         if host is not None:
             raise StoreHostDown(host)
+        if beats > 1:  # this rank's own entry, written a period ago, must still be there
+            mine, forged = self._entry(f"hb/{self.rank}")
+            if mine is None or forged:
+                self._tampered(self.rank)
         beat = {"beat": beats, **progress.snapshot()}  # (the calls: for lagging())
         self._store.set(f"hb/{self.rank}", json.dumps(beat))
         if self._read_news():
@@ -238,7 +242,7 @@ class Watchdog:
                     watch.left = True
                     return None
         elif forged or watch.last_beat is not None:  # (seen before, gone now: deleted)
-            self._tampered(watch)
+            self._tampered(watch.rank)
             watch.last_seen = now
         silent = now - watch.last_seen
         if state is None and silent <= self.limit:
@@ -256,20 +260,24 @@ class Watchdog:
         except ForgedValue:
             return None, True
 
-    def _tampered(self, watch: _PeerWatch) -> None:
-        """The watched peer's heartbeat entry vanished after it had been read, or holds a
+    def _tampered(self, rank: int) -> None:
+        """``rank``'s heartbeat entry vanished after it had been written or read, or holds a
         value not sealed with the job's token. No rank deletes one or writes another's, so
         a process outside the job did (the store's port is open to anyone who reaches it;
         values are sealed, names are not protected from deletion or overwriting). That is
         not the peer's silence: say so, once, and do not blame the peer for it. Under
         continuous tampering a peer frozen on another host is then found by the collective
-        timeout instead (a local one still by ``/proc``)."""
+        timeout instead (a local one still by ``/proc``).
+
+        Each rank also reads its own entry back before it writes the next: the peer's entry
+        is read just after the peer wrote it when the two threads beat in step, which leaves
+        a tamperer a window of milliseconds; the own entry's is a whole period."""
         if self._tamper_seen:
             return
         self._tamper_seen = True
-        sys.stderr.write(f"scaleout: rank {self.rank}: rank {watch.rank}'s heartbeat entry "
+        sys.stderr.write(f"scaleout: rank {self.rank}: rank {rank}'s heartbeat entry "
                          "was deleted or overwritten in the job's store by a process outside "
-                         f"the job (no rank does either); rank {watch.rank} is not blamed for "
+                         f"the job (no rank does either); rank {rank} is not blamed for "
                          "its absence\n")
         sys.stderr.flush()
 

@@ -10,6 +10,7 @@ with torchrun (one process per rank), on loopback::
 
     torchrun --nproc_per_node 2 benchmarks/cpu_per_iteration.py scaleout [WORKLOAD] [ITERS]
 
+``THREADS`` (default 1) is torch's intra-op thread count per rank (``bench train --threads``).
 ``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``), ``SCALEOUT_MODE`` (``overlap``,
 ``sync``) and ``SCALEOUT_COMPRESSION`` (a codec spec, e.g. ``powersgd:2``) choose scaleout's
 set-up; ``BUDGET`` (e.g. ``4m``) is ``bench train``'s ``--memory-budget`` (the hybrid's plan),
@@ -78,7 +79,7 @@ def _budget(text: str | None) -> int | None:
 
 
 def main(config: str, workload_name: str = "dlrm", iters: int = 200) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("THREADS", "1")))  # (bench train --threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     workload = get_workload(workload_name)
     batch = workload.default_batch_size

@@ -8,6 +8,9 @@
 #   CELLS="dlrm:8:10gbit dlrm:4:10gbit transformer:8:10gbit" ROUNDS=3 BUDGET=560 \
 #     bash benchmarks/device.sh
 #
+# `python3 benchmarks/scaling_table.py benchmarks/results --since dlrm=2026-11-28T18:30` prints the
+# scaling table so far and the cells it still lacks, cheapest first, as a CELLS line.
+#
 # Stop 44 ran this sequence (its steps by hand): set-up 10 s, gpu tests 77 s, seven cells in
 # 390 s. GPU_TESTS=0 skips the tests. Results: $OUT/{device,gpu-tests}.txt, gpu-tests.xml and
 # scaling.tgz (the device tool brings back eight files at most).

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import scaleout
 from harness import run_ranks
-from scaleout.compression import CodecState, RowsCodec, compressed_allreduce
+from scaleout.compression import CodecState, CompressionConfig, RowsCodec, compressed_allreduce
 from scaleout.compression import rows as rows_module
 from scaleout.compression.rows import ROWS_TOUCHED
 from scaleout.core.grid import GroupType
@@ -49,7 +49,10 @@ def body(mode: str, case: str) -> int:
     net = Lookups().double()
     if case == "hook":  # a dense term on every row: the ids would miss it
         net.emb.weight.register_hook(lambda grad: grad + DENSE)
-    model = DataParallel(net, env.create_distribution())
+    explicit = CompressionConfig(layers={"emb.weight": "rows", "bag.weight": "rows"},
+                                 min_numel=0)  # (the user's codec on the tables alone)
+    model = DataParallel(net, env.create_distribution(),
+                         compression=explicit if case == "explicit codec" else None)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9),
                                model, mode=mode)
     mine = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
@@ -94,6 +97,15 @@ def test_where_the_ids_could_miss_a_row_the_exchange_searches_and_stays_exact(
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")
     scans = run_ranks(2, body, "overlap", case)
     assert all(n > 0 for n in scans) if searched else scans == [0, 0], (case, scans)
+
+
+def test_a_rows_codec_the_user_names_gets_the_ids_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables given the ``rows`` codec by the user, with the runtime's own row-sparse
+    lookups off (``SCALEOUT_LOOKUP_ROWS=0``, as on one machine): their exchanges take the
+    forward's ids as well, and training still equals the single-process reference (before,
+    only the tables the runtime sent row-sparse itself got them, and these searched)."""
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
+    assert run_ranks(2, body, "overlap", "explicit codec") == [0, 0]
 
 
 def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:

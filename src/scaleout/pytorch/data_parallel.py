@@ -156,7 +156,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
         self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
-        self._lookup_only: list[nn.Parameter] = []  # read by lookups alone, to go row-sparse
+        self._lookup_only: list[nn.Parameter] = []  # read by lookups alone (row-sparse...
+        self._rows_default = False  # ...by default when this says: lookup_reads.rows_wanted)
         self._shares: EarlyShares | None = None
         self._lookup_rows: LookupRows | None = None  # each forward's rows, for the exchange
         self._sent_version: dict[int, int] = {}  # .grad's version when it left
@@ -271,10 +272,10 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
     def _after_forward(self, output: Any) -> None:
         if self._session is None:
             ran = ran_embeddings(self._forward_order) if torch.is_grad_enabled() else None
+            self._rows_default = rows_wanted(self._device, self.env.launch.one_machine)
             self._tied, self._lookup_only = find_lookup_reads(
                 output, [p for layer in self._layers for p in layer.params], self.comm,
-                self._device, rows=rows_wanted(self._device, self.env.launch.one_machine),
-                embeddings=ran)
+                self._device, rows=self._rows_default, embeddings=ran)
             self._commit()
         if self._shares and self.training and torch.is_grad_enabled():
             self._shares.hook(output)
@@ -342,7 +343,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         how = dict(compression=self._compression,
                    other_exchange=self.distributed_update or self._comm_hook)
         split = {id(p) for p in self._tied if splittable(p, names[id(p)], **how)}
-        rows = {id(p) for p in self._lookup_only if exact_builtin(p, names[id(p)], **how)}
+        rows = {id(p) for p in self._lookup_only
+                if self._rows_default and exact_builtin(p, names[id(p)], **how)}
         usage = register_layers(session, self.distribution, self._forward_order, names,
                                 distributed_update=self.distributed_update,
                                 compression=self._compression, split=split, rows=rows)
@@ -365,7 +367,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                  for i, ps in layer.early.items()}
         self._shares = EarlyShares(early, holding_back=lambda: self._no_sync,
                                    on_share=self._on_share)
-        self._lookup_rows = LookupRows(session, self._forward_order, rows, self._on_grad)
+        self._lookup_rows = LookupRows(session, self._forward_order,  # (a user's rows codec too)
+                                       {id(p) for p in self._lookup_only}, self._on_grad)
 
     def _nothing_to_exchange(self) -> bool:
         """A lone rank (data and model groups of one), exact gradients, nothing recorded:

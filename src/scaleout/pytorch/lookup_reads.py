@@ -135,9 +135,11 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
                       embeddings: dict[str, nn.Parameter] | None = None,
                       ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """``(tied, lookup_only)``: the parameters ``outputs``' graph reads by an embedding lookup
-    and by something else, and, when ``rows`` (row-sparse lookups wanted: :func:`rows_wanted`),
-    those it reads by embedding lookups alone, less those whose rows this batch read more
-    than ``LOOKUP_DENSE_ABOVE`` of (a positional embedding). Rank 0's graph decides.
+    and by something else, and those it reads by embedding lookups alone, less those whose
+    rows this batch read more than ``LOOKUP_DENSE_ABOVE`` of (a positional embedding). Rank
+    0's graph decides. ``rows``: whether this rank wants such weights row-sparse by default
+    (:func:`rows_wanted`), checked alike on every rank; the caller applies it (a weight the
+    user gave the ``rows`` codec goes row-sparse either way, and its lookups' ids serve it).
     ``embeddings``: the weights (by name) of the embedding modules this forward ran with
     autograd on; rank 0 warns, naming them, when the graph shows no read of some of them
     (they then travel whole: not row-sparse, not split).
@@ -169,7 +171,7 @@ def find_lookup_reads(outputs: Any, params: Iterable[nn.Parameter], comm: Commun
             f"{ROWS_ENV_VAR} alike on every rank")
     decided = every[0][:-1]  # (rank 0's graph)
     return ([p for p, kind in zip(params, decided) if kind == _TIED],
-            [p for p, kind in zip(params, decided) if kind == _LOOKUP_ONLY and rows])
+            [p for p, kind in zip(params, decided) if kind == _LOOKUP_ONLY])
 
 
 def exact_builtin(param: nn.Parameter, name: str, compression: Any, other_exchange: Any) -> bool:

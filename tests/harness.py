@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import faulthandler
+import gc
 import functools
 import multiprocessing as mp
 import os
@@ -41,6 +42,10 @@ def free_port() -> int:
 
 def _child(conn: Any, rank: int, world_size: int, port: int, fn: Callable[..., Any],
            args: tuple[Any, ...], env: Mapping[str, str], timeout: float) -> None:
+    # What the parent left for its garbage collector stays the parent's: a rank that
+    # collected it would run finalizers of objects whose threads it does not have (a store
+    # server left in a reference cycle by an earlier test: its destructor waits for them).
+    gc.freeze()
     code = 0
     try:
         os.environ.update({

@@ -41,12 +41,12 @@ def _counting_scans() -> list[int]:
     return calls
 
 
-def body(mode: str, case: str) -> int:
+def body(mode: str, case: str, device: str = "cpu") -> int:
     scans = _counting_scans()
-    env = scaleout.init(timeout=60)
+    env = scaleout.init(timeout=60, **({"backend": "gloo"} if device == "cuda" else {}))
     world = env.world_size
     torch.manual_seed(0 if env.rank == 0 else 7)  # DataParallel broadcasts rank 0's weights
-    net = Lookups().double()
+    net = Lookups().double().to(device)
     if case == "hook":  # a dense term on every row: the ids would miss it
         net.emb.weight.register_hook(lambda grad: grad + DENSE)
     explicit = CompressionConfig(layers={"emb.weight": "rows", "bag.weight": "rows"},
@@ -57,9 +57,9 @@ def body(mode: str, case: str) -> int:
                                model, mode=mode)
     mine = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
     for step in range(STEPS):
-        ids, targets = batch(step, world)
+        ids, targets = (t.to(device) for t in batch(step, world))
         if case == "extra forward":  # a forward whose graph is never backpropagated
-            model(batch(step + 100, world)[0][mine])
+            model(batch(step + 100, world)[0][mine].to(device))
         if case == "micro-batches":  # two samples, then the rest (an even split keeps the
             with model.no_sync():  # positions of the whole batch), the first under no_sync()
                 (F.mse_loss(model(ids[mine][:2]), targets[mine][:2]) * 2 / PER_RANK).backward()
@@ -72,7 +72,7 @@ def body(mode: str, case: str) -> int:
     model.synchronize()
     expected = reference(world, DENSE if case == "hook" else 0.0)
     for name, param in net.named_parameters():
-        torch.testing.assert_close(param.detach(), expected[name], rtol=1e-9, atol=1e-11,
+        torch.testing.assert_close(param.detach().cpu(), expected[name], rtol=1e-9, atol=1e-11,
                                    msg=lambda m, n=name: f"rank {env.rank} {case} {n}: {m}")
     model.close()
     env.finalize()
@@ -106,6 +106,14 @@ def test_a_rows_codec_the_user_names_gets_the_ids_too(monkeypatch: pytest.Monkey
     only the tables the runtime sent row-sparse itself got them, and these searched)."""
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
     assert run_ranks(2, body, "overlap", "explicit codec") == [0, 0]
+
+
+@pytest.mark.gpu
+def test_a_rows_codec_the_user_names_gets_the_ids_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on CUDA tensors, two ranks sharing one GPU over gloo: the flags are set on the
+    device from the lookups' saved indices (the reference still runs on the CPU)."""
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
+    assert run_ranks(2, body, "overlap", "explicit codec", "cuda", timeout=120) == [0, 0]
 
 
 def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:

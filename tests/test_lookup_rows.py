@@ -36,7 +36,7 @@ class Lookups(nn.Module):
         self.out = nn.Linear(WIDTH, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(ids.shape[0]) % 2
+        rows = torch.arange(ids.shape[0], device=ids.device) % 2
         hidden = self.emb(ids[:, 0]) + self.bag(ids[:, 1:] % BAG_ROWS) + self.pos(rows)
         return self.out(torch.tanh(hidden))
 

@@ -206,7 +206,12 @@ def _checked_hint(hint: torch.Tensor | None, rows: int, device: torch.device
                else type(hint).__name__)
         raise ValueError(f"rows: the {ROWS_TOUCHED!r} hint must be one bool per flagged row "
                          f"({rows}), got {got}")
-    return hint.reshape(-1).to(device)
+    flags = hint.reshape(-1).to(device)
+    if flags.is_cuda:  # written on the compute stream at the forward, read here on the
+        # communication stream: its memory must not return to the compute stream's pool
+        # before these reads are done (it is freed on this thread once the exchange ends)
+        flags.record_stream(torch.cuda.current_stream(flags.device))
+    return flags
 
 
 #: Up to this many ranks the row flags travel as bits, each rank's to every rank (an

@@ -17,7 +17,7 @@ from scaleout.sim.config import codec_model
 from scaleout.sim.testbed_cases import (
     HOST_PROBE,
     LONE_CALLS,
-    LONE_CALLS_FILE,
+    LONE_CALLS_FILES,
     PROBE_BYTES,
     PROBE_FILES,
     CODEC_ROWS,
@@ -60,7 +60,7 @@ def test_host_probe_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
 def test_lone_calls_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
     # the median call of each size on idle ranks: the slower rank's of each run, then the
     # median of the runs
-    rows = [r for r in json.loads((RESULTS / LONE_CALLS_FILE).read_text())["rows"]
+    rows = [r for r in json.loads((RESULTS / LONE_CALLS_FILES[ranks]).read_text())["rows"]
             if r["ranks"] == ranks]
     figures = _figures(rows, ranks, rate, *(
         lambda r, size=size: r["sizes"][str(size)]["idle_ms"] / 1e3 for size in PROBE_BYTES))
@@ -70,6 +70,8 @@ def test_lone_calls_table_is_the_recorded_probe(ranks: int, rate: str) -> None:
 def test_every_rows_link_was_probed_at_its_ranks_and_rate() -> None:
     links = {(ranks, rate) for _, ranks, rate, *_ in TESTBED_ROWS}
     assert links <= set(HOST_PROBE) and links <= set(LONE_CALLS)
+    probed = {ranks for ranks, _ in (*HOST_PROBE, *LONE_CALLS)}
+    assert probed <= set(PROBE_FILES) and probed <= set(LONE_CALLS_FILES)  # (a file for each)
 
 
 def test_probe_sizes_are_the_autotuners() -> None:

@@ -85,7 +85,7 @@ __all__ = [
     "TESTBED_ROWS",
     "HOST_PROBE",
     "LONE_CALLS",
-    "LONE_CALLS_FILE",
+    "LONE_CALLS_FILES",
     "PROBE_FILES",
     "SLOWDOWN",
     "probed_link",
@@ -122,10 +122,11 @@ HOST_PROBE = MappingProxyType({
     (3, "10gbit"): (0.755e-3, 5.896e-3, 0.521e-3, 0.684),
 })
 PROBE_BYTES = (1 << 10, 4 << 20)  # scaleout.pytorch.tune_measure.PROBE_BYTES (a test checks)
-#: the lone-call probe's recorded runs on the testbed (under benchmarks/results)
-LONE_CALLS_FILE = "stop35/lone-calls.json"
+#: ranks -> the lone-call probe's recorded runs on the testbed at that many ranks (under
+#: benchmarks/results; ``PROBE=1 benchmarks/scaling.sh`` and ``probe_json.py`` make more)
+LONE_CALLS_FILES = MappingProxyType({2: "stop35/lone-calls.json", 3: "stop35/lone-calls.json"})
 #: (ranks, rate) -> (1 KB all-reduce s, 4 MiB all-reduce s): the median call of each size,
-#: called one at a time on idle ranks, from :data:`LONE_CALLS_FILE` (the slower rank's figure
+#: called one at a time on idle ranks, from :data:`LONE_CALLS_FILES` (the slower rank's figure
 #: of each run, then the median of the runs; tests/test_sim_testbed_probe.py derives them
 #: again from the file). The testbed's link since stop 35 (:func:`probed_link`).
 LONE_CALLS = MappingProxyType({
@@ -357,7 +358,7 @@ def testbed_scenarios() -> tuple[Scenario, ...]:
                         f"{ranks} ranks; single rank {single} ms (same table), split over the "
                         f"layers as in testbed_traces/{workload}.json; {mb} MB/it; the {rate} "
                         f"link of {ranks} ranks as lone_call_probe.py measured it (the median "
-                        f"lone 1 KB and 4 MiB all-reduce, {LONE_CALLS_FILE}), its CPU per "
+                        f"lone 1 KB and 4 MiB all-reduce, {LONE_CALLS_FILES[ranks]}), its CPU per "
                         f"collective and per MB as host_cpu_probe.py measured them "
                         f"({PROBE_FILES[ranks]}), the CPU "
                         "charged to compute only while both run; compute and codec CPU x "

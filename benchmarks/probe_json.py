@@ -1,6 +1,6 @@
 """The probes' output, as ``benchmarks/scaling.sh`` (``PROBE=1``) writes it, in the JSON form
 ``scaleout.sim.testbed_cases`` reads: the host probe's as ``PROBE_FILES`` names them
-(``stop31/host-probe-3.json``), the lone calls' as ``LONE_CALLS_FILE`` does
+(``stop31/host-probe-3.json``), the lone calls' as ``LONE_CALLS_FILES`` does
 (``stop35/lone-calls.json``). One row per rank and repeat, with the repeat's time and load.
 
     python benchmarks/probe_json.py OUT/probe-4-*.txt > benchmarks/results/stopNN/host-probe-4.json

@@ -1,4 +1,4 @@
-import os, sys, torch
+import torch
 from scaleout.compression import rows as rows_module, CompressionConfig
 calls=[0]; orig=rows_module._touched
 def counted(*a, **k):

@@ -14,8 +14,8 @@ Usage::
 from __future__ import annotations
 
 import faulthandler
-import gc
 import functools
+import gc
 import multiprocessing as mp
 import os
 import pickle

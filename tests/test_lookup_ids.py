@@ -20,7 +20,7 @@ import scaleout
 from harness import run_ranks
 from scaleout.compression import CodecState, CompressionConfig, RowsCodec, compressed_allreduce
 from scaleout.compression import rows as rows_module
-from scaleout.compression.rows import ROWS_TOUCHED
+from scaleout.compression.rows import ROWS_SEARCH, ROWS_TOUCHED
 from scaleout.core.grid import GroupType
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 from test_lookup_rows import PER_RANK, STEPS, Lookups, batch, reference
@@ -29,19 +29,19 @@ DENSE = 1e-3  # what the hook case adds to every row of emb.weight's gradient
 
 
 def _counting_scans() -> list[int]:
-    """Count the exchange's searches for touched rows in this rank."""
-    calls = [0]
+    """Record the rows of every matrix the exchange searches for touched rows in this rank."""
+    searched: list[int] = []
     search = rows_module._touched
 
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        return search(*args, **kwargs)
+    def counted(matrix: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        searched.append(matrix.shape[0])
+        return search(matrix, *args, **kwargs)
 
     rows_module._touched = counted
-    return calls
+    return searched
 
 
-def body(mode: str, case: str, device: str = "cpu") -> int:
+def body(mode: str, case: str, device: str = "cpu") -> list[int]:
     scans = _counting_scans()
     env = scaleout.init(timeout=60, **({"backend": "gloo"} if device == "cuda" else {}))
     world = env.world_size
@@ -49,10 +49,11 @@ def body(mode: str, case: str, device: str = "cpu") -> int:
     net = Lookups().double().to(device)
     if case == "hook":  # a dense term on every row: the ids would miss it
         net.emb.weight.register_hook(lambda grad: grad + DENSE)
-    explicit = CompressionConfig(layers={"emb.weight": "rows", "bag.weight": "rows"},
-                                 min_numel=0)  # (the user's codec on the tables alone)
-    model = DataParallel(net, env.create_distribution(),
-                         compression=explicit if case == "explicit codec" else None)
+    compression = {  # the user's codec on the tables alone, or on every layer
+        "explicit codec": CompressionConfig(layers={"emb.weight": "rows", "bag.weight": "rows"},
+                                            min_numel=0),
+        "rows everywhere": CompressionConfig(codec="rows", min_numel=0)}.get(case)
+    model = DataParallel(net, env.create_distribution(), compression=compression)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9),
                                model, mode=mode)
     mine = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
@@ -76,14 +77,14 @@ def body(mode: str, case: str, device: str = "cpu") -> int:
                                    msg=lambda m, n=name: f"rank {env.rank} {case} {n}: {m}")
     model.close()
     env.finalize()
-    return scans[0]
+    return scans
 
 
 @pytest.mark.parametrize("world,mode", [(2, "overlap"), (3, "sync")])
 def test_the_ids_replace_the_search_and_training_matches_single_process(
         world: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")  # (the ranks are on one machine here)
-    assert run_ranks(world, body, mode, "plain") == [0] * world
+    assert run_ranks(world, body, mode, "plain") == [[]] * world
 
 
 @pytest.mark.parametrize("case,searched", [
@@ -96,7 +97,7 @@ def test_where_the_ids_could_miss_a_row_the_exchange_searches_and_stays_exact(
         case: str, searched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")
     scans = run_ranks(2, body, "overlap", case)
-    assert all(n > 0 for n in scans) if searched else scans == [0, 0], (case, scans)
+    assert all(scans) if searched else scans == [[], []], (case, scans)
 
 
 def test_a_rows_codec_the_user_names_gets_the_ids_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +106,18 @@ def test_a_rows_codec_the_user_names_gets_the_ids_too(monkeypatch: pytest.Monkey
     forward's ids as well, and training still equals the single-process reference (before,
     only the tables the runtime sent row-sparse itself got them, and these searched)."""
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
-    assert run_ranks(2, body, "overlap", "explicit codec") == [0, 0]
+    assert run_ranks(2, body, "overlap", "explicit codec") == [[], []]
+
+
+def test_a_rows_codec_on_every_layer_gives_the_tables_the_ids_and_searches_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rows`` named for every layer: one bucket holds the tables and the other weights. The
+    tables' flags come from the forward's ids; only ``pos`` is searched (2 rows; every batch
+    reads both, so it is not counted as lookup-only), once per exchange, and training
+    matches the reference. Before, a matrix no lookup reads turned the bucket's ids off, and
+    every exchange searched 64 + 48 + 2 rows."""
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
+    assert run_ranks(2, body, "overlap", "rows everywhere") == [[2] * STEPS] * 2
 
 
 @pytest.mark.gpu
@@ -113,12 +125,13 @@ def test_a_rows_codec_the_user_names_gets_the_ids_on_cuda(monkeypatch: pytest.Mo
     """The same on CUDA tensors, two ranks sharing one GPU over gloo: the flags are set on the
     device from the lookups' saved indices (the reference still runs on the CPU)."""
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
-    assert run_ranks(2, body, "overlap", "explicit codec", "cuda", timeout=120) == [0, 0]
+    assert run_ranks(2, body, "overlap", "explicit codec", "cuda", timeout=120) == [[], []]
 
 
 def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:
     """One bucket (two tables, a bias) exchanged with its rows searched for, then with
-    ``hint(touched rows)`` handed in: both sums."""
+    ``hint(touched rows)`` handed in (a ``(flags, ROWS_SEARCH ranges)`` pair: both): both
+    sums."""
     env = scaleout.init(timeout=30)
     comm = env.create_distribution().communicator(GroupType.DATA)
     shapes = [(6, 3), (4, 3), (5,)]
@@ -131,6 +144,8 @@ def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:
     codec, out = RowsCodec(), []
     for handed in (None, hint(touched)):
         state = CodecState()
+        if isinstance(handed, tuple):
+            handed, state.scratch[ROWS_SEARCH] = handed
         if handed is not None:
             state.scratch[ROWS_TOUCHED] = handed
         bucket = grad.clone()
@@ -139,7 +154,7 @@ def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:
         except ValueError as err:
             out.append(str(err))
             continue
-        assert ROWS_TOUCHED not in state.scratch  # (it serves one exchange)
+        assert not {ROWS_TOUCHED, ROWS_SEARCH} & set(state.scratch)  # (one exchange each)
         out.append(bucket)
     env.finalize()
     return out
@@ -153,9 +168,24 @@ def _too_short(touched: torch.Tensor) -> torch.Tensor:
     return touched[:9]
 
 
+def _second_table_searched(touched: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The first table's flags known, the second's (rows 6..9) left to the search."""
+    flags = touched.clone()
+    flags[6:] = False
+    return flags, ((6, 4),)
+
+
+def _search_past_the_rows(touched: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    return touched, ((8, 3),)
+
+
 def test_a_hint_gives_the_searched_sum_and_a_malformed_one_is_named() -> None:
     for searched, hinted in run_ranks(2, _hinted_exchange, _with_extra_rows):
         torch.testing.assert_close(hinted, searched, rtol=0, atol=0)
     for _, error in run_ranks(2, _hinted_exchange, _too_short):
         assert "hint must be one bool per flagged row (10), got 9 values" in error, error
+    for searched, partly in run_ranks(2, _hinted_exchange, _second_table_searched):
+        torch.testing.assert_close(partly, searched, rtol=0, atol=0)
+    for _, error in run_ranks(2, _hinted_exchange, _search_past_the_rows):
+        assert "'rows_search' entry must be (first row, rows) within one block" in error, error
     assert RowsCodec.row_counts([(6, 3), (4, 3), (5,), (1, 3), (0, 3)]) == [6, 4, 0, 0, 0]

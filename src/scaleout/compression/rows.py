@@ -34,7 +34,7 @@ from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 from scaleout.core.collectives import ReduceOp
 
-__all__ = ["ROWS_TOUCHED", "RowsCodec"]
+__all__ = ["ROWS_SEARCH", "ROWS_TOUCHED", "RowsCodec"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,10 +106,12 @@ class RowsCodec(Codec):
         Matrices of one row width back to back (a model's embedding tables) are handled as
         one block of rows: one flag pass, one gather and one scatter for all of them, so
         the host's work per bucket does not grow with the number of tables. A
-        :data:`ROWS_TOUCHED` hint in ``state`` stands in for the flag pass.
+        :data:`ROWS_TOUCHED` hint in ``state`` stands in for the flag pass, but over the
+        rows a :data:`ROWS_SEARCH` entry names.
 
         Raises:
-            ValueError: a :data:`ROWS_TOUCHED` hint that is not one bool per flagged row."""
+            ValueError: a :data:`ROWS_TOUCHED` hint that is not one bool per flagged row, or
+                a :data:`ROWS_SEARCH` range that is not within one block of matrices."""
         check_compressible(self.name, flat)
         if flat.numel() == 0:
             return flat.clone()
@@ -117,14 +119,20 @@ class RowsCodec(Codec):
         matrices = [block for block in blocks if block[2]]
         chosen: dict[int, torch.Tensor] = {}  # block offset -> the rows sent (absent: whole)
         hint = state.scratch.pop(ROWS_TOUCHED, None)  # (for this exchange only)
+        search = state.scratch.pop(ROWS_SEARCH, ())
         if matrices:
             flags = _checked_hint(hint, sum(n // w for _, n, w, _ in matrices), flat.device)
-            if flags is None:  # find them: a pass over every matrix
+            if flags is None or search:
                 scratch = state.work_buffer("magnitudes", flat.numel(), flat.dtype,
                                             device=flat.device)
+            if flags is None:  # find them: a pass over every matrix
                 flags = torch.cat([_touched(flat[o:o + n].view(-1, w),
                                             scratch[o:o + n].view(-1, w))
                                    for o, n, w, _ in matrices])
+            else:  # the hint's, and a pass over the rows it does not know
+                for first, stop, o, w in _searched(search, matrices):
+                    flags[first:stop] = _touched(flat[o:o + (stop - first) * w].view(-1, w),
+                                                 scratch[o:o + (stop - first) * w].view(-1, w))
             if comm.size <= BITS_UP_TO:  # a bit per row, every rank's to every rank: OR
                 bits = _packed(flags)
                 every = yield collectives.alltoall(comm, bits.repeat(comm.size))
@@ -190,6 +198,35 @@ class RowsCodec(Codec):
 #: gradient row is not zero. The exchange then skips the pass over the matrices that finds
 #: them (``scaleout.pytorch.lookup_ids``: DLRM's 5 MB of tables, on the critical path).
 ROWS_TOUCHED = "rows_touched"
+
+#: With a :data:`ROWS_TOUCHED` hint, the flagged rows it does not know (``scratch`` key):
+#: ``(first, count)`` ranges in flag order, each within one block of matrices (a matrix's
+#: rows always are). The exchange searches the gradient for those rows' flags, and takes the
+#: hint's for the others: a bucket of tables and other matrices (``rows`` named for every
+#: layer) skips the pass over its tables. Taken out with the hint; ignored without one.
+ROWS_SEARCH = "rows_search"
+
+
+def _searched(ranges: Sequence[tuple[int, int]], matrices: list[_Block]
+              ) -> list[tuple[int, int, int, int]]:
+    """Each :data:`ROWS_SEARCH` range as ``(first flag, stop flag, first element, width)``.
+
+    Raises:
+        ValueError: a range that is not within one block of ``matrices``."""
+    starts = list(itertools.accumulate((n // w for _, n, w, _ in matrices), initial=0))
+    out = []
+    for entry in ranges:
+        first, count = entry if isinstance(entry, tuple) and len(entry) == 2 else (-1, 0)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (first, count)):
+            first, count = -1, 0
+        b = next((b for b in range(len(matrices)) if starts[b] <= first < starts[b + 1]), None)
+        if b is None or count < 1 or first + count > starts[b + 1]:
+            raise ValueError(f"rows: a {ROWS_SEARCH!r} entry must be (first row, rows) within "
+                             f"one block of matrices (blocks start at rows {starts}), got "
+                             f"{entry!r}")
+        o, _, w, _ = matrices[b]
+        out.append((first, first + count, o + (first - starts[b]) * w, w))
+    return out
 
 
 def _checked_hint(hint: torch.Tensor | None, rows: int, device: torch.device

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from scaleout.compression import CodecState, RowsCodec
-from scaleout.compression.rows import ROWS_TOUCHED
+from scaleout.compression.rows import ROWS_SEARCH, ROWS_TOUCHED
 from scaleout.pytorch.lookup_reads import graph_readers, is_lookup
 from scaleout.pytorch.modules import Layer
 from scaleout.session import Session
@@ -48,11 +48,12 @@ __all__ = ["LookupRows"]
 
 @dataclass(eq=False)
 class _Bucket:
-    """One row-sparse bucket whose flagged rows all belong to lookup-only weights."""
+    """One row-sparse bucket with flagged rows of lookup-only weights (and maybe others')."""
 
     state: CodecState  # the bucket's codec state: the hint goes into its scratch
-    members: list[tuple[nn.Parameter, int]]  # each weight and its first flag
+    members: list[tuple[nn.Parameter, int]]  # each lookup-only weight and its first flag
     rows: int  # flags in all
+    search: tuple[tuple[int, int], ...] = ()  # the other matrices' flags: (first, count)
     seen_step: int = -1  # the codec state's exchanges at the last forward
     valid: bool = True  # every forward since the last exchange gave its rows
 
@@ -60,18 +61,24 @@ class _Bucket:
         """Add this forward's rows to the hint, or drop it until the next exchange."""
         scratch = self.state.scratch
         if self.state.step != self.seen_step:  # an exchange since: it took (or left) the hint
-            scratch.pop(ROWS_TOUCHED, None)
+            self._drop()
             self.valid, self.seen_step = True, self.state.step
         ids = self._looked_up(readers, own_hook) if self.valid else None
         if ids is None:
             self.valid = False
-            scratch.pop(ROWS_TOUCHED, None)
+            self._drop()
             return
         flags = scratch.get(ROWS_TOUCHED)
         if flags is None:
             flags = scratch[ROWS_TOUCHED] = torch.zeros(self.rows, dtype=torch.bool,
                                                         device=ids.device)
+            if self.search:  # (the exchange searches those rows for their flags)
+                scratch[ROWS_SEARCH] = self.search
         flags[ids] = True
+
+    def _drop(self) -> None:
+        self.state.scratch.pop(ROWS_TOUCHED, None)
+        self.state.scratch.pop(ROWS_SEARCH, None)
 
     def _looked_up(self, readers: dict[int, list[tuple[Any, int]]],
                    own_hook: Callable) -> torch.Tensor | None:
@@ -100,8 +107,10 @@ def _own_hooks_only(param: nn.Parameter, own_hook: Callable) -> bool:
 
 
 class LookupRows:
-    """The row-sparse buckets of a committed ``session`` whose flagged rows all belong to
-    weights read by lookups alone, and each forward's rows for them (module docstring).
+    """The row-sparse buckets of a committed ``session`` with flagged rows of weights read by
+    lookups alone, and each forward's rows for them (module docstring); the bucket's other
+    matrices (``rows`` named for every layer) are named for the exchange to search
+    (:data:`~scaleout.compression.rows.ROWS_SEARCH`).
 
     Args:
         session: the committed session.
@@ -120,17 +129,16 @@ class LookupRows:
             state = bucket.state
             if not isinstance(state, CodecHookState) or not isinstance(state.codec, RowsCodec):
                 continue
-            members, first = [], 0
+            members, search, first = [], [], 0
             for ps, rows in zip(bucket.members, RowsCodec.row_counts(state.shapes)):
                 param = sets.get(id(ps))
                 if rows and (param is None or id(param) not in lookup_only):
-                    break  # (a matrix whose rows no lookup says: the exchange finds them)
-                if rows:
+                    search.append((first, rows))  # (no lookup says its rows: searched)
+                elif rows:
                     members.append((param, first))
-                    first += rows
-            else:
-                if members:
-                    self._buckets.append(_Bucket(state.codec_state, members, first))
+                first += rows
+            if members:
+                self._buckets.append(_Bucket(state.codec_state, members, first, tuple(search)))
         self._params = {id(p): p for b in self._buckets for p, _ in b.members}
         self._own_hook = own_hook
 

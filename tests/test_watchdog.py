@@ -118,6 +118,67 @@ def test_heartbeat_names_a_frozen_remote_rank(tmp_path: Path) -> None:
     assert "scaleout run: rank 1 failed first" in out
 
 
+def test_a_process_stopped_for_a_moment_is_not_reported_as_stopped() -> None:
+    """``/proc`` says "stopped" while a profiler samples a rank (``py-spy``: ``t``) or a
+    signal holds it for a moment: only a stop that lasts is reported (before, one read was)."""
+    import signal
+    import threading
+
+    from scaleout.core.failures import STOP_CONFIRM_S, process_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        assert process_state(child.pid) is None
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        threading.Timer(0.05, os.kill, (child.pid, signal.SIGCONT)).start()
+        assert process_state(child.pid) is None  # (resumed 50 ms into the check)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert process_state(child.pid) == "process stopped (SIGSTOP)"
+        assert time.monotonic() - started >= STOP_CONFIRM_S
+        child.kill()
+        child.wait()
+        assert process_state(child.pid) == "process exited"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_rank_a_profiler_samples_is_not_named(tmp_path: Path) -> None:
+    """A rank stopped 20 ms in every 50 for 3 s (a sampling profiler stops its target for
+    moments like these) while two ranks train with a 1 s heartbeat limit: the job ends
+    normally. Before, a watchdog read of ``/proc`` during one of those moments named it at
+    once: "rank 1 failed: process stopped (SIGSTOP) (noticed by rank 0, 0.2 s after ...)"."""
+    script = tmp_path / "sampled.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, time, torch, scaleout
+        BLINK = ("import os, signal, sys, time\\n"
+                 "for _ in range(60):\\n"
+                 "    os.kill(int(sys.argv[1]), signal.SIGSTOP); time.sleep(0.02)\\n"
+                 "    os.kill(int(sys.argv[1]), signal.SIGCONT); time.sleep(0.03)\\n")
+        env = scaleout.init(timeout=60)
+        d = env.create_distribution()
+        if env.rank == 1:
+            sampler = subprocess.Popen([sys.executable, "-c", BLINK, str(os.getpid())])
+        for step in range(200):
+            d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+            time.sleep(0.01)
+        if env.rank == 1:
+            print("sampler", sampler.wait(), flush=True)
+        env.finalize()
+        print("done", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
+    result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                            env=env, capture_output=True, text=True, timeout=60)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and "failed" not in out, out
+    assert out.count("done") == 2 and "sampler 0" in out, out
+
+
 def test_finishing_at_different_times_is_not_failing(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text(textwrap.dedent("""

@@ -4,6 +4,7 @@ says of a process on this machine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -66,13 +67,36 @@ def heartbeat_limit(environ: Mapping[str, str]) -> float | None:
     return value
 
 
-def process_state(pid: int) -> str | None:
-    """Why process ``pid`` (on this machine) cannot answer, or None if it runs."""
+#: A process seen stopped must stay stopped this long (``/proc`` read every
+#: :data:`STOP_POLL_S`) to be reported: a sampling profiler (``py-spy record``, ``py-spy
+#: dump``) or ``strace`` stops its target for a moment at a time (``t``), and one unlucky read
+#: named a live rank as failed and ended the job (stop 46). A rank frozen for good (SIGSTOP,
+#: a debugger holding it) is still named within a period.
+STOP_CONFIRM_S = 0.25
+STOP_POLL_S = 0.005
+_STATES = {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
+           "Z": "process exited", "X": "process exited"}
+
+
+def process_state(pid: int, confirm_s: float = STOP_CONFIRM_S) -> str | None:
+    """Why process ``pid`` (on this machine) cannot answer, or None if it runs. Exited is
+    final; stopped only when ``/proc`` says so for ``confirm_s`` seconds on end."""
     fields = proc_stat(pid)
     if not fields:
         return "process exited"
-    return {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
-            "Z": "process exited", "X": "process exited"}.get(fields[0])
+    state = _STATES.get(fields[0])
+    if state is None or "stopped" not in state:
+        return state
+    until = time.monotonic() + confirm_s
+    while time.monotonic() < until:
+        time.sleep(STOP_POLL_S)
+        fields = proc_stat(pid)
+        if not fields:
+            return "process exited"
+        now = _STATES.get(fields[0])
+        if now is None or "stopped" not in now:
+            return now  # (None: running again, stopped only for a moment)
+    return state
 
 
 class StoreHostDown(Exception):

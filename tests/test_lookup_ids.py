@@ -121,11 +121,14 @@ def test_a_rows_codec_on_every_layer_gives_the_tables_the_ids_and_searches_the_r
 
 
 @pytest.mark.gpu
-def test_a_rows_codec_the_user_names_gets_the_ids_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("case,searched", [("explicit codec", []), ("rows everywhere", [2] * STEPS)])
+def test_a_rows_codec_the_user_names_gets_the_ids_on_cuda(
+        case: str, searched: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The same on CUDA tensors, two ranks sharing one GPU over gloo: the flags are set on the
-    device from the lookups' saved indices (the reference still runs on the CPU)."""
+    device from the lookups' saved indices, and with ``rows`` on every layer the other
+    matrices' rows are searched into them (the reference still runs on the CPU)."""
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "0")
-    assert run_ranks(2, body, "overlap", "explicit codec", "cuda", timeout=120) == [[], []]
+    assert run_ranks(2, body, "overlap", case, "cuda", timeout=120) == [searched] * 2
 
 
 def _hinted_exchange(hint: Callable[[torch.Tensor], Any]) -> list[torch.Tensor]:

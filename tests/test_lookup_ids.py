@@ -121,7 +121,8 @@ def test_a_rows_codec_on_every_layer_gives_the_tables_the_ids_and_searches_the_r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,searched", [("explicit codec", []), ("rows everywhere", [2] * STEPS)])
+@pytest.mark.parametrize("case,searched",
+                         [("explicit codec", []), ("rows everywhere", [2] * STEPS)])
 def test_a_rows_codec_the_user_names_gets_the_ids_on_cuda(
         case: str, searched: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The same on CUDA tensors, two ranks sharing one GPU over gloo: the flags are set on the

@@ -179,6 +179,48 @@ def test_a_rank_a_profiler_samples_is_not_named(tmp_path: Path) -> None:
     assert out.count("done") == 2 and "sampler 0" in out, out
 
 
+def test_a_job_suspended_and_resumed_whole_is_not_failing(tmp_path: Path) -> None:
+    """Every rank stopped for 3 s and resumed (a scheduler suspending the job: Slurm's
+    ``scontrol suspend``, gang scheduling's time slices) with a 1 s heartbeat limit: the job
+    ends normally. Before, the first look after the resume saw every clock 3 s ahead and
+    named a rank: "rank 0 failed: its store (in rank 0's process) stopped answering for
+    3.1 s" (2 runs of 2)."""
+    import signal
+
+    script = tmp_path / "suspended.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time, torch, scaleout
+        env = scaleout.init(timeout=60)
+        d = env.create_distribution()
+        for step in range(400):
+            if step == 20:
+                with open(os.path.join({str(tmp_path)!r}, f"pid.{{env.rank}}"), "w") as f:
+                    f.write(str(os.getpid()))
+            d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+            time.sleep(0.01)
+        env.finalize()
+        print("done", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 0 and "failed" not in out, out
+    assert out.count("done") == 2, out
+
+
 def test_finishing_at_different_times_is_not_failing(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text(textwrap.dedent("""

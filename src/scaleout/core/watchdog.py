@@ -90,6 +90,8 @@ class Watchdog:
         self._tamper_seen = False  # a heartbeat entry was deleted (reported once)
         self._lock = threading.Lock()
         self._last_round = time.monotonic()
+        self._round_began: float | None = None  # a round is under way since (None: none)
+        self._last_check = time.monotonic()  # the last call of failure()
         self._stop = threading.Event()
         self._published = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="scaleout-watchdog")
@@ -99,9 +101,20 @@ class Watchdog:
         return self
 
     def failure(self) -> PeerFailure | None:
-        """The first failure seen by any rank of the job, or None."""
-        silent = time.monotonic() - self._last_round
-        if self._failure is None and silent > self.limit + self.period and self._host_may_fail():
+        """The first failure seen by any rank of the job, or None.
+
+        The store's host is blamed when a round has waited on the store for longer than the
+        limit, not when no round ran: after this process was stopped and resumed with the
+        rest of the job (a scheduler suspending it: Slurm's ``scontrol suspend``, gang
+        scheduling), the first call sees every clock far ahead. So a call that comes more
+        than ``limit / 2`` after the previous one decides nothing: the process was stopped
+        or starved since, and the round under way gets the time to end (stop 46)."""
+        now = time.monotonic()
+        resumed, self._last_check = now - self._last_check > self.limit / 2, now
+        began = self._round_began
+        if (self._failure is None and not resumed and began is not None
+                and now - began > self.limit and self._host_may_fail()):
+            silent = now - self._last_round
             self._record(PeerFailure(
                 rank=self.store_host, detected_by=self.rank,  # type: ignore[arg-type]
                 silent_for=silent,
@@ -176,8 +189,12 @@ class Watchdog:
         beats = 0
         while not self._stop.wait(self.period) and self.failure() is None:
             beats += 1
+            self._round_began = began = time.monotonic()
+            idle = began - self._last_round - self.period  # this thread did not run...
+            if idle > self.period:  # ...(the process stopped or starved): not the peer's
+                watch.last_seen = min(watch.last_seen + idle, began)  # silence to count
             verdict = self._round(watch, beats)
-            self._last_round = time.monotonic()
+            self._last_round, self._round_began = time.monotonic(), None
             if verdict is not None:
                 self._record(PeerFailure(rank=watch.rank, reason=verdict, detected_by=self.rank,
                                          silent_for=time.monotonic() - watch.last_seen))

@@ -1,6 +1,6 @@
 """A rank that is alive but never reaches a collective (busy or blocked outside
 communication) is named by the ranks whose wait for it times out (scaleout.core.progress,
-Watchdog.lagging): before, they said only that "a peer rank may have died"."""
+scaleout.core.peer_waits.lagging): before, they said only that "a peer rank may have died"."""
 
 from __future__ import annotations
 

@@ -4,15 +4,16 @@ peer: they block in slices of ``_SLICE`` seconds and raise
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
-from scaleout.core import watchdog
+from scaleout.core import progress, watchdog
 from scaleout.core.errors import PeerFailedError
 
-__all__ = ["raise_if_failed", "wait_event", "wait_work"]
+__all__ = ["lagging", "raise_if_failed", "wait_event", "wait_work"]
 
 _SLICE = 0.2  # seconds a wait blocks before it looks at the watchdog again
 
@@ -77,3 +78,22 @@ def _verdict(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while watchdog.blocked() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def lagging(group: str) -> str | None:
+    """:func:`scaleout.core.progress.lagging` from the members' last heartbeats, for a wait
+    that timed out; None also when no watchdog runs, a failure is known or the store does
+    not answer."""
+    dog = watchdog.active()
+    if dog is None or dog.failure() is not None:
+        return None
+    try:
+        store = dog.connection()
+
+        def heartbeat(rank: int) -> dict[str, Any]:
+            beat = store.get_if_present(f"hb/{rank}")
+            return {} if beat is None else json.loads(beat)
+
+        return progress.lagging(group, dog.rank, heartbeat)
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return None  # (a store that does not answer, or a heartbeat of another format)

@@ -8,7 +8,7 @@ counts the collectives it starts per group (:func:`started`, called by
 ``scaleout.core.communicator.Communicator.request``: a dictionary update, no I/O) and its watchdog
 publishes the counts with every heartbeat (:func:`snapshot`). A rank whose wait times out
 compares its own count on the group with each member's last published one: a member that has
-started fewer has not reached the call (``scaleout.core.watchdog.lagging``).
+started fewer has not reached the call (``scaleout.core.peer_waits.lagging``).
 
 Counts are per group *label* (``data[0, 1]``): every member of a group makes the same calls in
 the same order, so equal labels count alike on every rank.

@@ -18,8 +18,7 @@ from typing import Any
 
 from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.core.checks import check_seconds
-from scaleout.core.peer_waits import raise_if_failed, wait_event, wait_work
-from scaleout.core.watchdog import lagging
+from scaleout.core.peer_waits import lagging, raise_if_failed, wait_event, wait_work
 
 __all__ = [
     "Deadline", "Request", "WorkRequest", "FutureRequest", "ThenRequest", "completed_request",

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # (a run-time import would make core and launch import each o
     from scaleout.launch.rendezvous import Rendezvous
 
 __all__ = ["HEARTBEAT_VAR", "DEFAULT_LIMIT", "PeerFailure", "Watchdog", "start", "stop",
-           "failure", "blocked", "active", "note_raised", "lagging", "heartbeat_limit"]
+           "failure", "blocked", "active", "note_raised", "heartbeat_limit"]
 
 
 @dataclass
@@ -101,14 +101,10 @@ class Watchdog:
         return self
 
     def failure(self) -> PeerFailure | None:
-        """The first failure seen by any rank of the job, or None.
-
-        The store's host is blamed when a round has waited on the store for longer than the
-        limit, not when no round ran: after this process was stopped and resumed with the
-        rest of the job (a scheduler suspending it: Slurm's ``scontrol suspend``, gang
-        scheduling), the first call sees every clock far ahead. So a call that comes more
-        than ``limit / 2`` after the previous one decides nothing: the process was stopped
-        or starved since, and the round under way gets the time to end (stop 46)."""
+        """The first failure seen by any rank of the job, or None. The store's host is blamed
+        for a round stuck on the store longer than the limit; a call more than ``limit / 2``
+        after the previous one decides nothing (the process was stopped with the job, say by
+        Slurm's ``scontrol suspend``, or starved: its clocks jumped; stop 46)."""
         now = time.monotonic()
         resumed, self._last_check = now - self._last_check > self.limit / 2, now
         began = self._round_began
@@ -222,6 +218,10 @@ class Watchdog:
             reason=f"rank {self.store_host} (host of the rendezvous store) is unreachable: "
                    f"{evidence}", silent_for=time.monotonic() - self._last_round))
 
+    def connection(self) -> Any:
+        """A store connection of its own (the thread's is in use), with the thread's timeout."""
+        return self._job.connection(timeout=max(self.period, 0.5))
+
     def settle(self) -> None:
         """Give the thread a moment to tell the other ranks what this rank found, so that
         they name the same rank even if this one exits right after raising."""
@@ -279,16 +279,12 @@ class Watchdog:
 
     def _tampered(self, rank: int) -> None:
         """``rank``'s heartbeat entry vanished after it had been written or read, or holds a
-        value not sealed with the job's token. No rank deletes one or writes another's, so
-        a process outside the job did (the store's port is open to anyone who reaches it;
-        values are sealed, names are not protected from deletion or overwriting). That is
-        not the peer's silence: say so, once, and do not blame the peer for it. Under
-        continuous tampering a peer frozen on another host is then found by the collective
-        timeout instead (a local one still by ``/proc``).
-
-        Each rank also reads its own entry back before it writes the next: the peer's entry
-        is read just after the peer wrote it when the two threads beat in step, which leaves
-        a tamperer a window of milliseconds; the own entry's is a whole period."""
+        value not sealed with the job's token: a process outside the job did it (values are
+        sealed, names are not protected). Not the peer's silence: say so, once, and do not
+        blame the peer. (Under continuous tampering a peer frozen on another host is found
+        by the collective timeout; a local one still by ``/proc``.) Each rank also reads its
+        own entry back before it writes the next: a whole period's window, where the peer's,
+        read just after the peer wrote it, may be milliseconds."""
         if self._tamper_seen:
             return
         self._tamper_seen = True
@@ -397,20 +393,3 @@ def blocked() -> PeerFailure | None:
     """:func:`failure` for a rank that waits on its peers (a departed rank counts)."""
     return _active[0].blocked() if _active else None
 
-
-def lagging(group: str) -> str | None:
-    """:func:`scaleout.core.progress.lagging` from the members' last heartbeats; None also
-    when no watchdog runs, a failure is known or the store does not answer."""
-    if not _active or _active[0].failure() is not None:
-        return None
-    dog = _active[0]
-    try:  # (a connection of its own: the heartbeat thread's is in use)
-        store = dog._job.connection(timeout=max(dog.period, 0.5))
-
-        def heartbeat(rank: int) -> dict[str, Any]:
-            beat = store.get_if_present(f"hb/{rank}")
-            return {} if beat is None else json.loads(beat)
-
-        return progress.lagging(group, dog.rank, heartbeat)
-    except (RuntimeError, ValueError, TypeError, AttributeError):
-        return None  # (a store that does not answer, or a heartbeat of another format)

@@ -11,6 +11,11 @@ with torchrun (one process per rank), on loopback::
     torchrun --nproc_per_node 2 benchmarks/cpu_per_iteration.py scaleout [WORKLOAD] [ITERS]
 
 ``THREADS`` (default 1) is torch's intra-op thread count per rank (``bench train --threads``).
+torchrun leaves glibc's allocator at its defaults, where ``bench train`` and ``scaleout run``
+give ranks ``--allocator keep``: for the same setting, run with ``GLIBC_TUNABLES=glibc.malloc.
+trim_threshold=1073741824:glibc.malloc.mmap_threshold=1073741824`` (``scaleout.launch.
+allocator``). Without it both configurations page-fault 20-40k times per ResNet-18
+iteration, which is system time that ``bench train`` does not see (RESULTS.md, stop 46).
 ``SCALEOUT_POLICY`` (``default``, ``priority``, ``fifo``), ``SCALEOUT_MODE`` (``overlap``,
 ``sync``) and ``SCALEOUT_COMPRESSION`` (a codec spec, e.g. ``powersgd:2``) choose scaleout's
 set-up; ``BUDGET`` (e.g. ``4m``) is ``bench train``'s ``--memory-budget`` (the hybrid's plan),

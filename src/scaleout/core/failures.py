@@ -76,6 +76,7 @@ STOP_CONFIRM_S = 0.25
 STOP_POLL_S = 0.005
 _STATES = {"T": "process stopped (SIGSTOP)", "t": "process stopped (traced)",
            "Z": "process exited", "X": "process exited"}
+_STOPPED = frozenset("Tt")
 
 
 def process_state(pid: int, confirm_s: float = STOP_CONFIRM_S) -> str | None:
@@ -84,19 +85,13 @@ def process_state(pid: int, confirm_s: float = STOP_CONFIRM_S) -> str | None:
     fields = proc_stat(pid)
     if not fields:
         return "process exited"
-    state = _STATES.get(fields[0])
-    if state is None or "stopped" not in state:
-        return state
     until = time.monotonic() + confirm_s
-    while time.monotonic() < until:
+    while fields[0] in _STOPPED and time.monotonic() < until:  # (stopped for a moment?)
         time.sleep(STOP_POLL_S)
         fields = proc_stat(pid)
         if not fields:
             return "process exited"
-        now = _STATES.get(fields[0])
-        if now is None or "stopped" not in now:
-            return now  # (None: running again, stopped only for a moment)
-    return state
+    return _STATES.get(fields[0])
 
 
 class StoreHostDown(Exception):

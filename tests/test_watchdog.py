@@ -221,6 +221,53 @@ def test_a_job_suspended_and_resumed_whole_is_not_failing(tmp_path: Path) -> Non
     assert out.count("done") == 2, out
 
 
+def test_a_suspension_longer_than_a_wait_under_way_is_named_as_its_cause(tmp_path: Path) -> None:
+    """The job stopped whole for 3.5 s while rank 0 waits on rank 1 under a 2 s timeout: the
+    wait cannot survive it (gloo's own receive times out at the resume as well), but its
+    error says this process was stopped rather than blaming a peer. Before: "did not complete
+    within 2 s (a peer rank may have died, diverged, or called a different operation)"."""
+    import signal
+
+    script = tmp_path / "suspended.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, threading, time, torch, scaleout
+        env = scaleout.init(timeout=2)
+        d = env.create_distribution()
+        d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+        def mark():
+            with open(os.path.join({str(tmp_path)!r}, f"pid.{{env.rank}}"), "w") as f:
+                f.write(str(os.getpid()))
+        if env.rank == 0:
+            threading.Timer(0.3, mark).start()  # rank 0 is in its wait by then
+        else:
+            mark()
+            time.sleep(1.2)  # < the timeout: without the stop, rank 0's wait ends in time
+        d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+        env.finalize()
+        print("done", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(3.5)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0, out
+    found = re.search(r"rank 0: allreduce on group .+? did not complete within 2 s \(this process "
+                      r"did not run for (\d+\.\d) s of that time", out)
+    assert found and 2.5 <= float(found.group(1)) <= 4.0, out
+
+
 def test_finishing_at_different_times_is_not_failing(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text(textwrap.dedent("""

@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from scaleout.core import progress, watchdog
+from scaleout.core import progress, stalls, watchdog
 from scaleout.core.errors import PeerFailedError
 
 __all__ = ["lagging", "raise_if_failed", "wait_event", "wait_work"]
@@ -38,11 +38,15 @@ def wait_event(event: threading.Event, seconds: float, rank: int, group: str,
         True when the event was set, False on timeout (as ``Event.wait``).
     """
     deadline = time.monotonic() + seconds
-    while not event.wait(min(_SLICE, max(deadline - time.monotonic(), 0.0))):
+    while True:
+        step = min(_SLICE, max(deadline - time.monotonic(), 0.0))
+        due = time.monotonic() + step
+        if event.wait(step):
+            return True
+        stalls.note_late(due)  # (a slice that ended far too late: this process was stopped)
         raise_if_failed(rank, group, operation)
         if time.monotonic() >= deadline:
             return False
-    return True
 
 
 def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) -> None:
@@ -58,11 +62,13 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
         raise_if_failed(rank, group, operation)
         remaining = deadline - time.monotonic()
         dog = watchdog.active()
-        step = min(remaining, _SLICE) if dog is not None else remaining
+        step = max(min(remaining, _SLICE) if dog is not None else remaining, 1e-3)
+        due = time.monotonic() + step
         try:
-            work.wait(timeout=timedelta(seconds=max(step, 1e-3)))
+            work.wait(timeout=timedelta(seconds=step))
             return
         except RuntimeError as err:
+            stalls.note_late(due)
             if "timed out" in str(err).lower() and remaining > _SLICE:
                 continue
             if dog is not None and "timed out" not in str(err).lower():

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from scaleout.core import stalls
 from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.core.checks import check_seconds
 from scaleout.core.peer_waits import lagging, raise_if_failed, wait_event, wait_work
@@ -45,6 +46,11 @@ class Deadline:
 
     def expired(self) -> bool:
         return time.monotonic() >= self._at
+
+    @property
+    def began(self) -> float:
+        """When the countdown started (``time.monotonic()``)."""
+        return self._at - self.seconds
 
 
 class Request(ABC):
@@ -121,8 +127,8 @@ class Request(ABC):
                    rank=self.rank, group=self.group, operation=self.operation)
 
     def timed_out(self, deadline: Deadline) -> CommunicationTimeout:
-        behind = lagging(self.group)
-        why = behind or "a peer rank may have died, diverged, or called a different operation"
+        why = (stalls.why_timed_out(deadline.began, deadline.seconds) or lagging(self.group)
+               or "a peer rank may have died, diverged, or called a different operation")
         return self.error(f"did not complete within {deadline.seconds:g} s ({why})",
                           CommunicationTimeout)  # type: ignore[return-value]
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from scaleout.core import progress
+from scaleout.core import progress, stalls
 from scaleout.core.failures import (DEFAULT_LIMIT, DEPARTED, HEARTBEAT_VAR, PeerFailure,
                                     StoreHostDown, broken_by_communication, first_line,
                                     heartbeat_limit, process_state)
@@ -186,6 +186,7 @@ class Watchdog:
         while not self._stop.wait(self.period) and self.failure() is None:
             beats += 1
             self._round_began = began = time.monotonic()
+            stalls.note_late(self._last_round + self.period, began)
             idle = began - self._last_round - self.period  # this thread did not run...
             if idle > self.period:  # ...(the process stopped or starved): not the peer's
                 watch.last_seen = min(watch.last_seen + idle, began)  # silence to count

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from scaleout.core import stalls
 from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Deadline, Request
@@ -25,6 +26,8 @@ from scaleout.core.peer_waits import wait_event
 from scaleout.scheduler.policy import LaneState, Policy
 
 __all__ = ["Job", "ProgressEngine"]
+
+_IDLE_POLL = 0.5  # seconds the idle thread waits for news before it looks at the timeouts
 
 # One piece of a job: starts its collective on the lane's communicator without blocking and
 # returns a request with test(), wait() and when_done() (a Request or a CompressedRequest).
@@ -191,11 +194,14 @@ class ProgressEngine:
             torch.cuda.set_stream(self._stream)  # this thread's current stream
         try:
             while True:
+                due = time.monotonic() + _IDLE_POLL
                 try:
-                    kind, payload = self._inbox.get(timeout=0.5)
+                    kind, payload = self._inbox.get(timeout=_IDLE_POLL)
                 except queue.Empty:
+                    stalls.note_late(due)  # (this process was stopped: see core/stalls.py)
                     self._check_timeouts()
                     continue
+                stalls.note_late(due)
                 if kind == "stop":
                     return
                 self._handle(kind, payload)

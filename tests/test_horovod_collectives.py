@@ -202,6 +202,42 @@ def test_gather_family(n: int) -> None:
     run_ranks(n, body_gather_family, timeout=120)
 
 
+def body_integer_scaling(dtype: torch.dtype) -> None:
+    """Integer tensors are scaled as Horovod scales them: in float64, truncated toward zero
+    (Average used to floor, -4.67 -> -5, and scale factors on them raised TypeError)."""
+    hvd.init(timeout=30)
+    r, n = hvd.rank(), hvd.size()
+    every = [[(-1) ** i * (q * q + 2 * i + 1) for i in range(n)] for q in range(n)]
+    columns = list(zip(*every))  # sums not multiples of n, some negative
+    want = {  # int() truncates toward zero, as a cast from double does
+        "average": [int(sum(c) / n) for c in columns],
+        "prescale": [sum(int(v * 0.5) for v in c) for c in columns],
+        "postscale": [int(sum(c) * 0.5) for c in columns],
+        "average_postscale": [int(sum(c) * 3.0 / n) for c in columns],
+    }
+    x = torch.tensor(every[r], dtype=dtype)
+    got = {
+        "average": hvd.allreduce(x),
+        "prescale": hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5),
+        "postscale": hvd.allreduce(x, op=hvd.Sum, postscale_factor=0.5),
+        "average_postscale": hvd.synchronize(hvd.allreduce_async(x, postscale_factor=3.0)),
+    }
+    # reducescatter of one row per member: member r gets element r of the allreduce
+    rows = x.reshape(n, 1)
+    scattered = {"average": hvd.reducescatter(rows),
+                 "prescale": hvd.reducescatter(rows, op=hvd.Sum, prescale_factor=0.5)}
+    for key, value in got.items():
+        assert value.dtype == dtype and value.tolist() == want[key], (key, value, want[key])
+    for key, value in scattered.items():
+        assert value.dtype == dtype and value.tolist() == [[want[key][r]]], (key, value)
+    hvd.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_tensors_are_scaled_in_float64_and_truncated(dtype: torch.dtype) -> None:
+    run_ranks(3, body_integer_scaling, dtype, timeout=90)
+
+
 def _raises(kind: type[BaseException], text: str, fn) -> str:
     try:
         fn()
@@ -257,8 +293,8 @@ def body_bad_arguments() -> None:
     _raises(ValueError, "op must be hvd.Average, Sum, Min or Max",
             lambda: hvd.reducescatter(torch.ones(4), op=hvd.Product))
     _raises(ValueError, "at least one dimension", lambda: hvd.reducescatter(torch.tensor(1.0)))
-    _raises(TypeError, "needs a floating tensor",
-            lambda: hvd.allreduce(torch.ones(2, dtype=torch.int64), prescale_factor=2.0))
+    _raises(TypeError, "prescale_factor must be a number",
+            lambda: hvd.allreduce(torch.ones(2), prescale_factor="2"))
     _raises(ValueError, "handle 12345 is unknown", lambda: hvd.synchronize(12345))
     _raises(TypeError, "handle must be an int", lambda: hvd.poll("x"))
     _raises(ValueError, "hvd.Average or hvd.Sum",

@@ -99,3 +99,39 @@ def test_automatic_names_that_differ_say_why() -> None:
         mine, theirs = ("0", "1") if r == 0 else ("1", "0")
         assert f"this rank: 'allreduce.noname.{mine}', that rank: 'allreduce.noname.{theirs}'" \
             in both, both
+
+
+def body_codec_state_names() -> dict[str, object]:
+    """A codec compression keeps error feedback per name. DistributedOptimizer without
+    named_parameters names parameter j of group i ``allreduce.noname.i.j`` (as Horovod), apart
+    from unnamed allreduces (its names used to be theirs, so one shared codec fed a gradient's
+    residual into an unrelated allreduce); an unnamed allreduce with a codec is refused (its
+    name changes every call: the residual was never fed back and the states grew)."""
+    hvd.init(timeout=30)
+    codec = hvd.Compression.codec("topk:ratio=0.25")
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": [model.weight]},
+                                                    {"params": [model.bias]}], lr=0.1),
+                                   compression=codec)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    out: dict[str, object] = {"optimizer": sorted(codec.states)}
+    try:
+        hvd.allreduce(torch.ones(4), compression=codec)
+    except ValueError as err:
+        out["unnamed"] = str(err)
+    out["states"] = len(codec.states)
+    for _ in range(3):  # named: one state, its residual fed back every call
+        hvd.allreduce(torch.ones(4), name="g", compression=codec)
+    out["named_states"] = len(codec.states)
+    out["fp16"] = hvd.allreduce(torch.ones(2), compression=hvd.Compression.fp16).tolist()
+    hvd.shutdown()
+    return out
+
+
+def test_codec_state_names_neither_collide_nor_grow() -> None:
+    for got in run_ranks(2, body_codec_state_names, timeout=60):
+        assert got["optimizer"] == ["allreduce.noname.0.0", "allreduce.noname.1.0"], got
+        assert "pass name=" in got.get("unnamed", ""), got
+        assert got["states"] == 2 and got["named_states"] == 3, got
+        assert got["fp16"] == [1.0, 1.0], got  # stateless compressions stay fine unnamed

@@ -11,6 +11,7 @@ from torch import nn
 
 import scaleout.horovod as hvd
 from harness import run_ranks
+from scaleout.horovod.errors import NotInitialized
 
 # A process's first optimizer costs seconds of lazy torch imports: pay it once here, before
 # the ranks fork, not in every rank of every test.
@@ -305,3 +306,91 @@ def test_sparse_gradients_are_averaged_dense() -> None:
     want[1] -= 0.5
     want[5] -= 1.0
     assert torch.allclose(got[0], want) and torch.allclose(got[1], want)
+
+
+def body_zero_grad_while_accumulating() -> dict[str, object]:
+    """zero_grad() between the passes of backward_passes_per_step=2 raises, as in Horovod (it
+    used to drop the first pass's gradient silently)."""
+    hvd.init(timeout=30)
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2)
+    out: dict[str, object] = {}
+    model(torch.tensor([[1.0]])).sum().backward()  # pass 1: gradient 1, kept locally
+    try:
+        opt.zero_grad()
+    except RuntimeError as err:
+        out["error"] = str(err)
+    model(torch.tensor([[10.0]])).sum().backward()  # pass 2: gradient 10, then the allreduce
+    opt.step()
+    opt.zero_grad()  # after step() it is allowed again
+    out["weight"] = model.weight.item()
+    hvd.shutdown()
+    return out
+
+
+def test_zero_grad_between_accumulation_passes_raises() -> None:
+    for got in run_ranks(2, body_zero_grad_while_accumulating, timeout=60):
+        assert "before optimizer.step() or optimizer.synchronize()" in got.get("error", ""), got
+        assert got["weight"] == -11.0, got  # both passes' gradients, averaged over equal ranks
+
+
+def body_optimizer_outside_its_process_set() -> dict[str, object]:
+    """Ranks 0 and 1 average over their set; rank 2, outside it, steps on its own gradient,
+    as in Horovod (its gradient hook used to raise "not a member")."""
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    pair = hvd.add_process_set([0, 1])
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(), process_set=pair)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.tensor([[r + 1.0]])).sum().backward()  # gradient r + 1
+        opt.step()
+    out: dict[str, object] = {"weight": model.weight.item()}
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                 process_set=hvd.ProcessSet([0, 2]))
+    except NotInitialized as err:
+        out["unregistered"] = str(err)
+    hvd.shutdown()
+    return out
+
+
+def test_optimizer_steps_locally_outside_its_process_set() -> None:
+    got = run_ranks(3, body_optimizer_outside_its_process_set, timeout=90)
+    assert [g["weight"] for g in got] == [-3.0, -3.0, -6.0], got  # 2 steps of 1.5, 1.5, 3
+    assert all("not registered" in g.get("unregistered", "") for g in got), got
+
+
+def body_broadcast_parameter_lists() -> list[object]:
+    """broadcast_parameters takes model.parameters() as a list, as Horovod does (it used to
+    raise ValueError), as well as (name, tensor) pairs."""
+    hvd.init(timeout=30)
+    r = hvd.rank()
+    model = _model(seed=r)
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=0)
+    plain = [p.detach().clone() for p in model.parameters()]
+    other = _model(seed=10 + r)
+    hvd.broadcast_parameters(list(other.named_parameters()), root_rank=1)
+    errors = []
+    try:
+        hvd.broadcast_parameters([("w", torch.ones(1), 3)], root_rank=0)
+    except ValueError as err:
+        errors.append(str(err))
+    hvd.shutdown()
+    return [plain, [p.detach() for p in other.parameters()], errors]
+
+
+def test_broadcast_parameters_takes_a_list_of_parameters() -> None:
+    got = run_ranks(2, body_broadcast_parameter_lists, timeout=60)
+    for index, root_model in ((0, _model(seed=0)), (1, _model(seed=11))):  # roots 0 and 1
+        want = [p.detach() for p in root_model.parameters()]
+        for rank_got in got:
+            assert all(torch.equal(g, w) for g, w in zip(rank_got[index], want, strict=True))
+    for rank_got in got:
+        assert len(rank_got[2]) == 1 and "a tuple of 3 items" in rank_got[2][0], rank_got[2]

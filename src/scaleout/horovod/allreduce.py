@@ -29,7 +29,7 @@ from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_count,
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
-    "copy_of", "start_group",
+    "copy_of", "start_group", "multiply",
 ]
 
 _CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
@@ -48,11 +48,20 @@ def require_tensor(tensor: object, operation: str) -> torch.Tensor:
     return tensor
 
 
-def _factor(value: object, what: str, tensor: torch.Tensor, operation: str) -> float:
+def multiply(tensor: torch.Tensor, factor: float, in_place: bool = False) -> torch.Tensor:
+    """``tensor * factor`` (into ``tensor`` when ``in_place``); an integer tensor is scaled as
+    Horovod scales one: in float64, then cast back (truncated toward zero)."""
+    if factor == 1.0:
+        return tensor
+    if not tensor.dtype.is_floating_point:
+        product = (tensor.to(torch.float64) * factor).to(tensor.dtype)
+        return tensor.copy_(product) if in_place else product
+    return tensor.mul_(factor) if in_place else tensor * factor
+
+
+def _factor(value: object, what: str, operation: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{operation}: {what} must be a number, got {type(value).__name__}")
-    if value != 1 and not tensor.dtype.is_floating_point:
-        raise TypeError(f"{operation}: {what}={value} needs a floating tensor, got {tensor.dtype}")
     return float(value)
 
 
@@ -62,25 +71,30 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
                     kind: str = "allreduce") -> Pending:
     """Start reducing ``output`` in place over ``process_set``; the pending result is ``output``.
 
+    Integer tensors are scaled (by the factors, and by ``1 / size`` for Average) in float64
+    and truncated toward zero, as Horovod does.
+
     Raises:
-        TypeError: not a tensor, unsupported dtype, or a scale factor on an integer tensor.
+        TypeError: not a tensor, unsupported dtype, or a scale factor that is not a number.
         TensorMismatchError: the members disagree on name, op, dtype or shape, or another
             member's arguments failed these checks.
         NotImplementedError: Adasum on a non-power-of-two set.
-        ValueError: a scaleout codec with an op other than Average/Sum or a process set.
+        ValueError: a scaleout codec with an op other than Average/Sum, a process set, or
+            no name.
     """
     comm = process_set.communicator(kind)
+    named = name is not None
     name = rt.auto_name(kind, name, process_set)
     codec = isinstance(compression, CodecCompression)
     send, ctx, refused = None, None, None
     try:  # every check first: a rank whose arguments fail tells the others, nobody waits
         output = check_tensor(require_tensor(output, kind), kind)
-        prescale = _factor(prescale, "prescale_factor", output, kind)
-        postscale = _factor(postscale, "postscale_factor", output, kind)
+        prescale = _factor(prescale, "prescale_factor", kind)
+        postscale = _factor(postscale, "postscale_factor", kind)
         if op is Adasum:
             check_adasum_size(comm.size, kind)
         if codec:
-            _check_codec(op, process_set, kind)
+            _check_codec(op, process_set, named, kind)
         send, ctx = (output, None) if codec else compression.compress(output)
     except ARGUMENT_ERRORS as err:
         refused = err
@@ -90,8 +104,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     assert send is not None  # (exchange_signature raised otherwise)
     if codec:
         return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)
-    if prescale != 1.0:
-        send = send.mul_(prescale)
+    send = multiply(send, prescale, in_place=True)
     if op in (Product, Adasum):
         request = coll.allgather(comm, send.unsqueeze(0) if send.dim() else send.reshape(1))
     else:
@@ -105,11 +118,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
         elif op is Adasum:
             reduced = adasum_tree(reduced).reshape(output.shape)
         reduced = compression.decompress(reduced, ctx)
-        scale = postscale / size if op is Average else postscale
-        if op is Average and not reduced.dtype.is_floating_point:
-            reduced = torch.div(reduced, size, rounding_mode="floor")
-        elif scale != 1.0:
-            reduced = reduced * scale
+        reduced = multiply(reduced, postscale / size if op is Average else postscale)
         if reduced is not output:
             output.copy_(reduced)
         return output
@@ -117,26 +126,27 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     return Pending(kind=kind, name=name, requests=[request], finish=finish)
 
 
-def _check_codec(op: ReduceOp, process_set: ProcessSet, kind: str) -> None:
+def _check_codec(op: ReduceOp, process_set: ProcessSet, named: bool, kind: str) -> None:
     if op not in (Average, Sum):
         raise ValueError(f"{kind}: a scaleout codec compression reduces with hvd.Average or "
                          f"hvd.Sum, got op={op.name}")
     if process_set is not global_process_set:
         raise ValueError(f"{kind}: a scaleout codec compression runs on the global process set "
                          f"only, got {process_set}")
+    if not named:  # an automatic name is new every call: the state would never be read back
+        raise ValueError(f"{kind}: a scaleout codec compression keeps its error feedback per "
+                         "tensor name, and an unnamed call gets a new name every time; pass "
+                         "name= (the same name for the same tensor every step)")
 
 
 def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                  postscale: float, compression: CodecCompression, kind: str) -> Pending:
-    if prescale != 1.0:
-        output.mul_(prescale)
+    multiply(output, prescale, in_place=True)
     request = compressed_allreduce(compression.codec, output, compression.state(name),
                                    rt.distribution, group=GroupType.GLOBAL, average=op is Average)
 
     def finish(results: list[Any]) -> torch.Tensor:
-        if postscale != 1.0:
-            output.mul_(postscale)
-        return output
+        return multiply(output, postscale, in_place=True)
 
     return Pending(kind=kind, name=name, requests=[request], finish=finish)
 
@@ -152,7 +162,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         average: Horovod's deprecated flag (True: Average, False: Sum).
         name: the tensor's name; members must submit the same names in the same order.
         op: ``hvd.Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
-        prescale_factor, postscale_factor: multiply before / after the reduction.
+        prescale_factor, postscale_factor: multiply before / after the reduction (integer
+            tensors in float64, truncated toward zero, as in Horovod).
         process_set: the ranks taking part.
 
     Returns:

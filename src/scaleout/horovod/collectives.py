@@ -17,7 +17,7 @@ from scaleout.core import collectives as coll
 from scaleout.core.checks import check_counts, check_tensor
 from scaleout.core.collectives import Communicator
 from scaleout.core.collectives import ReduceOp as CoreOp
-from scaleout.horovod.allreduce import copy_of, require_tensor
+from scaleout.horovod.allreduce import copy_of, multiply, require_tensor
 from scaleout.horovod.context import runtime
 from scaleout.horovod.handles import Pending, submit
 from scaleout.horovod.join import gather_rows
@@ -147,9 +147,11 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     """Start reducing ``tensor`` over the set; member i receives the i-th block of dim 0.
 
     Blocks are as equal as can be, the first ``rows % size`` members getting one more row.
+    Integer tensors are scaled (by the factors, and by ``1 / size`` for Average) in float64
+    and truncated toward zero, as Horovod does.
 
     Raises:
-        TypeError: not a tensor, unsupported dtype, or scale factors on an integer tensor.
+        TypeError: not a tensor, or an unsupported dtype.
         ValueError: an op other than Average, Sum, Min or Max, or a 0-d tensor.
         TensorMismatchError: the members disagree on name, op, dtype or shape.
     """
@@ -166,14 +168,12 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         if not checked.dim():
             raise ValueError(f"{kind}: needs a tensor of at least one dimension (its rows are "
                              "scattered), got a 0-d tensor")
-        if (prescale_factor != 1 or postscale_factor != 1) and not checked.is_floating_point():
-            raise TypeError(f"{kind}: scale factors need a floating tensor, got {checked.dtype}")
         return checked, chosen
 
     checked, refused = attempt(check)
     tensor, op = checked if checked is not None else (None, Sum)
     exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused)
-    send = tensor.detach() * prescale_factor if prescale_factor != 1 else tensor.detach()
+    send = multiply(tensor.detach(), prescale_factor)
     core_op = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}[op]
     rows = reducescatter_rows(send.shape[0], comm.size)
     if len(set(rows)) == 1:
@@ -186,9 +186,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
     def finish(results: list[Any]) -> torch.Tensor:
         out = results[0] if block is None else results[0].narrow(0, *block)
-        if op is Average and not out.is_floating_point():
-            return torch.div(out, comm.size, rounding_mode="floor")
-        return out * scale if scale != 1 else out
+        return multiply(out, scale)
 
     return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish))
 

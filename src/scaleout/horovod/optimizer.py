@@ -30,8 +30,9 @@ __all__ = ["DistributedOptimizer"]
 def _names(optimizer: torch.optim.Optimizer,
            named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    if named_parameters is None:  # Horovod's names, apart from those of unnamed allreduces
+        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])}
     pairs = list(named_parameters)
     if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
         raise ValueError("named_parameters must be (name, parameter) pairs, as "
@@ -54,7 +55,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: the torch optimizer to wrap.
-        named_parameters: ``model.named_parameters()``: names the allreduces (recommended).
+        named_parameters: ``model.named_parameters()``: names the allreduces (recommended;
+            without it, parameter j of param group i is ``allreduce.noname.i.j``).
         compression: ``hvd.Compression.none``, ``.fp16`` or ``hvd.Compression.codec(spec)``.
         backward_passes_per_step: backward passes whose gradients accumulate locally before
             one allreduce (gradient accumulation).
@@ -64,11 +66,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         num_groups, groups, sparse_as_dense: accepted for compatibility; no effect (each
             gradient travels on its own; sparse gradients are always made dense, as
             ``sparse_as_dense=True`` does in Horovod).
-        process_set: the ranks to average over.
+        process_set: the ranks to average over; on a rank outside it, ``step()`` applies the
+            rank's own gradients, as in Horovod.
 
     Raises:
         ValueError: bad names, ``backward_passes_per_step < 1``, a non-positive predivide
             factor, or a predivide factor with an op other than Average.
+        NotInitialized: before ``hvd.init()``, or ``process_set`` is not registered.
 
     Example:
         >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -95,6 +99,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor != 1.0 and op is not Average:
             raise ValueError("gradient_predivide_factor needs op=hvd.Average, got "
                              f"op={op.name}")
+        world_size = runtime().env.world_size  # (NotInitialized before hvd.init())
+        process_set.require_registered("DistributedOptimizer")
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
@@ -104,13 +110,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._process_set = process_set
+        # outside the set (or alone) a rank steps on its own gradients, as in Horovod
+        self._averages = world_size > 1 and process_set.included()
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._names}
-        self._handles: dict[torch.Tensor, int | None] = {}
+        self._handles: dict[torch.Tensor, int | None] = {}  # None: accumulated, not yet sent
         self._should_synchronize = True
         self._synchronized = False
         self._hooks: list[Any] = []  # the hook handles, kept alive with the optimizer
-        if runtime().env.world_size > 1:
+        if self._averages:
             for p in self._names:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
@@ -139,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged (starting the allreduce of any not started)."""
-        if runtime().env.world_size > 1:
+        if self._averages:
             for p in self._names:
                 if p.requires_grad and self._handles.get(p) is None:
                     self._handles[p] = self._start(p)
@@ -177,15 +185,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients; refuses while allreduces are in flight.
+        """Zero the gradients; refuses while gradients wait to be averaged.
 
         Raises:
-            RuntimeError: called between ``backward()`` and ``step()``/``synchronize()``.
+            RuntimeError: called between ``backward()`` and ``step()``/``synchronize()``,
+                including between the passes of ``backward_passes_per_step > 1`` (it would
+                drop the gradients accumulated so far), as Horovod refuses.
         """
-        if any(handle is not None for handle in self._handles.values()):
+        if self._handles:
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are "
-                               "still being averaged")
+                               "still being accumulated or averaged")
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

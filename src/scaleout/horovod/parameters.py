@@ -20,13 +20,16 @@ def _items(params: object) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Mapping):
         items = sorted(params.items())
     elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
-        items = list(params)
-        if not all(isinstance(i, tuple) and len(i) == 2 for i in items):
-            raise ValueError("broadcast_parameters: expected a state dict or (name, tensor) "
-                             f"pairs, got a list holding {type(items[0]).__name__ if items else '?'}")
+        # (name, tensor) pairs, or tensors (model.parameters()), named by their position
+        items = [entry if isinstance(entry, tuple) else (str(i), entry)
+                 for i, entry in enumerate(params)]
+        bad = next((entry for entry in items if len(entry) != 2), None)
+        if bad is not None:
+            raise ValueError("broadcast_parameters: expected a state dict, (name, tensor) pairs "
+                             f"or tensors, got a tuple of {len(bad)} items")
     else:
-        raise ValueError(f"broadcast_parameters: expected a state dict or (name, tensor) pairs, "
-                         f"got {type(params).__name__}")
+        raise ValueError(f"broadcast_parameters: expected a state dict, (name, tensor) pairs or "
+                         f"tensors, got {type(params).__name__}")
     for name, value in items:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
@@ -34,17 +37,19 @@ def _items(params: object) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def broadcast_parameters(params: Mapping[str, torch.Tensor] |
+                         Iterable[tuple[str, torch.Tensor] | torch.Tensor],
                          root_rank: int, process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` in place with global rank ``root_rank``'s values.
 
     Args:
-        params: ``model.state_dict()`` or ``model.named_parameters()`` (name, tensor pairs).
+        params: ``model.state_dict()``, ``model.named_parameters()`` (name, tensor pairs) or
+            ``model.parameters()`` (tensors).
         root_rank: the rank whose values win.
         process_set: the ranks taking part.
 
     Raises:
-        ValueError: ``params`` is neither a mapping nor name-tensor pairs.
+        ValueError: ``params`` is neither a mapping nor name-tensor pairs nor tensors.
         TensorMismatchError: (on every rank) the ranks' models differ in the number of
             entries, names, shapes or dtypes, or another rank's ``params`` were refused.
 

@@ -55,6 +55,17 @@ class ProcessSet:
         self._comm = None
         self._member = False
 
+    def require_registered(self, operation: str) -> None:
+        """Raise unless the set is registered.
+
+        Raises:
+            NotInitialized: the set is not registered (or Horovod is not initialised).
+        """
+        if self.process_set_id is None:
+            raise NotInitialized(
+                f"{operation}: process set {self.ranks} is not registered: call hvd.init() "
+                "(for the global set) or hvd.add_process_set() on every rank first")
+
     def communicator(self, operation: str) -> Communicator:
         """The communicator to run ``operation`` on.
 
@@ -62,10 +73,7 @@ class ProcessSet:
             NotInitialized: the set is not registered (or Horovod is not initialised).
             ValueError: this rank is not a member of the set.
         """
-        if self.process_set_id is None:
-            raise NotInitialized(
-                f"{operation}: process set {self.ranks} is not registered: call hvd.init() "
-                "(for the global set) or hvd.add_process_set() on every rank first")
+        self.require_registered(operation)
         if self._comm is None:
             raise ValueError(f"{operation}: this rank is not a member of process set "
                              f"{self.process_set_id} (ranks {self.ranks})")

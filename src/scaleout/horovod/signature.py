@@ -67,9 +67,8 @@ def _names_differ(where: str, kind: str, name: str, mine: int, theirs: int) -> s
         return (f"{text}, that rank: '{kind}.noname.{theirs}'): both names are automatic "
                 "(unnamed calls are numbered in order, per process set and collective), so "
                 f"the ranks have run different numbers of unnamed {kind} calls on this process "
-                "set before this one (or, under DistributedOptimizer without named_parameters, "
-                "sent different parameters); issue the same unnamed collectives on every "
-                "member, or pass name=")
+                "set before this one; issue the same unnamed collectives on every member, or "
+                "pass name=")
     which = "this rank's" if mine >= 0 else "that rank's"
     return (f"{text}): {which} name is automatic (an unnamed call) and the other's is not: "
             "the ranks disagree on which calls are named, or ran different numbers of unnamed "

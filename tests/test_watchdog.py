@@ -179,14 +179,37 @@ def test_a_rank_a_profiler_samples_is_not_named(tmp_path: Path) -> None:
     assert out.count("done") == 2 and "sampler 0" in out, out
 
 
+def _suspended(script: Path, tmp_path: Path, seconds: float) -> tuple[int, str]:
+    """Run ``script`` on 2 ranks (heartbeat limit 1 s); once both have written their pid to
+    ``tmp_path/pid.<rank>``, stop the whole job for ``seconds`` and resume it (as Slurm's
+    ``scontrol suspend``/``resume`` do). Its exit status and output."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    return job.returncode, out
+
+
 def test_a_job_suspended_and_resumed_whole_is_not_failing(tmp_path: Path) -> None:
     """Every rank stopped for 3 s and resumed (a scheduler suspending the job: Slurm's
     ``scontrol suspend``, gang scheduling's time slices) with a 1 s heartbeat limit: the job
     ends normally. Before, the first look after the resume saw every clock 3 s ahead and
     named a rank: "rank 0 failed: its store (in rank 0's process) stopped answering for
     3.1 s" (2 runs of 2)."""
-    import signal
-
     script = tmp_path / "suspended.py"
     script.write_text(textwrap.dedent(f"""
         import os, time, torch, scaleout
@@ -201,23 +224,8 @@ def test_a_job_suspended_and_resumed_whole_is_not_failing(tmp_path: Path) -> Non
         env.finalize()
         print("done", flush=True)
     """))
-    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(3)
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
-        out, _ = job.communicate(timeout=60)
-    finally:
-        job.kill()
-    assert job.returncode == 0 and "failed" not in out, out
+    returncode, out = _suspended(script, tmp_path, 3.0)
+    assert returncode == 0 and "failed" not in out, out
     assert out.count("done") == 2, out
 
 
@@ -226,8 +234,6 @@ def test_a_suspension_longer_than_a_wait_under_way_is_named_as_its_cause(tmp_pat
     wait cannot survive it (gloo's own receive times out at the resume as well), but its
     error says this process was stopped rather than blaming a peer. Before: "did not complete
     within 2 s (a peer rank may have died, diverged, or called a different operation)"."""
-    import signal
-
     script = tmp_path / "suspended.py"
     script.write_text(textwrap.dedent(f"""
         import os, threading, time, torch, scaleout
@@ -246,23 +252,8 @@ def test_a_suspension_longer_than_a_wait_under_way_is_named_as_its_cause(tmp_pat
         env.finalize()
         print("done", flush=True)
     """))
-    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(3.5)
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
-        out, _ = job.communicate(timeout=60)
-    finally:
-        job.kill()
-    assert job.returncode != 0, out
+    returncode, out = _suspended(script, tmp_path, 3.5)
+    assert returncode != 0, out
     found = re.search(r"rank 0: allreduce on group .+? did not complete within 2 s \(this process "
                       r"did not run for (\d+\.\d) s of that time", out)
     assert found and 2.5 <= float(found.group(1)) <= 4.0, out

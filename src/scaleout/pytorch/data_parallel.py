@@ -61,7 +61,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         distribution: where to train; ``None`` uses every rank of an already initialised job.
         scheduler: fusion, chunking and priority options (default: the priority policy).
         distributed_update: shard the optimizer update over the data group (the optimizer
-            keeps state for 1/N of the parameters); needs a DistributedOptimizer.
+            keeps state for 1/N of the parameters); needs a DistributedOptimizer over one of
+            torch's elementwise optimizers (:mod:`scaleout.pytorch.sharded_update`).
         compression: a codec spec for every gradient (``"cast:bf16"``), or a dict from
             parameter-name glob pattern to spec; ``None`` sends exact gradients.
         broadcast_buffers: keep floating buffers (BatchNorm running statistics) consistent

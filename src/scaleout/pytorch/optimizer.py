@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.modules import Layer
 from scaleout.pytorch.outside_steps import watch_outside_steps
 from scaleout.pytorch.placement import is_sharded
-from scaleout.session.parameter_set import owned_range
+from scaleout.pytorch.sharded_update import ShardedUpdate
 
 __all__ = ["DistributedOptimizer", "MODES", "optimizer_state_bytes"]
 
@@ -74,35 +75,34 @@ def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
         grad.mul_(factor.to(grad.dtype))
 
 
-def _options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each group's options (tensors copied: a scheduler may change them in place)."""
-    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
-             if k != "params"} for g in optimizer.param_groups]
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
-            a.shape == b.shape and bool(torch.equal(a, b))
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS: it evaluates the loss itself,
+    several times a step)."""
     try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - incomparable values: changed unless the same object
-        return a is b
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # (no signature to read: a step built in C)
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer for a :class:`DataParallel` model.
 
     Args:
-        optimizer: any torch optimizer over the model's parameters (SGD, Adam, AdamW, ...).
+        optimizer: any torch optimizer over the model's parameters (SGD, Adam, AdamW, ...;
+            one whose ``step()`` needs a closure, LBFGS, in ``mode="sync"`` only).
             Learning-rate schedulers may be attached to this object (or to ``optimizer``: with
             the sharded update, the options its groups change reach the step that follows).
         model: the DataParallel model.
         mode: ``"overlap"`` — ``step()`` returns at once and each layer's update is applied
             when its gradient communication completes, at the latest in that layer's forward
             pre-hook of the next iteration (``.grad`` is consumed: it is ``None`` after
-            ``step()``); ``"sync"`` — like DDP, averaged gradients are in ``.grad`` when
-            ``backward()`` returns and ``step()`` updates everything. Trainable parameters
+            ``step()``; a second ``step()`` before that forward applies the first one's
+            update, and its gradients again unless ``zero_grad()`` ran, as torch does);
+            ``"sync"`` — like DDP, averaged gradients are in ``.grad`` when ``backward()``
+            returns and ``step()`` updates everything (a closure goes to ``optimizer``,
+            which may run it several times: LBFGS; let it return the same loss on every
+            rank, the average, where ``optimizer`` decides by the loss). Trainable parameters
             that ``optimizer`` does not hold get DDP's ``.grad`` in both modes (for another
             optimizer: docs/scheduling.md).
         max_grad_norm: clip the averaged gradients to this global norm (over every layer)
@@ -113,7 +113,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     With ``DataParallel(distributed_update=True)`` the update is sharded: this rank keeps
     optimizer state only for its owned slice of every parameter (about 1/N of it), updates
-    that slice, and the new values are all-gathered while the next forward runs.
+    that slice, and the new values are all-gathered while the next forward runs
+    (:mod:`scaleout.pytorch.sharded_update`). The averaged gradients exist only as those
+    slices (a weight's ``.grad`` is ``None`` once ``step()`` or a synchronisation took it),
+    and ``optimizer`` must be one of torch's elementwise optimizers
+    (``sharded_update.ELEMENTWISE``). Weights changed in place between steps (clipped, loaded
+    into the bare module) are read again before the next step.
+
+    Raises:
+        ValueError: an optimizer whose ``step()`` needs a closure outside ``mode="sync"`` or
+            with the sharded update; the sharded update with an optimizer that is not
+            elementwise, or with ``max_grad_norm``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel, *,
@@ -132,6 +142,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if model.distributed_update:
                 raise ValueError("max_grad_norm with DataParallel(distributed_update=True) is "
                                  "not supported: the shards would need a global norm of their own")
+        if needs_closure(optimizer) and (mode != "sync" or model.distributed_update):
+            raise ValueError(
+                f"{type(optimizer).__name__}.step() needs a closure (it evaluates the loss and "
+                f"gradients itself, several times a step): wrap it with "
+                f"DistributedOptimizer(..., mode='sync') on a DataParallel without "
+                f"distributed_update; got mode={mode!r}, distributed_update="
+                f"{model.distributed_update} (overlap mode applies each update after step() "
+                f"returns, and the sharded update steps slices of the weights)")
         for group in optimizer.param_groups:
             _check_params(model, group["params"])
         if model.compression is not None:  # codecs measured not to converge with it: say so now
@@ -142,15 +160,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.sharded = model.distributed_update
         self._user_optimizer = optimizer
-        self._shards: dict[int, nn.Parameter] = {}
-        self.inner = self._sharded_optimizer(optimizer) if self.sharded else optimizer
-        self._user_options = _options(optimizer)  # (sharded: what the user's groups said)
+        self._sharded_update = ShardedUpdate(optimizer, model) if self.sharded else None
+        self.inner = optimizer if self._sharded_update is None else self._sharded_update.optimizer
         super().__init__([torch.zeros(1, requires_grad=True)], {})
         self.param_groups = self.inner.param_groups  # schedulers edit the real groups
         self.state = self.inner.state
         self.defaults = self.inner.defaults
         self._snapshot: list[dict[str, Any]] = []
-        self._consumed: list[nn.Parameter] = []  # .grad that step() took (overlap mode)
+        # the weights whose .grad step() took (overlap mode, the sharded update), by id
+        self._consumed: dict[int, nn.Parameter] = {}
         self._wrapping = True  # (add_param_group adds to the wrapped optimizer from now on)
         model.updates.attach(self)
         self._hold()
@@ -169,23 +187,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.sharded and self.model.updates.outside:
             watch_outside_steps(self)
 
-    def _sharded_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        groups = []
-        for group in optimizer.param_groups:
-            options = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**options, "params": [self._shard_of(p) for p in group["params"]]})
-        return type(optimizer)(groups)  # every group carries all its options
-
-    def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
-        shard = nn.Parameter(self._owned_values(param).clone())
-        self._shards[id(param)] = shard
-        return shard
-
-    def _owned_values(self, param: nn.Parameter) -> torch.Tensor:
-        """This rank's owned slice of ``param`` (the same geometry as its ParameterSet)."""
-        start, count = owned_range(param.numel(), self.model.comm.size, self.model.comm.rank)
-        return param.detach().reshape(-1)[start: min(start + count, param.numel())]
-
     def parameter_shapes(self) -> list[tuple[int, ...]]:
         """Each parameter's full shape, in the order of this optimizer's state indices (with
         the sharded update, the state holds slices of these: see ``pytorch.resharding``)."""
@@ -193,11 +194,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def refresh_shards(self) -> None:
         """Copy the model's current weights into the owned shards (after loading weights)."""
-        with torch.no_grad():
-            for layer in self.model.layers:
-                for param in layer.params:
-                    if id(param) in self._shards:
-                        self._shards[id(param)].copy_(self._owned_values(param))
+        if self._sharded_update is not None:
+            self._sharded_update.read(self._held())
+
+    def receive_gradients(self, layers: Sequence[Layer]) -> None:
+        """Sharded update: keep ``layers``' averaged gradients (owned slices) for ``step()``."""
+        assert self._sharded_update is not None, "only the sharded update hands gradients over"
+        self._consumed.update((id(p), p) for p in self._sharded_update.receive(layers))
 
     # -- the torch.optim.Optimizer surface ------------------------------------------------
 
@@ -205,33 +208,70 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Request this iteration's update (applied lazily in overlap mode)."""
         self._refuse_grad_scaler()
+        if self.mode == "sync" and self._sharded_update is None:
+            return self._sync_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._sharded_update is not None:
+            taken = self._sharded_update.step(self.model.updates.pending(),
+                                                 consume=self.mode == "overlap")
+            self._consumed.update((id(p), p) for p in taken)
+            if self.mode == "sync":
+                self.model.synchronize()
+            return loss
+        self._apply_requested()
         pending = self.model.updates.pending()
-        if pending and self.mode == "overlap" and not self.sharded:
+        if pending:
             self._warn_if_grads_changed(pending)
-        if self.sharded:
-            self._sharded_step(pending)
-        elif self.max_grad_norm is not None:
-            # The global norm needs every averaged gradient: this step waits for all of them.
-            if pending:
-                self.model.updates.gradients_to_grad()
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            clip_global_norm(params, self.max_grad_norm,
-                             self.model.distribution.communicator(GroupType.MODEL))
+        if self.max_grad_norm is not None:  # (it waits for every gradient: the norm needs all)
+            self._clip()
             self.inner.step()
-        elif self.mode == "sync" or not pending:
+        elif not pending:
             self.inner.step()
         else:
             self._snapshot = [{k: v for k, v in g.items() if k != "params"}
                               for g in self.param_groups]
             outside = self.model.updates.outside
-            self._consumed = [p for layer in pending for p in layer.params
-                              if p.grad is not None and id(p) not in outside]
+            self._consumed = {id(p): p for layer in pending for p in layer.params
+                              if p.grad is not None and id(p) not in outside}
             self.model.updates.request(pending)
         return loss
+
+    def _sync_step(self, closure: Callable[[], Any] | None) -> Any:
+        """torch's step over the averaged ``.grad`` that backward left; a closure goes to the
+        wrapped optimizer, which may call it several times (LBFGS), each call's gradients
+        clipped when asked."""
+        if closure is None:
+            if self.max_grad_norm is not None:
+                self._clip()
+            return self.inner.step()
+
+        @torch.enable_grad()
+        def evaluate() -> Any:
+            loss = closure()
+            if self.max_grad_norm is not None:
+                self._clip()
+            return loss
+        return self.inner.step(evaluate)
+
+    def _clip(self) -> None:
+        """Clip the averaged gradients to ``max_grad_norm`` (waiting for all of them)."""
+        if self.model.updates.pending():
+            self.model.updates.gradients_to_grad()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        clip_global_norm(params, self.max_grad_norm,  # type: ignore[arg-type]
+                         self.model.distribution.communicator(GroupType.MODEL))
+
+    def _apply_requested(self) -> None:
+        """Overlap mode, ``step()`` again before the next forward (no backward since, or
+        ``step(); step()``): the update the last one requested is applied first, and its
+        averaged gradients are back in ``.grad`` unless ``zero_grad()`` ran since, as torch
+        leaves them after a step. Nothing to do in the usual loop."""
+        for param, grad in self.model.updates.apply_requested():
+            if id(param) in self._consumed and param.grad is None:
+                param.grad = grad.view_as(param).clone()
 
     def _warn_if_grads_changed(self, pending: list[Layer]) -> None:
         """Warn once when ``.grad`` was changed after it left (clipping it does nothing then)."""
@@ -280,8 +320,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "every rank would decide on its own gradients whether to skip the step")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: this optimizer's parameters only. With ``set_to_none=False`` in overlap
-        mode, the gradients ``step()`` consumed come back as zeros, as a plain optimizer
+        """As torch's: this optimizer's parameters only (and their shards' gradients, with
+        the sharded update). With ``set_to_none=False`` in overlap mode or with the sharded
+        update, the gradients ``step()`` consumed come back as zeros, as a plain optimizer
         leaves them: a parameter no rank uses next still has a (zero) gradient, so momentum
         and weight decay move it."""
         for param in self._held():
@@ -291,10 +332,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     param.grad.zero_()
         if not set_to_none:
-            for param in self._consumed:
+            for param in self._consumed.values():
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-        self._consumed = []
+        self._consumed = {}
+        if self._sharded_update is not None:
+            self._sharded_update.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, after finishing pending updates."""
@@ -332,39 +375,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 param.grad = grad
             for group, options in zip(self.param_groups, saved):
                 group.update(options)
-
-    def _follow_user_groups(self) -> None:
-        """With the sharded update, ``inner`` is a copy of the user's optimizer over the owned
-        shards: options that the user's groups changed since the last step (a scheduler
-        attached to the wrapped optimizer) are copied into it; then the user's groups show the
-        options in effect (changes made through this wrapper included)."""
-        for user, inner, seen in zip(self._user_optimizer.param_groups,
-                                     self.inner.param_groups, self._user_options):
-            for key, value in user.items():
-                if key != "params" and (key not in seen or not _same(value, seen[key])):
-                    inner[key] = value
-            user.update({k: v for k, v in inner.items() if k != "params"})
-        self._user_options = _options(self._user_optimizer)
-
-    def _sharded_step(self, pending: list[Layer]) -> None:
-        self._follow_user_groups()
-        used = self.model.updates.used_globally()
-        for layer in pending:
-            for param, ps in zip(layer.params, layer.sets):
-                owned = ps.wait_gradient_comm()
-                shard = self._shards.get(id(param))  # (none: a parameter it does not train)
-                if shard is not None:
-                    shard.grad = owned.clone() if used.get(id(param), True) else None
-        self.inner.step()
-        for layer in pending:
-            for param, ps in zip(layer.params, layer.sets):
-                shard = self._shards.get(id(param))
-                # every rank sends its slice; one this optimizer does not train stays as it is
-                ps.start_increment_comm(self._owned_values(param) if shard is None
-                                        else shard.detach())
-                param.grad = None
-                if shard is not None:
-                    shard.grad = None
-            layer.increments_pending = True
-        if self.mode == "sync":
-            self.model.synchronize()

@@ -5,7 +5,10 @@ gradients out, and :class:`~scaleout.pytorch.DistributedOptimizer` attaches itse
 :class:`Updater` that applies them. In overlap mode ``step()`` only *requests* the update of
 the layers whose gradients are in flight; each is applied at the latest in that layer's next
 forward pre-hook (together with the following requested layers whose gradients already
-arrived: one optimizer step instead of one per layer).
+arrived: one optimizer step instead of one per layer). With the sharded update the updater
+keeps its owned slices of the weights and of the averaged gradients; the gathered new weights
+are written back here, and an in-place change made to a weight after that is noticed by its
+``_version`` (:meth:`LazyUpdates.changed_in_place`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class Updater(Protocol):
     def refresh_shards(self) -> None:
         """The model's weights were replaced (a checkpoint loaded): re-read any copies."""
 
+    def receive_gradients(self, layers: Sequence[Layer]) -> None:
+        """Sharded update: wait for ``layers``' averaged gradients and keep this rank's owned
+        slices of them for the next ``step()`` (the whole averaged gradient exists nowhere)."""
+
 
 class LazyUpdates:
     """Pending gradients and updates of a DataParallel model's layers.
@@ -53,6 +60,7 @@ class LazyUpdates:
         self._usage: ParameterSet | None = None
         self._globally_used: dict[int, bool] = {}
         self._trace: TraceRecorder | None = None
+        self._written: dict[int, int] = {}  # a weight's _version when it matched the shards
         self.all_used_here = False  # this rank used every parameter in the last backward
         #: ids of trainable parameters the updater does not hold: they get DDP's semantics
         #: (their averaged gradient in ``.grad`` when backward returns, for another optimizer)
@@ -109,6 +117,17 @@ class LazyUpdates:
         ids = {id(p) for p in held}
         self.outside = frozenset(id(p) for p in trainable if id(p) not in ids)
 
+    def matched(self, param: nn.Parameter) -> None:
+        """``param`` now holds what the sharded updater keeps (its slices were just read from
+        it, or the gathered update written into it)."""
+        self._written[id(param)] = param._version
+
+    def changed_in_place(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """Those of ``params`` changed in place since :meth:`matched` (weights clipped after a
+        step, loaded into the bare module): the updater's slices of them are stale. One
+        version read per weight, so the usual step pays nothing."""
+        return [p for p in params if p._version != self._written.get(id(p))]
+
     def request(self, layers: Sequence[Layer]) -> None:
         """Apply these layers' updates once their gradients arrive (overlap mode)."""
         for layer in layers:
@@ -118,8 +137,19 @@ class LazyUpdates:
             layer.update_requested = True
 
     def gradients_to_grad(self) -> None:
-        """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style)."""
-        self._to_grad(lambda param: True)
+        """Wait for every gradient and leave the averaged ones in ``.grad`` (DDP-style); with
+        the sharded update, their owned slices with the updater, for its next ``step()``.
+
+        Raises:
+            RuntimeError: the sharded update without an updater to keep the slices.
+        """
+        if not self.distributed_update:
+            self._to_grad(lambda param: True)
+        elif self.updater is None:
+            raise RuntimeError("DataParallel(distributed_update=True) needs a "
+                               "DistributedOptimizer to apply the sharded update")
+        else:
+            self.updater.receive_gradients(self.pending())
 
     def outside_to_grad(self) -> None:
         """Overlap mode, at the end of backward: the averaged gradients of the parameters the
@@ -138,9 +168,6 @@ class LazyUpdates:
         for (param, _, _), averaged_grad, flag in zip(pending, arrived, applied):
             if not flag:
                 param.grad = None
-            elif self.distributed_update:
-                raise RuntimeError("distributed_update needs a DistributedOptimizer to "
-                                   "apply the sharded update")
             elif param.grad is None:
                 param.grad = averaged_grad.view_as(param).clone()
             else:
@@ -155,9 +182,20 @@ class LazyUpdates:
             with torch.no_grad():
                 for param, ps in zip(layer.params, layer.sets):
                     param.copy_(ps.wait_increment_comm().view_as(param))
+                    self.matched(param)
+
+    def apply_requested(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Apply every requested update now (``step()`` again before the next forward); each
+        parameter updated, with the averaged gradient applied (valid until the next backward)."""
+        applied: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for layer in self.forward_order:
+            if layer.update_requested:
+                applied += self._apply(layer)
+        return applied
 
     def synchronize(self) -> None:
-        """Finish every pending update; gradients nobody asked to apply go to ``.grad``."""
+        """Finish every pending update; gradients nobody asked to apply go to ``.grad`` (with
+        the sharded update, to the updater's slices)."""
         for layer in self.forward_order:
             self.complete(layer)
         if self.pending():
@@ -179,10 +217,11 @@ class LazyUpdates:
             batch.append(later)
         return batch
 
-    def _apply(self, layer: Layer) -> None:
+    def _apply(self, layer: Layer) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Wait for ``layer``'s averaged gradients and apply its update in one step with the
         layers after it whose gradients arrived meanwhile (looked for after the wait, so one
-        wait for a bucket of many layers is followed by one step for all of them)."""
+        wait for a bucket of many layers is followed by one step for all of them); each
+        parameter updated, with its averaged gradient."""
         assert self.updater is not None, "updates are requested by an attached optimizer"
         params: list[nn.Parameter] = []
         grads: list[torch.Tensor] = []
@@ -200,13 +239,14 @@ class LazyUpdates:
             take(later)
             layers.append(later)
         if not params:
-            return
+            return []
         used = self.used_globally()  # after the gradients: waits count against their layers
         began = time.perf_counter()
         self.updater.apply_update(params, grads, applied_flags(params, grads, used))
         if self._trace is not None:
             self._trace.span("compute", "update " + "+".join(l.name for l in layers), began,
                              time.perf_counter(), phase="update")
+        return list(zip(params, grads))
 
 
 def applied_flags(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor],

@@ -1,0 +1,181 @@
+"""The sharded (distributed) update: each rank steps its owned slice of every weight.
+
+With ``DataParallel(distributed_update=True)`` each averaged gradient is reduce-scattered, so
+a rank receives only its owned slice of it (:func:`~scaleout.session.parameter_set.owned_range`).
+:class:`ShardedUpdate` keeps flat copies of this rank's owned slices of the weights (the
+shards) and a copy of the user's optimizer over them, which therefore holds about 1/N of the
+optimizer state. ``step()`` steps the shards with their slices of the averaged gradients and
+all-gathers the new values; each layer writes them into its weights when the next forward
+reaches it (:meth:`~scaleout.pytorch.updates.LazyUpdates.complete`).
+
+The copy steps flat 1-D slices, which gives the numbers the whole tensors would only for an
+optimizer whose update is elementwise: :data:`ELEMENTWISE` lists torch's (each value moves by
+its own gradient and state, with per-tensor scalars such as the step count); others are
+refused (Adafactor's factored second moment and Muon's orthogonalisation need the matrix,
+LAMB- and LARS-style trust ratios the whole tensor's norm).
+
+A shard's ``.grad`` plays the part of the weight's ``.grad``: the averaged slices accumulate in
+it until ``zero_grad()``, so a second ``step()`` applies it again, and a synchronisation between
+backward and step (which receives the slices early) changes nothing. In overlap mode, where
+``step()`` consumes ``.grad``, the next backward's slices replace what a step consumed, as
+without the sharded update. A weight changed in place
+after the update wrote it (clipped, loaded into the bare module) is read into its shard again
+before the next step: its ``_version`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from scaleout.pytorch.modules import Layer
+from scaleout.session.parameter_set import owned_range
+
+if TYPE_CHECKING:
+    from scaleout.pytorch.data_parallel import DataParallel
+
+__all__ = ["ELEMENTWISE", "ShardedUpdate", "check_elementwise"]
+
+#: torch's optimizers whose update is elementwise: stepping flat slices gives their numbers
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Raises ``ValueError`` unless ``optimizer`` is one of :data:`ELEMENTWISE` (exactly: a
+    subclass may step otherwise)."""
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(kind.__name__ for kind in ELEMENTWISE)
+        raise ValueError(
+            f"DataParallel(distributed_update=True) steps each rank's flat slice of every "
+            f"parameter, which gives the whole tensor's update only for an elementwise "
+            f"optimizer: torch.optim's {names}; got {type(optimizer).__name__} (its update may "
+            f"depend on the parameter's shape or whole-tensor norms). Use one of those, or "
+            f"distributed_update=False")
+
+
+def _options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's options (tensors copied: a scheduler may change them in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
+             if k != "params"} for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+            a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values: changed unless the same object
+        return a is b
+
+
+class ShardedUpdate:
+    """This rank's shards of ``model``'s weights and a copy of ``optimizer`` over them.
+
+    Args:
+        optimizer: the user's optimizer (one of :data:`ELEMENTWISE`); its groups' options
+            reach the copy at each step (a scheduler attached to it).
+        model: the DataParallel model, built with ``distributed_update=True``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> None:
+        check_elementwise(optimizer)
+        self.model = model
+        self.user = optimizer
+        self.shards: dict[int, nn.Parameter] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**options, "params": [self._shard_of(p) for p in group["params"]]})
+        self.optimizer = type(optimizer)(groups)  # every group carries all its options
+        self._user_options = _options(optimizer)  # what the user's groups said
+        self._spent: set[int] = set()  # shards whose .grad an overlap-mode step consumed
+
+    def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
+        shard = nn.Parameter(self.owned_values(param).clone())
+        self.shards[id(param)] = shard
+        self.model.updates.matched(param)
+        return shard
+
+    def owned_values(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's owned slice of ``param`` (the same geometry as its ParameterSet)."""
+        start, count = owned_range(param.numel(), self.model.comm.size, self.model.comm.rank)
+        return param.detach().reshape(-1)[start: min(start + count, param.numel())]
+
+    def held(self) -> list[nn.Parameter]:
+        """The weights the user's optimizer holds (each has a shard)."""
+        return [p for group in self.user.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def read(self, params: Sequence[nn.Parameter]) -> None:
+        """Copy ``params``' current values into their shards (weights replaced or changed)."""
+        for param in params:
+            self.shards[id(param)].copy_(self.owned_values(param))
+            self.model.updates.matched(param)
+
+    def receive(self, layers: Sequence[Layer]) -> list[nn.Parameter]:
+        """Wait for ``layers``' averaged gradients and add their owned slices to the shards'
+        ``.grad`` (nothing for a parameter no rank used); the weights' local ``.grad`` is
+        consumed. Returns the weights of the optimizer's that had one."""
+        used = self.model.updates.used_globally()
+        consumed = []
+        for layer in layers:
+            for param, ps in zip(layer.params, layer.sets):
+                owned = ps.wait_gradient_comm()
+                shard = self.shards.get(id(param))  # (none: a parameter it does not train)
+                if shard is not None:
+                    if param.grad is not None:
+                        consumed.append(param)
+                    if id(shard) in self._spent:  # (consumed by the last step: replaced)
+                        self._spent.discard(id(shard))
+                        shard.grad = None
+                    if used.get(id(param), True):  # (no rank used it: nothing to add)
+                        shard.grad = owned.clone() if shard.grad is None else shard.grad.add_(owned)
+                param.grad = None
+        return consumed
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The shards' ``.grad`` cleared or zeroed (then fresh: nothing consumed any more)."""
+        self.optimizer.zero_grad(set_to_none)
+        self._spent = set()
+
+    def step(self, pending: Sequence[Layer], consume: bool) -> list[nn.Parameter]:
+        """Step the shards and start gathering every layer's new values: first the last
+        step's values (``step()`` again before the next forward), the shards of weights
+        changed in place since, and ``pending`` layers' gradients. ``consume``: the step
+        consumes the gradients (overlap mode: the next backward's replace them). Returns the
+        weights whose ``.grad`` it consumed (:meth:`receive`)."""
+        self._follow_user_groups()
+        updates = self.model.updates
+        for layer in updates.forward_order:
+            updates.complete(layer)
+        self.read(updates.changed_in_place(self.held()))
+        consumed = self.receive(pending)
+        self.optimizer.step()
+        self._spent = {id(shard) for shard in self.shards.values()} if consume else set()
+        for layer in updates.forward_order:
+            for param, ps in zip(layer.params, layer.sets):
+                shard = self.shards.get(id(param))
+                # every rank sends its slice; one this optimizer does not train stays as it is
+                ps.start_increment_comm(self.owned_values(param) if shard is None
+                                        else shard.detach())
+            layer.increments_pending = True
+        return consumed
+
+    def _follow_user_groups(self) -> None:
+        """Options that the user's groups changed since the last step (a scheduler attached
+        to the wrapped optimizer) are copied into the copy's; then the user's groups show the
+        options in effect (changes made through the DistributedOptimizer included)."""
+        for user, inner, seen in zip(self.user.param_groups, self.optimizer.param_groups,
+                                     self._user_options):
+            for key, value in user.items():
+                if key != "params" and (key not in seen or not _same(value, seen[key])):
+                    inner[key] = value
+            user.update({k: v for k, v in inner.items() if k != "params"})
+        self._user_options = _options(self.user)

@@ -290,3 +290,29 @@ def body_one_step_per_bucket() -> list[int]:
 def test_an_update_waiting_for_one_bucket_takes_one_step() -> None:
     for steps in run_ranks(2, body_one_step_per_bucket, timeout=60):
         assert steps == [0] + [1] * STEPS, steps
+
+
+def body_buffers_after_conversion() -> list[float]:
+    """BatchNorm's running statistics of a model converted to float64 after wrapping (its
+    buffers replaced by ``.double()``); this rank's running mean after 3 training forwards."""
+    env = scaleout.init(timeout=30)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model = DataParallel(net, env.create_distribution())
+    net.double()
+    for step in range(3):
+        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(10 * step + env.rank),
+                        dtype=torch.float64)
+        model(x)
+    model.synchronize()
+    mean = net[1].running_mean.tolist()
+    model.close()
+    env.finalize()
+    return mean
+
+
+def test_buffers_replaced_after_wrapping_are_still_averaged() -> None:
+    """The buffer average captured the tensors at construction, so after ``net.double()``
+    it averaged the old ones and the ranks' statistics drifted apart silently."""
+    first, second = run_ranks(2, body_buffers_after_conversion, timeout=60)
+    assert first == second, (first, second)

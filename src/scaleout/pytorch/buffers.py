@@ -7,6 +7,7 @@ the result is installed before the next forward (or any synchronisation) reads t
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from scaleout.core import collectives
 from scaleout.core.collectives import Communicator, ReduceOp
@@ -15,19 +16,33 @@ from scaleout.core.request import Request
 __all__ = ["BufferAverage"]
 
 
+def floating_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``module``'s floating buffers, each as (the submodule holding it, its name there)."""
+    return [(owner, name) for owner in module.modules()
+            for name, buffer in owner.named_buffers(recurse=False)
+            if buffer is not None and buffer.is_floating_point()]
+
+
 class BufferAverage:
     """Averages ``buffers`` over ``comm`` (its own communicator: it never queues behind
     gradients).
 
     Args:
-        buffers: the module's floating buffers.
+        buffers: the module's floating buffers, as :func:`floating_buffers` gives them: each
+            is looked up where it lives at every use, so a buffer that ``module.double()`` or
+            ``.to()`` replaced after wrapping is still the one averaged (the tensors captured
+            at construction were averaged instead, and the ranks' statistics drifted apart).
         comm: a communicator of the data group.
     """
 
-    def __init__(self, buffers: list[torch.Tensor], comm: Communicator) -> None:
-        self._buffers = buffers
+    def __init__(self, buffers: list[tuple[nn.Module, str]], comm: Communicator) -> None:
+        self._where = buffers
         self._comm = comm
         self._request: Request | None = None
+
+    @property
+    def _buffers(self) -> list[torch.Tensor]:
+        return [owner._buffers[name] for owner, name in self._where]
 
     def start(self) -> None:
         """Start averaging the buffers' current values (after a training forward)."""

@@ -24,7 +24,7 @@ from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
-from scaleout.pytorch.buffers import BufferAverage
+from scaleout.pytorch.buffers import BufferAverage, floating_buffers
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
 from scaleout.pytorch.dp_forward import ForwardHooks
@@ -129,7 +129,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
         interval = replica_interval(verify_replicas)
-        floats = [b for b in module.buffers() if b.is_floating_point()]
+        floats = floating_buffers(module)
         if self.comm.size > 1:  # before the options make groups and collectives of their own
             changed = {f.name: getattr(self._scheduler, f.name)  # (the report is cut short)
                        for f in dataclasses.fields(self._scheduler)

@@ -55,6 +55,22 @@ def test_store_is_bound_and_sealed() -> None:
     assert job.report_outsiders() == []  # each attempt is reported once
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rendezvous_host_that_does_not_resolve_is_named_at_once(rank: int) -> None:
+    """Rank 0 used to die in a raw ``socket.gaierror`` traceback, the others to retry until
+    the timeout (c10d's "gai error" warnings every 0.6 s)."""
+    from scaleout.core.errors import ScaleoutError
+    from scaleout.launch.rendezvous import bound_store
+
+    info = LaunchInfo(rank=rank, world_size=2, local_rank=rank, master_addr="nosuchhost.invalid",
+                      master_port=free_port(), source="test")
+    began = time.monotonic()
+    with pytest.raises(ScaleoutError, match=f"rank {rank}: cannot resolve the rendezvous host "
+                                            "'nosuchhost.invalid'"):
+        bound_store(info, timeout=30)
+    assert time.monotonic() - began < 10
+
+
 def test_an_entry_deleted_by_an_outsider_reads_as_absent_at_once() -> None:
     """The watchdog reads heartbeats with ``get_if_present``: an entry an outsider deleted
     (between a check and a get, as the CI run of stop 32 caught) is ``None`` without waiting,

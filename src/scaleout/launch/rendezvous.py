@@ -40,10 +40,15 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
     says so with ``TORCHELASTIC_USE_AGENT_STORE=True``): every rank is a client of it.
     """
     wait = timedelta(seconds=timeout)
+    try:  # (every rank: a name that does not resolve fails at once, not at the timeout)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            info.master_addr, info.master_port, type=socket.SOCK_STREAM)[0]
+    except OSError as err:  # socket.gaierror
+        raise ScaleoutError(
+            f"rank {info.rank}: cannot resolve the rendezvous host {info.master_addr!r} "
+            f"({err.strerror or err}): MASTER_ADDR must name rank 0's host") from err
     if info.rank != 0 or agent_store:
         return tdist.TCPStore(info.master_addr, info.master_port, None, False, timeout=wait)
-    family, kind, proto, _, address = socket.getaddrinfo(
-        info.master_addr, info.master_port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -405,6 +405,30 @@ def test_loading_a_table_of_another_shape_is_refused() -> None:
     run_ranks(2, body_load_checks_table_shapes, timeout=40)
 
 
+def body_load_without_tables() -> list[str]:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution()
+    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
+                        owners=(ROW_WISE, 1), ranks=2)
+    net = torch.nn.Module()
+    net.embeddings = EmbeddingCollection(plan.tables, dist, plan=plan)
+    net.fc = torch.nn.Linear(2, 1)
+    dense = {k: v for k, v in full_state_dict(net).items() if k.startswith("fc.")}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: '
+                                           r'"embeddings\.0\.weight"'):
+        load_full_state_dict(net, dense)
+    missing = load_full_state_dict(net, dense, strict=False).missing_keys
+    env.finalize()
+    return missing
+
+
+def test_tables_missing_from_a_state_are_reported_like_torchs_missing_keys() -> None:
+    """A KeyError before: each rank reports the tables it holds (table 0 is split by rows
+    over both ranks, rank 1 holds table 1)."""
+    assert run_ranks(2, body_load_without_tables, timeout=40) == [
+        ["embeddings.0.weight"], ["embeddings.0.weight", "embeddings.1.weight"]]
+
+
 def body_embedding_options() -> None:
     env = scaleout.init(timeout=20)
     dist = env.create_distribution()

@@ -3,7 +3,8 @@
 ``spatial_parallel`` converts layers; a call written in a forward (``x.mean((2, 3))``,
 ``F.adaptive_avg_pool2d``, a smooth ``F.interpolate``, a softmax along the rows, a functional
 3x3 convolution) computed on each rank's block alone, silently, before stop 23; one that rolls,
-flips, crops, chunks, flattens or transposes the rows, before stop 24.
+flips, crops, chunks, flattens or transposes the rows, before stop 24. ``F.pad`` of the rows
+and a nearest ``F.interpolate`` to a fixed size or by a fractional factor were let through longer.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ CALLS = {
     "crop width": (lambda h: h[..., 1:-1], False),
     "channels": (lambda h: h[:, :2].transpose(0, 1), False),
     "reshape keeping rows": (lambda h: h.reshape(*h.shape[:3], -1), False),
+    # padding and nearest resizing: only along other dims, or by a whole factor along the rows
+    "pad rows": (lambda h: F.pad(h, (0, 0, 2, 2)), True),
+    "reflect all": (lambda h: F.pad(h, (1, 1, 1, 1), mode="reflect"), True),
+    "nearest to a size": (lambda h: F.interpolate(h, size=(8, 12)), True),
+    "nearest by 1.5": (lambda h: F.interpolate(h, scale_factor=1.5), True),
+    "pad width": (lambda h: F.pad(h, (1, 2)), False),
+    "reflect width": (lambda h: F.pad(h, (1, 1, 0, 0), mode="reflect"), False),
+    "nearest by 2 x 1.5": (lambda h: F.interpolate(h, scale_factor=(2, 1.5)), False),
 }
 
 
@@ -94,6 +103,8 @@ def test_row_mixing_calls_in_a_forward_are_named_at_the_first_forward() -> None:
             outcome["mean over rows"]
         assert "adaptive_avg_pool2d() in Functional pools across the split rows" in \
             outcome["adaptive pool"]
+        assert "pad() in Functional pads dim 2" in outcome["pad rows"]
+        assert "interpolate() in Functional scales dim 2 by 1.5" in outcome["nearest by 1.5"]
 
 
 def test_the_watch_is_off_under_scaleout_check_0() -> None:

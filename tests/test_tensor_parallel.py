@@ -25,7 +25,7 @@ from scaleout.pytorch import (
     tensor_parallel,
 )
 from scaleout.pytorch.tensor_parallel import plan_tensor_parallel
-from tp_models import MODELS, batch
+from tp_models import MODELS, FusedAttention, LlamaAttention, batch
 
 PER_RANK, STEPS = 3, 4
 TINY = SchedulerConfig(bucket_bytes=2048, first_bucket_bytes=512, partition_bytes=512,
@@ -335,3 +335,86 @@ def test_attention_is_split_only_with_a_head_count() -> None:
         assert plan_tensor_parallel(_SingleHead()) == {}
     assert plan_tensor_parallel(_HFAttention()) == {
         "query": "column", "key": "column", "value": "column", "dense": "row"}
+    assert plan_tensor_parallel(LlamaAttention()) == {
+        "wq": "column", "wk": "column", "wv": "column", "wo": "row"}
+    assert plan_tensor_parallel(_Heads()) == {}  # whether a/b are its attention: not told
+
+
+#: explicit plans on attentions the default plan's names did not cover (before, the heads of
+#: the first stayed undivided, 0.27 off; the second, planned "column" as the docs said, gave
+#: rank 0 all of q and half of k, 0.75 off)
+PLANNED = {"llama": (LlamaAttention, {"wq": "column", "wk": "column", "wv": "column",
+                                      "wo": "row"}),
+           "fused": (FusedAttention, {"qkv": "qkv", "proj": "row"})}
+
+
+def body_planned_attention(kind: str) -> tuple[list[int], float]:
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution(1, 2)
+    build, plan = PLANNED[kind]
+    torch.manual_seed(0)
+    plain = build().double()
+    torch.manual_seed(0)
+    net = tensor_parallel(build().double(), dist, plan=plan)
+    heads = [getattr(net, attr) for attr in ("n_heads", "n_kv_heads") if hasattr(net, attr)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, net)]
+    for step in range(2):
+        x = torch.randn(3, 5, plain.wq.in_features if kind == "llama" else 12,
+                        generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        for module, opt in zip((plain, net), opts):
+            module(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    state = full_state_dict(net)
+    worst = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    fresh = tensor_parallel(build().double(), dist, plan=plan)
+    load_full_state_dict(fresh, state)  # each rank takes its parts back
+    assert all(torch.equal(v, state[k]) for k, v in full_state_dict(fresh).items())
+    if kind == "fused":  # gathered, a fused layer's output is the plain layer's
+        whole = ColumnParallelLinear.from_linear(plain.qkv, distribution=dist, blocks=3,
+                                                 gather_output=True)
+        x = torch.randn(2, 12, dtype=torch.float64)
+        worst = max(worst, (whole(x) - plain.qkv(x)).abs().max().item())
+    env.finalize()
+    return heads, worst
+
+
+@pytest.mark.parametrize("kind,heads", [("llama", [2, 1]), ("fused", [1])])
+def test_planned_attention_divides_its_heads_and_trains_like_the_plain_one(
+        kind: str, heads: list[int]) -> None:
+    for got, worst in run_ranks(2, body_planned_attention, kind, timeout=60):
+        assert got == heads
+        assert worst < 1e-12, worst
+
+
+class _Heads(_Between):
+    """A head count, and linears not named as q/k/v projections."""
+
+    def __init__(self) -> None:
+        super().__init__(F.gelu)
+        self.n_heads = 2
+
+
+def body_wrong_plans() -> None:
+    env = scaleout.init(timeout=30)
+    grid12 = env.create_distribution(1, 2)
+    lone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"plan for layer '0': a column layer leaves each rank "
+                                         r"a block of its outputs \(4 of 8 here\), which only a "
+                                         r"row layer can take, and the plan has no \"row\" "
+                                         r"layer in <root> \(Sequential\)"):
+        tensor_parallel(lone, grid12, plan={"0": "column"})
+    assert type(lone[0]) is torch.nn.Linear  # nothing converted
+    with pytest.raises(ValueError, match=r"layer 'qkv': a fused \[q; k; v\] projection planned "
+                                         r"\"column\".* plan it \"qkv\""):
+        tensor_parallel(FusedAttention(), grid12, plan={"qkv": "column", "proj": "row"})
+    with pytest.raises(ValueError, match=r"layer 'a': <root> \(_Heads\) has a head count "
+                                         r"\(n_heads = 2\) but no layer named as a q/k/v"):
+        tensor_parallel(_Heads(), grid12, plan={"a": "column", "b": "row"})
+    env.finalize()
+
+
+def test_plans_that_would_split_wrongly_are_refused() -> None:
+    # a lone column layer failed at the next layer with torch's "mat1 and mat2 shapes cannot
+    # be multiplied", naming no layer
+    run_ranks(2, body_wrong_plans, timeout=30)

@@ -35,6 +35,12 @@ def body_inputs(case: str, check: str) -> str:
             ids = torch.tensor([[1, 2, 3]]) + (env.rank if env.rank == 2 else 0)
             net(ids)
             return "ok"
+        if case == "near ids":  # one id of 4096 off by one: 3e-5 of their norm
+            net = tensor_parallel(nn.Sequential(nn.Embedding(1000, 2)), dist, embeddings=True)
+            ids = torch.randint(0, 999, (8, 512), generator=torch.Generator().manual_seed(0))
+            ids[3, 7] += env.rank
+            net(ids)
+            return "ok"
         net = tensor_parallel(mlp(), dist)
         torch.manual_seed(0)
         x = torch.randn(5, 6)
@@ -68,6 +74,14 @@ def test_different_ids_into_a_vocab_parallel_table_are_named() -> None:
     for message in run_ranks(3, body_inputs, "vocab", "first"):
         assert "VocabParallelEmbedding 0: different ids on the ranks" in message, message
         assert "global rank 2 against 0" in message
+
+
+def test_ids_one_apart_are_named() -> None:
+    # ids were compared with the floats' tolerance (1e-4 of the norm): this passed, and the
+    # ranks looked up different rows, silently
+    for message in run_ranks(2, body_inputs, "near ids", "first"):
+        assert "VocabParallelEmbedding 0: different ids on the ranks" in message, message
+        assert "different values" in message
 
 
 @pytest.mark.parametrize("check,expected", [("first", "ok"), ("full", "different input")])
@@ -116,3 +130,15 @@ def test_fingerprints_tell_differences_from_rounding() -> None:
     assert _differs(_fingerprint(x.roll(1)).tolist(), same) > 0.1  # the same values, moved
     nan = torch.full((4,), float("nan"))
     assert _differs(_fingerprint(nan).tolist(), _fingerprint(nan).tolist()) is None
+
+
+def test_integer_fingerprints_compare_exactly() -> None:
+    ids = torch.randint(0, 50_000, (64, 128), generator=torch.Generator().manual_seed(0))
+    same = _fingerprint(ids).tolist()
+    assert _differs(_fingerprint(ids.clone()).tolist(), same, exact=True) is None
+    one_more, swapped, two = ids.clone(), ids.clone(), ids.clone()
+    one_more[39, 8] += 1
+    swapped[0, :2] = ids[0, :2].flip(0)
+    two[0, 1], two[9, 2] = 7, 7
+    for other in (one_more, swapped, two):
+        assert _differs(_fingerprint(other).tolist(), same, exact=True) == float("inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -27,6 +28,43 @@ class Attention(nn.Module):
                    for f in (self.q, self.k, self.v))
         att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
         return self.out((att @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
+class LlamaAttention(nn.Module):
+    """LLaMA's names (wq/wk/wv/wo) and grouped k/v heads: ``n_kv_heads`` of them, each shared
+    by ``n_heads / n_kv_heads`` query heads."""
+
+    def __init__(self, width: int = 8, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        kv_width = width // n_heads * n_kv_heads
+        self.wq, self.wo = nn.Linear(width, width), nn.Linear(width, width)
+        self.wk, self.wv = nn.Linear(width, kv_width), nn.Linear(width, kv_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, -1).transpose(1, 2)
+        shared = self.n_heads // self.n_kv_heads
+        k, v = (f(x).view(batch, seq, self.n_kv_heads, -1).transpose(1, 2)
+                .repeat_interleave(shared, dim=1) for f in (self.wk, self.wv))
+        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return self.wo((att @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FusedAttention(nn.Module):
+    """GPT-2's layout: one ``[q; k; v]`` projection whose output the forward splits in three."""
+
+    def __init__(self, width: int = 12, n_heads: int = 2) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (z.view(batch, seq, self.n_heads, -1).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):

@@ -39,23 +39,43 @@ class Placement:
         layer: the layer that owns it (for errors).
         comm: the group it is split across (SHARDED).
         dim: the split dimension (SHARDED).
+        blocks: the full tensor is this many equal blocks stacked along ``dim`` (a fused
+            ``[q; k; v]`` projection: 3), each split across the group; a rank's part is its
+            slice of every block, in order (SHARDED).
     """
 
     kind: Kind
     layer: str
     comm: Communicator | None = None
     dim: int = 0
+    blocks: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
             raise TypeError(f"Placement.kind must be a Kind, got {self.kind!r}")
         if self.kind is Kind.SHARDED and self.comm is None:
             raise ValueError(f"Placement of {self.layer}: a SHARDED parameter needs its group")
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) \
+                or self.blocks < 1:
+            raise ValueError(f"Placement of {self.layer}: blocks must be an int >= 1, got "
+                             f"{self.blocks!r}")
 
     @property
     def parts(self) -> int:
         """Into how many blocks the full tensor is split (1 for LOCAL)."""
         return self.comm.size if self.kind is Kind.SHARDED and self.comm is not None else 1
+
+    def part_of(self, full: torch.Tensor, part: int) -> torch.Tensor:
+        """Part ``part`` (a rank of the group) of the full tensor ``full``: its ``part``'th
+        slice along ``dim`` of each of the ``blocks``, concatenated."""
+        pieces = full.unflatten(self.dim, (self.blocks, self.parts, -1))
+        return pieces.select(self.dim + 1, part).flatten(self.dim, self.dim + 1)
+
+    def joined(self, parts: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's part concatenated along ``dim`` in rank order
+        (what an allgather gives): the inverse of :meth:`part_of`."""
+        pieces = parts.unflatten(self.dim, (self.parts, self.blocks, -1))
+        return pieces.transpose(self.dim, self.dim + 1).flatten(self.dim, self.dim + 2)
 
 
 def place(param: torch.Tensor, placement: Placement) -> torch.Tensor:

@@ -47,14 +47,16 @@ def gather_full_state(comm: Communicator, plan: ShardingPlan, tables: Sequence[T
 def part_of_full_state(plan: ShardingPlan, tables: Sequence[TableSpec], held: Sequence[int],
                        rank: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s part of full tables keyed ``"<t>.weight"``: the tables it holds
-    (``held``), its rows (or columns) of split ones.
+    (``held``), its rows (or columns) of split ones. A table ``state`` lacks is left out:
+    ``load_state_dict`` reports its key missing (raises with ``strict``), on the ranks that
+    hold it.
 
     Raises:
         ValueError: a table it holds is not of its full ``(rows, dim)`` shape (its block
             would be sliced out of another table).
     """
     mine = {}
-    for t in held:
+    for t in (t for t in held if f"{t}.weight" in state):
         full, expected = tuple(state[f"{t}.weight"].shape), (tables[t].rows, tables[t].dim)
         if full != expected:
             raise ValueError(f"EmbeddingCollection.load_full_state: table {t} needs a full "

@@ -13,7 +13,11 @@ from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 from scaleout.pytorch.spatial.pool import FIXED_POOLS, SpatialPool
-from scaleout.pytorch.spatial.watch import watch_first_forward
+from scaleout.pytorch.spatial.watch import (
+    padding_mixes_rows,
+    resizing_mixes_rows,
+    watch_first_forward,
+)
 
 __all__ = ["spatial_parallel"]
 
@@ -32,14 +36,23 @@ def _pools_rows(module: nn.Module) -> bool:
 MIXES_ROWS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.GroupNorm,
               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
               nn.Fold, nn.Unfold)
+#: Padding layers: ``padding`` holds a pair per padded dim from the last backwards, and the
+#: last pair pads the first spatial dim (dim 2) of an ``(N, C, *spatial)`` input.
+PADS = (nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ZeroPad1d, nn.ZeroPad2d,
+        nn.ZeroPad3d, nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d,
+        nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d, nn.CircularPad1d,
+        nn.CircularPad2d, nn.CircularPad3d)
 
 
-def _mixes_rows(module: nn.Module) -> bool:
-    if isinstance(module, nn.Upsample):  # nearest copies each row: block-local
-        return module.mode != "nearest"
-    if isinstance(module, nn.LayerNorm):  # over the last dim alone (W, or channels-last C,
-        return len(module.normalized_shape) >= 2  # or features): each row on its own
-    return isinstance(module, MIXES_ROWS)
+def _mixes_rows(module: nn.Module) -> str | None:
+    """Why ``module`` mixes the split rows, or ``None``."""
+    if isinstance(module, nn.Upsample):  # nearest by a whole factor copies each row: local
+        return resizing_mixes_rows(module.mode, module.size, module.scale_factor)
+    if isinstance(module, PADS):  # pads dim 2, or only the others (each row on its own)
+        return padding_mixes_rows(module.padding, len(module.padding) // 2 + 2)
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) >= 2:  # (over the
+        return "normalises over two or more dims"  # last dim alone: each row on its own)
+    return "or normalises over the sample" if isinstance(module, MIXES_ROWS) else None
 
 
 def _unknown_with_parameters(module: nn.Module) -> bool:
@@ -65,12 +78,13 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     tile each rank's block), keeping the weights
     (broadcast from model-group rank 0 first; a tensor-parallel layer's shards stay as they
     are). Feed each rank its block of every sample (:func:`split_rows`). Layers that work on
-    each block unchanged (activations, pools of one row at a time, nearest upsampling) are
-    left as they are; a layer with parameters it does not know is left with a warning (right
-    only where its input is whole, after the global pool). Calls in a forward that mix the
-    split rows (``x.mean((2, 3))``, ``F.adaptive_avg_pool2d``, ``F.interpolate`` other than
-    nearest, ...) are a ValueError at the first forward (``spatial/watch.py``; not under
-    ``SCALEOUT_CHECK=0``).
+    each block unchanged (activations, pools of one row at a time, nearest upsampling by a
+    whole factor, padding of the other dims) are left as they are; a layer with parameters
+    it does not know is left with a warning (right only where its input is whole, after the
+    global pool). Calls in a forward that mix the split rows (``x.mean((2, 3))``,
+    ``F.adaptive_avg_pool2d``, ``F.interpolate`` other than nearest by a whole factor,
+    ``F.pad`` of dim 2, ...) are a ValueError at the first forward (``spatial/watch.py``;
+    not under ``SCALEOUT_CHECK=0``).
 
     Args:
         module: the plain model (changed in place and returned).
@@ -83,8 +97,9 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
         ValueError: a convolution that cannot be split (stride, dilation, even kernel,
             padding), a max or average pool whose windows do not tile dim 2 (stride =
             kernel, no padding), an adaptive pool across dim 2 other than a global
-            average, or a layer that mixes rows (:data:`MIXES_ROWS`, non-nearest
-            upsampling, a LayerNorm over two or more dims), named; nothing is converted
+            average, or a layer that mixes rows (:data:`MIXES_ROWS`, upsampling other than
+            nearest by a whole factor along dim 2, a padding layer (:data:`PADS`) that pads
+            dim 2, a LayerNorm over two or more dims), named; nothing is converted
             then. At a forward: a fixed pool whose window does not divide a rank's block
             of rows; at the first forward, a call in a forward that mixes the split rows.
     """
@@ -109,10 +124,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
                 raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) pools "
                                  "across the split rows; only a global average pool "
                                  "(output size 1) can be split")
-            elif _mixes_rows(child):
+            elif reason := _mixes_rows(child):
                 raise ValueError(f"spatial_parallel: layer {name} ({type(child).__name__}) "
-                                 "mixes rows (or normalises over the sample) and has no split "
-                                 "form; it would compute on each rank's block alone")
+                                 f"mixes rows ({reason}) and has no split form; it "
+                                 "would compute on each rank's block alone")
             else:
                 if _unknown_with_parameters(child):
                     unknown.append(f"{name} ({type(child).__name__})")

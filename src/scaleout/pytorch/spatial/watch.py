@@ -2,15 +2,16 @@
 
 ``spatial_parallel`` converts the layers it knows; a forward can still mix rows itself:
 ``x.mean((2, 3))`` or ``F.adaptive_avg_pool2d(x, 1)`` for the global pool, ``F.interpolate``
-with a smooth mode, ``F.group_norm``, a functional convolution or a softmax along the split
-dimension. On a block of rows each of these computes something else than on the whole
-sample, and nothing fails. :func:`watch_first_forward` runs the model's first forward under
-a torch function mode that follows which tensors are split (the model's inputs of three or
-more dimensions, whatever is computed from them, the spatial layers' outputs; a global
-pool's output is whole) and raises ``ValueError`` at the first row-mixing call on one,
-naming the call and the module it ran in. The spatial layers' own calls are theirs to get
-right and are not looked at. A reduction over every dimension (a loss) is not a row-mixing
-call here: docs/hybrid.md says how to scale a loss per position.
+with a smooth mode or a fixed size, ``F.pad`` of the rows, ``F.group_norm``, a functional
+convolution or a softmax along the split dimension. On a block of rows each of these
+computes something else than on the whole sample, and nothing fails.
+:func:`watch_first_forward` runs the model's first forward under a torch function mode that
+follows which tensors are split (the model's inputs of three or more dimensions, whatever is
+computed from them, the spatial layers' outputs; a global pool's output is whole) and raises
+``ValueError`` at the first row-mixing call on one, naming the call and the module it ran
+in. The spatial layers' own calls are theirs to get right and are not looked at. A reduction
+over every dimension (a loss) is not a row-mixing call here: docs/hybrid.md says how to
+scale a loss per position.
 
 Only the first forward is watched, and not at all under ``SCALEOUT_CHECK=0``.
 """
@@ -30,7 +31,7 @@ from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
 from scaleout.pytorch.spatial.pool import SpatialPool
 
-__all__ = ["watch_first_forward", "row_mixing"]
+__all__ = ["watch_first_forward", "row_mixing", "resizing_mixes_rows", "padding_mixes_rows"]
 
 _SPATIAL = (SpatialConv, SpatialBatchNorm, SpatialGlobalAvgPool, SpatialPool)
 
@@ -140,6 +141,29 @@ def _indexes_rows(x: torch.Tensor, args: Sequence[Any]) -> bool:
     return len(index) > 2 and not (isinstance(index[2], slice) and index[2] == slice(None))
 
 
+def resizing_mixes_rows(mode: str, size: Any, scale_factor: Any) -> str | None:
+    """Why ``F.interpolate`` (or ``nn.Upsample``) with these arguments mixes the rows of a
+    block split along dim 2, or ``None``: only nearest with a whole scale factor along dim 2
+    copies each row to rows of its own block (``floor(i / s)``)."""
+    if mode != "nearest":
+        return f"interpolates across rows in mode {mode!r}"
+    if size is not None:  # the whole sample's size: each block would be resized to it
+        return "resizes to a fixed size, the whole sample's, given to each block"
+    factor = _first(scale_factor)
+    if factor is not None and not float(factor).is_integer():
+        return f"scales dim 2 by {factor}, not a whole number: its rows straddle the blocks"
+    return None
+
+
+def padding_mixes_rows(pad: Sequence[int], dims: int) -> str | None:
+    """Why ``F.pad(x, pad)`` on a ``dims``-dimensional ``x`` split along dim 2 mixes its rows,
+    or ``None`` (it pads other dims only: each row on its own). ``pad`` holds a pair per dim
+    from the last backwards, so dim 2's pair is the ``dims - 3``'th."""
+    at = 2 * (dims - 3)
+    return ("pads dim 2, whose edges only the first and last blocks hold" if any(pad[at: at + 2])
+            else None)
+
+
 def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
                kwargs: dict[str, Any], result: Any = None) -> str | None:
     """Why the call ``name(*args, **kwargs)`` (which gave ``result``) mixes the rows of ``x``
@@ -159,8 +183,11 @@ def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
     if name in _MIXING:
         return "mixes neighbouring rows or normalises over the sample"
     if name == "interpolate":
-        mode = _arg(args, kwargs, 3, "mode", "nearest")
-        return None if mode == "nearest" else f"interpolates ({mode}) across rows"
+        return resizing_mixes_rows(_arg(args, kwargs, 3, "mode", "nearest"),
+                                   _arg(args, kwargs, 1, "size", None),
+                                   _arg(args, kwargs, 2, "scale_factor", None))
+    if name == "pad":
+        return padding_mixes_rows(_arg(args, kwargs, 1, "pad", ()), x.dim())
     if name == "layer_norm":
         shape = _arg(args, kwargs, 1, "normalized_shape", ())
         return "normalises over two or more dims" if len(tuple(

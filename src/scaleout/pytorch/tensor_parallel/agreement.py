@@ -15,6 +15,11 @@ projection on a fixed pattern of signs (a multiplicative hash of the position, c
 the tensor's device). Equal inputs give equal projections up to rounding (a different
 summation order: ~1e-16 of the norm in float64 from float32 data); any difference ``d``
 moves the projection by about ``|d|``, so the check reads ``|p_r - p_0| > 1e-4 * norm``.
+Integer tensors (ids) compare exactly: another id is another row, however close its number.
+Their projection is ``sum(x_i * w_i) mod p`` with ``p = 2^31 - 1`` (a prime) and distinct
+weights ``w_i = c (i + 1) mod p``, computed in int64 without overflow and exact in float64;
+one changed id, or two swapped, always changes it (for ids below ``p``: ``d * w_i`` and
+``d (w_i - w_j)`` are not multiples of ``p``), any other change but for a chance of ``1 / p``.
 The comparison needs the numbers on the host: a synchronisation, on checked forwards only.
 """
 
@@ -32,21 +37,35 @@ __all__ = ["check_replicated", "TOLERANCE"]
 #: the projections of equal inputs differ by rounding only; far below any real difference
 TOLERANCE = 1e-4
 _HASH = 0x9E3779B1  # Knuth's multiplicative hash constant (2^32 / golden ratio)
+_PRIME = 2**31 - 1  # an integer tensor's projection is taken modulo this prime
+
+
+def _exact(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds integers (or booleans), which must agree exactly."""
+    return not (tensor.is_floating_point() or tensor.is_complex())
 
 
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1).to(torch.float64)
+    flat = tensor.detach().reshape(-1)
     index = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    signs = 1.0 - 2.0 * ((index * _HASH >> 16) & 1).to(torch.float64)
     count = torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device)
-    return torch.stack([count, torch.linalg.vector_norm(flat), torch.dot(flat, signs)])
+    norm = torch.linalg.vector_norm(flat.to(torch.float64))
+    if _exact(tensor):  # every factor below 2^31: no int64 overflow up to 2^32 elements
+        weights = (index % (_PRIME - 1) + 1) * (_HASH % _PRIME) % _PRIME
+        terms = flat.to(torch.int64).remainder(_PRIME) * weights % _PRIME
+        return torch.stack([count, norm, (terms.sum() % _PRIME).to(torch.float64)])
+    signs = 1.0 - 2.0 * ((index * _HASH >> 16) & 1).to(torch.float64)
+    return torch.stack([count, norm, torch.dot(flat.to(torch.float64), signs)])
 
 
-def _differs(mine: list[float], first: list[float]) -> float | None:
-    """The relative difference of two fingerprints, ``inf`` for different sizes, ``None``
-    when they agree (non-finite inputs agree when equal: a NaN everywhere is not ours)."""
+def _differs(mine: list[float], first: list[float], exact: bool = False) -> float | None:
+    """The relative difference of two fingerprints, ``inf`` for different sizes or (``exact``:
+    integer tensors) different values, ``None`` when they agree (non-finite inputs agree when
+    equal: a NaN everywhere is not ours)."""
     if mine[0] != first[0]:
         return math.inf
+    if exact:
+        return None if mine[2] == first[2] else math.inf
     values = mine[1:] + first[1:]
     if not all(math.isfinite(v) for v in values):
         same = all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(mine, first))
@@ -78,11 +97,12 @@ def check_replicated(tensor: torch.Tensor, comm: Communicator, layer: str, what:
         mine = _fingerprint(tensor).unsqueeze(0)
         every = collectives.allgather(comm, mine).wait().reshape(comm.size, 3).tolist()
     for member, fingerprint in enumerate(every[1:], start=1):
-        gap = _differs(fingerprint, every[0])
+        gap = _differs(fingerprint, every[0], _exact(tensor))
         if gap is None:
             continue
         sizes = f"{int(every[0][0])} and {int(fingerprint[0])} elements"
         difference = ("different sizes" if every[0][0] != fingerprint[0]
+                      else "different values" if math.isinf(gap)
                       else f"relative difference {gap:.3g}")
         raise ValueError(
             f"{layer}: different {what} on the ranks of the model group {comm.label} (global rank "

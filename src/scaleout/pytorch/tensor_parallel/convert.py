@@ -23,11 +23,17 @@ from scaleout.pytorch.tensor_parallel.layers import (
 __all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
            "STYLES"]
 
-#: What a plan may say of a layer.
-STYLES = ("column", "row", "vocab", "replicate")
-_QKV = ({"q", "query", "q_proj"}, {"k", "key", "k_proj"}, {"v", "value", "v_proj"})
-_OUT = ("out_proj", "o_proj", "out", "o", "proj", "c_proj", "dense")
-_HEADS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "nhead")
+#: What a plan may say of a layer ("qkv": a fused ``[q; k; v]`` projection, column parallel
+#: block by block).
+STYLES = ("column", "qkv", "row", "vocab", "replicate")
+_QKV = ({"q", "query", "q_proj", "wq", "to_q"}, {"k", "key", "k_proj", "wk", "to_k"},
+        {"v", "value", "v_proj", "wv", "to_v"})
+_QKV_NAMES = set().union(*_QKV)
+_OUT = ("out_proj", "o_proj", "out", "o", "proj", "c_proj", "dense", "wo")
+_HEADS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "nhead",
+          "num_key_value_heads", "n_kv_heads", "num_kv_heads")
+#: names of fused ``[q; k; v]`` projections: "column" would give rank 0 all of q, not a third
+_FUSED = ("qkv", "c_attn", "query_key_value", "in_proj", "wqkv", "qkv_proj")
 
 
 def _linears(parent: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -38,15 +44,18 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
     """The default plan: which ``nn.Linear`` (and ``nn.Embedding``) becomes which layer.
 
     Rules, per module, on its direct ``nn.Linear`` children:
-    - attention: children named q/k/v (``q``, ``query``, ``q_proj``, ...) are column
-      parallel and the output projection (``out_proj``, ``o_proj``, ``out``, ``proj``, ...)
-      row parallel;
+    - attention: children named q/k/v (``q``, ``query``, ``q_proj``, ``wq``, ...) are column
+      parallel and the output projection (``out_proj``, ``o_proj``, ``out``, ``proj``,
+      ``wo``, ...) row parallel, when the module has a head count;
     - otherwise consecutive children (registration order) are paired column then row when
       the first's ``out_features`` equals the second's ``in_features`` and only elementwise
       steps lie between them in the forward (MLP stacks, transformer MLPs;
       :mod:`~scaleout.pytorch.tensor_parallel.pairing`: an ``nn.Sequential``'s children, or
-      any other module's forward traced with ``torch.fx``); an unpaired layer stays
-      replicated (with a warning where the forward could not be traced).
+      any other module's forward traced with ``torch.fx``), except in a module with a head
+      count and no q/k/v-named child (:func:`tensor_parallel` cannot tell its attention's
+      projections there); an unpaired layer stays replicated (with a warning where the
+      forward could not be traced). A fused ``[q; k; v]`` projection needs a plan
+      (``"qkv"``).
     With ``embeddings``, every ``nn.Embedding`` becomes a VocabParallelEmbedding.
 
     Returns:
@@ -70,6 +79,8 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
                 plan.update({full(n): "column" for n in qkv if n is not None})
                 plan[full(out)] = "row"
             linears = [(n, m) for n, m in linears if n not in {*qkv, out}]
+        if _unknown_attention(parent):
+            linears = []
         i = 0
         while i + 1 < len(linears):
             (a, first), (b, second) = linears[i], linears[i + 1]
@@ -106,6 +117,52 @@ def _heads_of(parent: nn.Module) -> str | None:
     return next(iter(_head_counts(parent)), None)
 
 
+def _unknown_attention(parent: nn.Module) -> bool:
+    """A head count but no child named as a q/k/v projection: which of its layers are the
+    attention's, whose split must divide the heads, cannot be told."""
+    children = {name for name, _ in parent.named_children()}
+    return _heads_of(parent) is not None and not children & _QKV_NAMES
+
+
+def _attentions(plan: Mapping[str, str], modules: Mapping[str, nn.Module],
+                parts: int) -> dict[str, nn.Module]:
+    """The modules whose heads the plan's column layers split: those holding a column layer
+    named as a q/k/v projection, or a ``"qkv"`` one.
+
+    Raises:
+        ValueError: a column layer with no row layer in its module to take its block of
+            the outputs; a column layer in a module with a head count whose attention's
+            projections cannot be told (:func:`_unknown_attention`).
+    """
+    rows = [name for name, style in plan.items() if style == "row"]
+    attention: dict[str, nn.Module] = {}
+    for name, style in plan.items():
+        if style not in ("column", "qkv"):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent, inside = modules[parent_name], f"{parent_name}." if parent_name else ""
+        where = f"{parent_name or '<root>'} ({type(parent).__name__})"
+        if not any(row.startswith(inside) for row in rows):
+            out = modules[name].out_features
+            raise ValueError(f"plan for layer {name!r}: a {style} layer leaves each rank a "
+                             f"block of its outputs ({out // parts} of {out} here), which only "
+                             f"a row layer can take, and the plan has no \"row\" layer in "
+                             f"{where}; plan the layer that reads its output \"row\" (or this "
+                             "one \"replicate\")")
+        if style == "qkv" or child in _QKV_NAMES:
+            attention[parent_name] = parent
+        elif _unknown_attention(parent):
+            attr = _heads_of(parent)
+            raise ValueError(
+                f"plan for layer {name!r}: {where} has a head count ({attr} = "
+                f"{getattr(parent, attr)}) but no layer named as a q/k/v projection (q, "
+                f"q_proj, wq, query, ...), so tensor_parallel cannot tell whether splitting "
+                f"{child} splits its heads (a head count left whole, or divided wrongly, "
+                "computes another attention); plan a fused [q; k; v] projection \"qkv\", name "
+                "the projections q/k/v, or leave this module's layers replicated")
+    return attention
+
+
 def _attention_heads(parent: nn.Module, name: str, parts: int, *, apply: bool) -> None:
     for attr in _head_counts(parent):
         heads = getattr(parent, attr)
@@ -124,13 +181,16 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     Every rank of a model group must hold the same model: its parameters and buffers are
     first broadcast from model-group rank 0, then each rank keeps its shard of each converted
     layer, so the network computes exactly what the original did. An attention module
-    whose q/k/v become column parallel gets its head count (``num_heads``, ``n_heads``, ...)
-    divided by the model degree: its forward must reshape with it (or with ``-1`` heads).
+    whose q/k/v (children named ``q``, ``q_proj``, ``wq``, ``query``, ...) become column
+    parallel, or whose fused ``[q; k; v]`` projection is planned ``"qkv"``, gets its head
+    counts (``num_heads``, ``n_heads``, ``num_key_value_heads``, ...) divided by the model
+    degree: its forward must reshape with them (or with ``-1`` heads), and split a fused
+    projection's output in three equal parts (each rank's ``[q_r; k_r; v_r]``).
 
     Args:
         module: the plain model (changed in place and returned).
         distribution: the grid; layers are split across its MODEL group.
-        plan: qualified layer name -> ``"column"``, ``"row"``, ``"vocab"`` or
+        plan: qualified layer name -> ``"column"``, ``"qkv"``, ``"row"``, ``"vocab"`` or
             ``"replicate"``; default :func:`plan_tensor_parallel`.
         embeddings: with the default plan, shard ``nn.Embedding`` tables by rows too.
 
@@ -140,8 +200,10 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     Raises:
         ValueError: a planned layer is missing or not an nn.Linear/nn.Embedding, a style is
             unknown, a split size does not divide by the model group size (the message
-            names the layer and the sizes), or a planned layer's weight is tied to another
-            module's.
+            names the layer and the sizes), a planned layer's weight is tied to another
+            module's, a column layer has no row layer in its module, a fused projection
+            (``qkv``, ``c_attn``, ...) is planned ``"column"``, or a column layer's module
+            has a head count but no layer named q/k/v (nothing is converted then).
 
     Example (2 ranks, grid 1 x 2):
         >>> net = tensor_parallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
@@ -163,7 +225,6 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     names: dict[int, list[str]] = {}  # a parameter's every name (a tied one has several)
     for qualified, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(qualified)
-    attention: dict[str, nn.Module] = {}
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for name, style in plan.items():
         if style not in STYLES:
@@ -183,17 +244,21 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
                                  "a split layer gets weights of its own, which would untie them")
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name]
-        if style == "column":
-            new: nn.Module = ColumnParallelLinear.from_linear(layer, distribution=distribution,
-                                                             name=name)
+        if style == "column" and child.lower() in _FUSED:
+            raise ValueError(f"plan for layer {name!r}: a fused [q; k; v] projection planned "
+                             "\"column\" would give each rank a contiguous block of rows "
+                             "(rank 0 all of q and part of k); plan it \"qkv\" to split q, k "
+                             "and v alike")
+        if style in ("column", "qkv"):
+            new: nn.Module = ColumnParallelLinear.from_linear(
+                layer, distribution=distribution, name=name, blocks=3 if style == "qkv" else 1)
         elif style == "row":
             new = RowParallelLinear.from_linear(layer, distribution=distribution, name=name)
         else:
             new = VocabParallelEmbedding.from_embedding(layer, distribution=distribution,
                                                         name=name)
         replacements.append((parent, child, new))
-        if style == "column" and child in set().union(*_QKV):
-            attention[parent_name] = parent
+    attention = _attentions(plan, modules, comm.size)
     for name, parent in attention.items():  # every check passes before anything changes
         _attention_heads(parent, name, comm.size, apply=False)
     for parent, child, new in replacements:
@@ -230,8 +295,8 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
             continue
         assert mark.comm is not None
         block = param.detach().movedim(mark.dim, 0).contiguous()
-        gathered = collectives.allgather(mark.comm, block).wait()
-        state[name] = gathered.movedim(0, mark.dim).contiguous()
+        gathered = collectives.allgather(mark.comm, block).wait()  # the parts in rank order
+        state[name] = mark.joined(gathered.movedim(0, mark.dim)).contiguous()
     return state
 
 
@@ -271,5 +336,5 @@ def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bo
             raise ValueError(f"load_full_state_dict: {name} (layer {mark.layer}) needs the full "
                              f"tensor, {size * mark.parts} along dim {mark.dim}; got shape "
                              f"{tuple(full.shape)}")
-        local[name] = full.narrow(mark.dim, mark.comm.rank * size, size)
+        local[name] = mark.part_of(full, mark.comm.rank)
     return module.load_state_dict(local, strict=strict)

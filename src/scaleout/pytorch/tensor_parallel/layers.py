@@ -24,7 +24,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.exchange_stats import ExchangeRecorder
 from scaleout.pytorch.modules import broadcast_tensors
-from scaleout.pytorch.placement import Kind, Placement, place
+from scaleout.pytorch.placement import Kind, Placement, place, placement_of
 from scaleout.pytorch.tensor_parallel.agreement import check_replicated
 from scaleout.pytorch.tensor_parallel.exchanges import (
     copy_to_model,
@@ -37,10 +37,11 @@ __all__ = ["ModelParallelLayer", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding"]
 
 
-def _split(size: int, parts: int, what: str, layer: str, kind: str) -> int:
+def _split(size: int, parts: int, what: str, layer: str, kind: str,
+           by: str = "the model group size") -> int:
     if size % parts:
         raise ValueError(f"{kind} {layer or '(unnamed)'}: {what} = {size} must be divisible by "
-                         f"the model group size {parts}")
+                         f"{by} {parts}")
     return size // parts
 
 
@@ -66,9 +67,9 @@ class ModelParallelLayer(nn.Module):
         self.parts = self.comm.size
         self.part = self.comm.rank
 
-    def _shard(self, param: nn.Parameter, dim: int) -> nn.Parameter:
+    def _shard(self, param: nn.Parameter, dim: int, blocks: int = 1) -> nn.Parameter:
         return place(param, Placement(kind=Kind.SHARDED, layer=self.layer_name, comm=self.comm,
-                                      dim=dim))
+                                      dim=dim, blocks=blocks))
 
     def _check_replicated(self, tensor: torch.Tensor, what: str) -> None:
         """A ValueError unless ``tensor`` is equal on every rank of the model group (on the
@@ -91,10 +92,14 @@ class ColumnParallelLinear(ModelParallelLayer):
         gather_output: allgather the output blocks (the full ``out_features`` on every rank);
             otherwise each rank returns its ``out_features / parts`` block, ready for a
             :class:`RowParallelLinear`.
+        blocks: the outputs are this many equal blocks (a fused ``[q; k; v]`` projection:
+            3), each split across the model group: a rank computes its slice of each, in
+            order (``[q_r; k_r; v_r]``: its output splits in three like the whole one's).
         dtype: parameter dtype. name: for errors.
 
     Raises:
-        ValueError: ``out_features`` does not divide by the model group size.
+        ValueError: ``out_features`` (a block of it) does not divide by the model group size,
+            or ``blocks`` is not an int >= 1 dividing it.
 
     Example (model group of 2: rank 0 holds outputs 0..3, rank 1 outputs 4..7):
         >>> layer = ColumnParallelLinear(16, 8, distribution=dist)
@@ -103,42 +108,55 @@ class ColumnParallelLinear(ModelParallelLayer):
     """
 
     def __init__(self, in_features: int, out_features: int, *, distribution: Distribution,
-                 bias: bool = True, gather_output: bool = False,
+                 bias: bool = True, gather_output: bool = False, blocks: int = 1,
                  dtype: torch.dtype | None = None, name: str = "") -> None:
         super().__init__(distribution, name)
         self.in_features, self.out_features = in_features, out_features
-        self.local_out = _split(out_features, self.parts, "out_features", name, type(self).__name__)
+        kind = type(self).__name__
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+            raise ValueError(f"{kind} {name or '(unnamed)'}: blocks must be an int >= 1, got "
+                             f"{blocks!r}")
+        block = _split(out_features, blocks, "out_features", name, kind, "the number of blocks")
+        what = "out_features" if blocks == 1 else f"a block of out_features ({blocks} blocks)"
+        self.blocks = blocks
+        self.local_out = _split(block, self.parts, what, name, kind) * blocks
         self.gather_output = gather_output
         bound = 1.0 / math.sqrt(in_features) if in_features else 0.0  # nn.Linear's init
         self.weight = self._shard(self._uniform(self.local_out, in_features, bound=bound,
-                                                dtype=dtype), 0)
-        self.bias = (self._shard(self._uniform(self.local_out, bound=bound, dtype=dtype), 0)
-                     if bias else None)
+                                                dtype=dtype), 0, blocks)
+        self.bias = (self._shard(self._uniform(self.local_out, bound=bound, dtype=dtype), 0,
+                                 blocks) if bias else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, distribution: Distribution, name: str = "",
-                    gather_output: bool = False) -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (its initial weights kept)."""
+                    gather_output: bool = False, blocks: int = 1) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (its initial weights kept); ``blocks``: as for the
+        constructor (3 for a fused ``[q; k; v]`` projection)."""
         layer = cls(linear.in_features, linear.out_features, distribution=distribution,
-                    bias=linear.bias is not None, gather_output=gather_output,
+                    bias=linear.bias is not None, gather_output=gather_output, blocks=blocks,
                     dtype=linear.weight.dtype, name=name)
-        rows = slice(layer.part * layer.local_out, (layer.part + 1) * layer.local_out)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
+            for mine, full in ((layer.weight, linear.weight), (layer.bias, linear.bias)):
+                if full is not None:
+                    mine.copy_(placement_of(mine).part_of(full, layer.part))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rec = self.exchange_recorder
         self._check_replicated(x, "input")
         out = F.linear(copy_to_model(x, self.comm, rec), self.weight, self.bias)
-        return gather_from_model(out, self.comm, rec) if self.gather_output else out
+        if not self.gather_output:
+            return out
+        out = gather_from_model(out, self.comm, rec)  # the ranks' parts, in rank order
+        if self.blocks > 1:  # [q_0; k_0; v_0; q_1; ...] -> [q; k; v]
+            out = placement_of(self.weight).joined(out.movedim(-1, 0)).movedim(0, -1)
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"({self.local_out} here, part {self.part}/{self.parts}), "
-                f"gather_output={self.gather_output}")
+                f"gather_output={self.gather_output}"
+                + (f", blocks={self.blocks}" if self.blocks > 1 else ""))
 
 
 class RowParallelLinear(ModelParallelLayer):

@@ -174,3 +174,52 @@ def test_launch_config(nprocs: object, nnodes: object, node_rank: object, port: 
     accepted_or_refused(lambda: LaunchConfig(nprocs=nprocs, nnodes=nnodes, node_rank=node_rank,
                                              master_port=port,
                                              env={"SCALEOUT_JOB_TOKEN": "t"}))
+
+
+numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 2**70),
+                    anything)
+trace_layers = st.one_of(
+    st.fixed_dictionaries({"name": st.text(max_size=4), "forward_s": numbers,
+                           "backward_s": st.one_of(numbers, st.lists(numbers, max_size=3)),
+                           "grad_bytes": numbers}),
+    anything)
+
+
+@SETTINGS
+@given(batch_size=numbers, layers=st.lists(trace_layers, min_size=1, max_size=3))
+def test_trace_files(batch_size: object, layers: list[object]) -> None:
+    import math
+
+    from scaleout.sim.trace import workload_from_dict
+    from scaleout.sim.workload import Workload
+
+    workload = accepted_or_refused(lambda: workload_from_dict(
+        {"format": "scaleout-trace", "version": 2, "batch_size": batch_size, "layers": layers}))
+    if isinstance(workload, Workload):  # what the simulator can price
+        assert math.isfinite(workload.compute_s) and isinstance(workload.batch_size, int)
+        assert all(isinstance(layer.grad_bytes, int) for layer in workload.layers)
+
+
+rates = st.one_of(st.sampled_from(["1e-300bps", "1bps", "0.1bps", "100Gbps", "1e300GB/s", "0bps",
+                                   "nan", "inf", "5"]), st.text(max_size=6))
+sizes = st.one_of(st.sampled_from(["0", "1", "64MB", "1e300", "1e306", "1e400", "-1"]),
+                  st.text(max_size=6))
+latencies = st.one_of(st.sampled_from(["0us", "5us", "1e300s", "1e-300s"]), st.text(max_size=6))
+
+
+@SETTINGS
+@given(bandwidth=rates, size=sizes, latency=latencies, npus=st.sampled_from(["1", "8", "1000"]))
+def test_sim_collective_prints_finite_numbers_or_refuses(capsys, bandwidth: str, size: str,
+                                                         latency: str, npus: str) -> None:
+    import json
+
+    from scaleout.cli.main import main
+
+    code = main(["sim", "collective", "--topology", npus, f"--bandwidth={bandwidth}",
+                 f"--latency={latency}", f"--size={size}", "--json"])
+    out, err = capsys.readouterr()
+    assert code in (0, 2), (code, err)
+    if code == 0:  # never Infinity or NaN (JSON cannot hold them)
+        json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in {out}"))
+    else:
+        assert err.startswith("scaleout sim: error: ") and not out

@@ -143,12 +143,26 @@ def test_sharded_update_peer_trains_like_its_peers(rank_env: Path) -> None:
     (["--iters", "0"], "iters: expected an integer >= 1"),
     (["--rate", "1gbps"], "rate"),
     (["--compression", "zip"], "zip"),
+    # hybrid failed only after every other configuration had run
+    (["--parallel", "hybrid"], "peers: the hybrid configurations (hybrid) shard embedding "
+                               "tables, and the workload 'digits-mlp' has none"),
+    (["--vs", "ddp,hybrid-lockstep"], "(hybrid-lockstep) shard embedding tables"),
 ])
 def test_argument_errors(extra: list[str], message: str,
                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*TINY, *extra]) == 2
     err = capsys.readouterr().err
     assert "scaleout bench train: error:" in err and message in err
+
+
+@pytest.mark.parametrize("command", [TINY, ["tune", "--workload", "digits-mlp"]])
+def test_a_rate_without_a_testbed_is_refused(command: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # loopback has no rate: --rate abc was ignored and the run went on, exit 0
+    for rate in ("abc", "100mbit"):
+        assert main([*command, "--no-testbed", "--rate", rate]) == 2
+        assert "--rate shapes the testbed's links, and --no-testbed runs over loopback" in \
+            capsys.readouterr().err
 
 
 def test_without_root_names_the_way_out(monkeypatch: pytest.MonkeyPatch,

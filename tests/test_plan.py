@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scaleout.scheduler import PlanItem, SchedulerConfig, build_plan, chunk_needs, plan_and_policy
+from scaleout.scheduler.plan import MAX_CHUNKS
 
 KB = 1024
 
@@ -83,3 +86,21 @@ def test_an_open_policy_is_priority_only_with_a_bulk_bucket_to_pre_empt() -> Non
     for policy in ("priority", "fifo"):
         kept = SchedulerConfig(policy=policy, partition_bytes=1 << 20, credit_bytes=2 << 20)
         assert plan_and_policy([_item(0, 4)], kept)[1].policy == policy
+
+
+def test_a_plan_of_more_than_max_chunks_is_refused_before_it_is_built() -> None:
+    # one (start, stop) per chunk: a 100 TB gradient was 48 million of them, and the
+    # simulator never finished (a sim run of a trace). Here 1-byte chunks reach the limit.
+    config = SchedulerConfig(policy="priority", partition_bytes=1, credit_bytes=1, urgent_bytes=0)
+
+    def item(key: int, numel: int) -> PlanItem:
+        return PlanItem(key=key, numel=numel, dtype="bytes", elem_bytes=1, position=key)
+
+    (plan,) = build_plan([item(0, MAX_CHUNKS)], config)
+    assert len(plan.chunks) == MAX_CHUNKS
+    with pytest.raises(ValueError, match=f"{MAX_CHUNKS + 1} chunks of partition_bytes=1: "
+                                         f"at most {MAX_CHUNKS}.*fifo policy"):
+        build_plan([item(0, MAX_CHUNKS - 4), item(1, 5)], config)  # counted over buckets
+    # FIFO sends buckets whole: any size is one chunk
+    fifo = SchedulerConfig(policy="fifo", bucket_bytes=8 << 20)
+    assert build_plan([item(0, 10**14)], fifo)[0].chunks == ((0, 10**14),)

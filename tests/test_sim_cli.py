@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,7 @@ def test_collective_themis_and_errors(capsys) -> None:
     assert "size must be finite, got '1e400'" in capsys.readouterr().err
     base = ["sim", "run", "--model", "resnet50", "--device", "p100", "--preset", "goyal-bigbasin"]
     for extra, message in ((["--batch", "0"], "batch_size must be an int >= 1, got 0"),
-                           (["--nodes", "0"], "npus must be an int >= 1, got 0"),
-                           (["--speed", "0"], "--speed must be a finite number > 0")):
+                           (["--nodes", "0"], "npus must be an int >= 1, got 0")):
         assert main([*base, *extra]) == 2  # 0 was read as "not given": the defaults' answer
         assert message in capsys.readouterr().err
 
@@ -198,6 +198,10 @@ def test_run_cycle(tmp_path, capsys) -> None:
     assert times == pytest.approx([0.03 + 1.048576, 0.1 + 1.048576])
     assert main(["sim", "run", "--model", "resnet50", "--cycle", "5 parsecs"]) == 2
     assert "time must look like" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sim", "run", "--help"])
+    # the help's default is one --cycle takes (it said "0", which is refused: no unit)
+    assert "0s (default): at once" in " ".join(capsys.readouterr().out.split())
 
 
 def test_validate_prints_sources_writes_json_and_exit_code_matches(tmp_path, capsys) -> None:
@@ -229,3 +233,104 @@ def test_a_broken_trace_is_named(tmp_path, capsys) -> None:
     assert main(["sim", "collective", "--topology", "8x16", "--bandwidth", "100Gbps,25Gbps",
                  "--themis", "--chunks", "100000"]) == 2  # (took minutes)
     assert "chunks must be an int from 1 to 4096" in capsys.readouterr().err
+
+
+def _trace(tmp_path, grad_bytes: int = 1 << 20) -> str:
+    from scaleout.sim.trace import write_trace
+    from scaleout.sim.workload import Layer, Workload
+
+    layer = Layer(name="a", forward_s=0.01, backward_s=0.02, grad_bytes=grad_bytes)
+    write_trace(tmp_path / "t.json", Workload(name="rec", batch_size=4, layers=(layer,)))
+    return str(tmp_path / "t.json")
+
+
+def _refused(capsys, argv: list[str], message: str) -> None:
+    """``argv`` exits 2 with ``message`` on one line of stderr and nothing on stdout."""
+    try:
+        rc = main(argv)
+    except SystemExit as err:  # argparse's own refusals
+        rc = err.code
+    assert rc == 2, argv
+    out, err = capsys.readouterr()
+    assert message in err and not out, (argv, err, out)
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--codec-cost", "nan"), ("--codec-cost", "inf"), ("--host-cost", "inf"),
+    ("--codec-ratio", "nan"), ("--speed", "inf"),
+])
+def test_non_finite_numbers_are_refused(capsys, option: str, value: str) -> None:
+    # --codec-cost nan printed a nan iteration and wrote NaN into --json, with exit 0
+    _refused(capsys, ["sim", "run", "--model", "resnet50", option, value],
+             f"argument {option}: expected a finite number, got '{value}'")
+
+
+def test_no_option_is_silently_ignored_or_overridden(tmp_path, capsys) -> None:
+    trace = _trace(tmp_path)
+    model = ["sim", "run", "--model", "resnet50"]
+    for network in (["--topology", "16"], ["--bandwidth", "1Gbps"], ["--latency", "1us"],
+                    ["--kind", "switch"]):  # the preset's network won, silently
+        _refused(capsys, [*model, "--preset", "goyal-bigbasin", *network],
+                 f"--preset goyal-bigbasin defines the topology, bandwidths, latencies and kinds: "
+                 f"give it without {network[0]}")
+    _refused(capsys, [*model, "--topology", ""], "topology must look like '8'")  # was 8
+    for command in ("run", "sweep"):  # --speed scaled nothing of a model
+        _refused(capsys, ["sim", command, "--model", "resnet50", "--speed", "2"],
+                 "--speed applies to --trace")
+    _refused(capsys, ["sim", "run", "--trace", trace, "--device", "h100"],
+             "--device applies to --model")
+    _refused(capsys, ["sim", "run", "--trace", trace, "--speed", "0"],
+             "--speed must be a finite number > 0, got 0.0")
+    # --codec-* replaced the named codec by one of ratio 1
+    _refused(capsys, [*model, "--codec", "blockquant", "--codec-gather"],
+             "--codec blockquant is a measured codec (its own ratio and cost) and --codec-gather "
+             "are for a codec not measured here")
+    assert main([*model, "--codec-gather", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_s"] > 0
+    # --themis took the first algorithm and ignored --flat
+    themis = ["sim", "collective", "--topology", "8x8", "--themis"]
+    for extra in (["--flat"], ["--algorithm", "ring,direct"]):
+        _refused(capsys, [*themis, *extra],
+                 "a pipelined all-reduce takes one algorithm and no flat ring")
+    assert main([*themis, "--algorithm", "direct,direct", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["themis"]["gain"] > 0
+    _refused(capsys, [*model, "--ranks", "2"], "--ranks applies to --chrome and --write-chakra")
+
+
+def test_nothing_non_finite_is_printed(capsys) -> None:
+    collective = ["sim", "collective", "--topology", "8"]
+    _refused(capsys, [*collective, "--bandwidth", "1e-300bps"],  # printed infs and Infinity
+             "bandwidth must be at least 1 bit/s (0.125 bytes/s)")
+    assert main([*collective, "--bandwidth", "1bps", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out, parse_constant=pytest.fail)["time_s"] > 0
+    # a time that overflows a float: refused whole, not printed
+    _refused(capsys, ["sim", "collective", "--topology", "1000", "--size", "1e306", "--json"],
+             "a result is not a finite number")
+    _refused(capsys, ["sim", "run", "--model", "resnet50", "--device", "inf"],
+             "device rate must be a finite number > 0 FLOP/s, got inf")
+
+
+def test_a_plan_too_big_to_simulate_is_refused_at_once(tmp_path, capsys) -> None:
+    # 100 TB of gradients in 2 MiB chunks: it ran for ever (one tuple entry, one event each)
+    trace = _trace(tmp_path, grad_bytes=10**14)
+    started = time.perf_counter()
+    _refused(capsys, ["sim", "run", "--trace", trace, "--topology", "4", "--bandwidth", "10Gbps"],
+             "47683716 chunks of partition_bytes=2097152: at most 1048576")
+    assert time.perf_counter() - started < 30
+    # whole buckets (FIFO) are one chunk whatever their size
+    assert main(["sim", "run", "--trace", trace, "--topology", "4", "--bandwidth", "10Gbps",
+                 "--policy", "fifo", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["iteration_s"] == pytest.approx(
+        0.11 + 2 * 3 / 4 * 10**14 / 1.25e9, rel=1e-3)
+
+
+def test_chrome_tracks_are_ranks_of_the_topology(tmp_path, capsys) -> None:
+    chrome = tmp_path / "c.json"
+    run = ["sim", "run", "--model", "resnet50", "--chrome", str(chrome)]
+    _refused(capsys, [*run, "--ranks", "100000"],  # (took minutes)
+             "--ranks must be from 1 to the topology's 8 NPUs, got 100000")
+    assert main([*run, "--topology", "2"]) == 0  # the default 4 tracks, of 2 NPUs: 2
+    capsys.readouterr()
+    events = json.loads(chrome.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from scaleout.sim.iteration import simulate
 from scaleout.sim.models import DEVICES, MODELS, model, model_workload
 from scaleout.sim.network import parse_topology, preset
 from scaleout.sim.scaling import sweep
+from scaleout.sim.themis import pipelined_algorithm
 from scaleout.sim.trace import read_trace, write_trace
 from scaleout.sim.validation import Scenario, validate
 from scaleout.sim.workload import Layer, Workload
@@ -364,3 +366,36 @@ def test_each_round_of_a_codec_costs_a_collective_latency_and_its_call() -> None
             CodecModel(name="x", ratio=0.5, multi_round=True, rounds=bad)
     with pytest.raises(ValueError, match="rounds"):
         CodecModel(name="x", ratio=0.5, rounds=2)  # several rounds: multi_round
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_non_finite_costs_rates_and_times_are_refused(bad: float) -> None:
+    # each priced an iteration as nan or inf (and sim run wrote NaN into its JSON)
+    with pytest.raises(ValueError, match="seconds_per_byte must be a finite number >= 0"):
+        CodecModel(name="x", ratio=0.5, seconds_per_byte=bad)
+    for name in ("host_s_per_byte", "host_s_per_message", "cycle_s"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+            IterationConfig(**{name: bad})
+    for name in ("forward_s", "backward_s", "update_s"):
+        times = {"forward_s": 0.0, "backward_s": 0.0, name: bad}
+        with pytest.raises(ValueError, match=f"Layer.{name} must be a finite number >= 0"):
+            Layer(name="a", grad_bytes=0, **times)
+    with pytest.raises(ValueError, match="device rate must be a finite number > 0"):
+        model_workload("resnet50", device=bad, batch_size=1)
+    with pytest.raises(ValueError, match="speed must be a finite number > 0"):
+        _two_layers().scaled(speed=bad)
+
+
+def test_gradient_bytes_stop_at_64_bits() -> None:
+    assert Layer(name="a", forward_s=0.0, backward_s=0.0, grad_bytes=2**63 - 1).grad_bytes
+    with pytest.raises(ValueError, match=r"grad_bytes must be an int from 0 to 2\*\*63 - 1"):
+        Layer(name="a", forward_s=0.0, backward_s=0.0, grad_bytes=10**400)
+
+
+def test_a_pipelined_all_reduce_takes_one_algorithm_and_no_flat_ring() -> None:
+    assert pipelined_algorithm("direct") == pipelined_algorithm(["direct"] * 3) == "direct"
+    for algorithm, flat in ((("ring", "direct"), False), ("ring", True)):
+        with pytest.raises(ValueError, match="one algorithm and no flat ring"):
+            pipelined_algorithm(algorithm, flat)
+        with pytest.raises(ValueError, match="one algorithm and no flat ring"):
+            IterationConfig(pipeline="themis", algorithm=algorithm, flat=flat)

@@ -52,6 +52,14 @@ def test_topology_parsing_coordinates_and_hops() -> None:
         Dimension(kind="torus", npus=2, bandwidth=1.0, latency=0.0)
 
 
+def test_a_link_is_at_least_one_bit_per_second() -> None:
+    # 1e-300bps priced collectives as inf (JSON Infinity); 1 bit/s still prices finitely
+    assert Dimension(kind="ring", npus=2, bandwidth=1 / 8, latency=0.0).bandwidth == 0.125
+    for text in ("1e-300bps", "0.5bps"):
+        with pytest.raises(ValueError, match=r"at least 1 bit/s \(0.125 bytes/s\)"):
+            parse_topology("8", bandwidths=text)
+
+
 def _one(p: int, kind: str, a: float = 0.0, bw: float = 1.0):
     return parse_topology(str(p), bandwidths=[bw], latencies=[a], kinds=[kind])
 

@@ -9,6 +9,7 @@ version 1 files written before held one sample per span and are re-derived from 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -127,3 +128,35 @@ def test_malformed_events_of_a_version_1_trace_and_unknown_versions_are_refused(
         workload_from_dict(data)
     with pytest.raises(ValueError, match=r"trace version 3 not supported \(expected one of"):
         workload_from_dict({**_v1_recorded(), "version": 3})
+
+
+_LAYER = {"name": "fc", "forward_s": 0.01, "backward_s": [0.02], "grad_bytes": 64}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layers": [1, 2]}, "layer 0 must be an object"),  # were AttributeError tracebacks
+    ({"layers": [_LAYER, None]}, "layer 1 must be an object"),
+    ({"batch_size": 32.5}, "batch_size must be an integer, got 32.5"),  # were int()-ed
+    ({"batch_size": True}, "batch_size must be an integer, got True"),
+    ({"batch_size": None}, "batch_size must be an integer, got None"),
+    ({"layers": [{**_LAYER, "grad_bytes": 5.5}]}, "'fc': grad_bytes must be an integer, got 5.5"),
+    ({"layers": [{**_LAYER, "grad_bytes": True}]}, "grad_bytes must be an integer, got True"),
+    ({"layers": [{**_LAYER, "grad_bytes": math.inf}]}, "grad_bytes must be an integer, got inf"),
+    ({"layers": [{**_LAYER, "grad_bytes": 1e300}]}, "grad_bytes must be an integer, got 1e+300"),
+    ({"layers": [{**_LAYER, "forward_s": math.inf}]},  # inf and nan in the output
+     "Layer.forward_s must be a finite number >= 0, got inf"),
+    ({"layers": [{**_LAYER, "backward_s": [0.02, 10**400]}]}, "backward_s must be seconds"),
+    ({"layers": [{**_LAYER, "backward_s": [0.02, "late"]}]}, "backward_s must be seconds"),
+])
+def test_a_malformed_trace_is_refused_in_one_line(tmp_path, capsys, change: dict,
+                                                  message: str) -> None:
+    from scaleout.cli.main import main
+
+    path = tmp_path / "t.json"
+    # (json writes inf as Infinity, which it reads back as inf, as it reads 1e400)
+    path.write_text(json.dumps({"format": "scaleout-trace", "version": 2, "batch_size": 4,
+                                "layers": [_LAYER], **change}))
+    assert main(["sim", "run", "--trace", str(path), "--topology", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"scaleout sim: error: {path}: ") and message in err
+    assert len(err.strip().splitlines()) == 1

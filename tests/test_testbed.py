@@ -142,6 +142,45 @@ def test_missing_capabilities_are_named(monkeypatch: pytest.MonkeyPatch) -> None
         check_capabilities()
 
 
+def test_cli_status_of_one_name(state_directory: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--name was ignored: every testbed was listed, and a missing one with exit code 0."""
+    from scaleout.cli.main import main
+    from scaleout.testbed import TestbedState
+
+    for i, name in enumerate(("one", "two")):
+        host = HostInfo(index=0, namespace=f"so-{name}-h0", ifname="so-eth0",
+                        address=f"10.213.{i}.1", master_addr=f"10.213.{i}.1")
+        TestbedState(config=TestbedConfig(hosts=1, rate="1gbit", name=name,
+                                          subnet=f"10.213.{i}.0/24"),
+                     switch_namespace=f"so-{name}-sw", hosts=(host,), burst_bytes=1,
+                     limit_bytes=1).save(state_directory)
+    assert main(["testbed", "status", "--json"]) == 0
+    assert [s["name"] for s in json.loads(capsys.readouterr().out)] == ["one", "two"]
+    assert main(["testbed", "status", "--name", "two", "--json"]) == 0
+    assert [s["name"] for s in json.loads(capsys.readouterr().out)] == ["two"]
+    assert main(["testbed", "status", "--name", "nosuch"]) == 1
+    out, err = capsys.readouterr()
+    assert not out and "no testbed named 'nosuch' (up: 'one', 'two')" in err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--nbytes", "0"], "expected nbytes >= 4"),  # 0 was "not given": the default size
+    (["--nbytes", "3"], "got nbytes=3"),
+    (["--iters", "0"], "iters >= 1"),
+    (["--repeat", "0"], "--repeat: expected an integer >= 1, got 0"),  # an empty table, exit 0
+    (["--repeat", "-1"], "--repeat: expected an integer >= 1, got -1"),
+])
+def test_cli_calibrate_refuses_sizes_before_looking_for_the_testbed(
+        state_directory: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+        message: str) -> None:
+    from scaleout.cli.main import main
+
+    assert main(["testbed", "calibrate", "--name", "nosuch", *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("scaleout testbed calibrate: error: ") and message in err
+
+
 # -- real namespaces ---------------------------------------------------------------
 
 
@@ -250,6 +289,8 @@ def test_cli_up_status_down(state_directory: Path, capsys: pytest.CaptureFixture
         assert main(["testbed", "status", "--json"]) == 0
         (state,) = json.loads(capsys.readouterr().out)
         assert state["name"] == name and state["owner_pid"] is None  # persists after the CLI exits
+        assert main(["testbed", "status", "--name", name]) == 0
+        assert f"testbed {name!r}: 2 hosts" in capsys.readouterr().out
         assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbit", "--name", name]) == 1
         assert "already up" in capsys.readouterr().err
     finally:

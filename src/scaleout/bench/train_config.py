@@ -25,7 +25,7 @@ class TrainBenchConfig:
         ranks: data-parallel ranks (one per testbed host), at least 2.
         rate: link rate per direction of every testbed host (ignored with ``testbed=False``).
         peers: configurations to compare against, from
-            :data:`scaleout.bench.train_peers.PEERS`.
+            :data:`scaleout.bench.train_peers.PEERS` (the ``hybrid`` ones DLRM's only).
         rounds: interleaved rounds; every configuration runs once per round.
         iters: timed iterations per run.
         warmup: untimed iterations before them.
@@ -88,9 +88,9 @@ class TrainBenchConfig:
     allocator: str = DEFAULT_ALLOCATOR
 
     def __post_init__(self) -> None:
-        from scaleout.workloads import get_workload
+        from scaleout.workloads import DLRMWorkload, get_workload
 
-        get_workload(self.workload)  # raises ValueError listing the names
+        workload = get_workload(self.workload)  # raises ValueError listing the names
         for name, low in (("ranks", 1), ("rounds", 1), ("iters", 1), ("warmup", 0),
                           ("threads", 1), ("seed", 0)):
             value = getattr(self, name)
@@ -107,6 +107,11 @@ class TrainBenchConfig:
                              f"{', '.join(PEERS)} or ddp-tuned:MB (MB an int >= 1)")
         if len(set(self.peers)) != len(self.peers):
             raise ValueError(f"peers: each peer once, got {', '.join(self.peers)}")
+        hybrid = [p for p in self.peers if p.startswith("hybrid")]
+        if hybrid and not isinstance(workload, DLRMWorkload):  # (before the other runs)
+            raise ValueError(f"peers: the hybrid configurations ({', '.join(hybrid)}) shard "
+                             f"embedding tables, and the workload {self.workload!r} has none "
+                             "(use --workload dlrm)")
         if self.policy not in (*POLICIES, "default"):
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, default, got "
                              f"{self.policy!r}")

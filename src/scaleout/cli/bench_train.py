@@ -61,8 +61,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True,
                         help=WORKLOADS_HELP)
     parser.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
-    parser.add_argument("--rate", default="1gbit",
-                        help="link rate per direction of each host (default 1gbit)")
+    parser.add_argument("--rate", default=None,
+                        help="link rate per direction of each testbed host (default 1gbit; not "
+                             "with --no-testbed, whose loopback has no rate limit)")
+
+
+def cluster_rate(args: argparse.Namespace) -> str:
+    """``--rate``, or its default.
+
+    Raises:
+        ValueError: ``--rate`` with ``--no-testbed`` (loopback shapes nothing).
+    """
+    if args.rate is None:
+        return "1gbit"
+    if args.no_testbed:
+        raise ValueError("--rate shapes the testbed's links, and --no-testbed runs over loopback "
+                         "with no rate limit: give one or the other")
+    return args.rate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -201,7 +216,7 @@ def handler(args: argparse.Namespace) -> int:
         budget = (_memory_budget(args.memory_budget) if getattr(args, "memory_budget", None)
                   else None)
         config = TrainBenchConfig(
-            workload=args.workload, ranks=args.ranks, rate=args.rate, peers=peers,
+            workload=args.workload, ranks=args.ranks, rate=cluster_rate(args), peers=peers,
             memory_budget=budget,
             rounds=args.rounds, iters=args.iters, warmup=_warmup(args), batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from scaleout.cli.sim_args import algorithm_from, emit, fail, json_arg, network_args, topology_from
+from scaleout.cli.sim_args import (
+    algorithm_from,
+    emit,
+    fail,
+    finite_float,
+    json_arg,
+    network_args,
+    topology_from,
+)
 from scaleout.cli.sim_run import handle_run, handle_sweep
 from scaleout.cli.sim_traces import register_chrome
 from scaleout.table import format_table
@@ -48,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     coll.add_argument(
         "--themis",
         action="store_true",
-        help="also run the chunked all-reduce with fixed-order and Themis scheduling",
+        help="also run the chunked all-reduce with fixed-order and Themis scheduling (one "
+        "algorithm for every dimension, not --flat)",
     )
     coll.add_argument("--chunks", type=int, default=64, help="chunks for --themis (default 64)")
     network_args(coll)
@@ -70,12 +79,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--chakra", default=None, metavar="FILE", help="one rank's Chakra .et file"
         )
         p.add_argument(
-            "--device", default="p100", help="device of the table, or FLOP/s (e.g. 5e12)"
+            "--device",
+            default=None,
+            help="device of the table, or FLOP/s (e.g. 5e12); with --model (default p100)",
         )
         p.add_argument(
             "--batch", type=int, default=None, help="samples per rank (default 32, or the trace's)"
         )
-        p.add_argument("--speed", type=float, default=1.0, help="device speed-up over the trace's")
+        p.add_argument(
+            "--speed",
+            type=finite_float,
+            default=None,
+            help="device speed-up over the trace's; with --trace (default 1)",
+        )
         p.add_argument("--policy", default="priority", choices=("fifo", "priority"))
         p.add_argument("--mode", default="overlap", choices=("overlap", "sync"))
         p.add_argument("--bucket", default="8MB", help="bucket bytes (default 8MB)")
@@ -83,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--codec",
             default="none",
             help="a measured scaleout codec: cast:fp16, blockquant, sign, topk:ratio=0.01, "
-            "powersgd:rank=2 (docs/simulator.md)",
+            "powersgd:rank=2 (docs/simulator.md); for another codec use --codec-ratio, "
+            "--codec-cost and --codec-gather instead",
         )
         p.add_argument(
             "--pipeline",
@@ -93,16 +110,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "in fixed order or Themis' order",
         )
         p.add_argument("--pipeline-chunks", type=int, default=16, help="chunks (default 16)")
-        p.add_argument("--codec-ratio", type=float, default=1.0, help="wire bytes / gradient bytes")
         p.add_argument(
-            "--codec-cost", type=float, default=0.0, help="codec seconds per gradient MB"
+            "--codec-ratio",
+            type=finite_float,
+            default=None,
+            help="a codec not measured here (not with --codec): wire bytes / gradient bytes "
+            "(default 1)",
         )
         p.add_argument(
-            "--codec-gather", action="store_true", help="codec payloads are all-gathered"
+            "--codec-cost",
+            type=finite_float,
+            default=None,
+            help="that codec's seconds per gradient MB (default 0)",
+        )
+        p.add_argument(
+            "--codec-gather", action="store_true", help="that codec's payloads are all-gathered"
         )
         p.add_argument(
             "--host-cost",
-            type=float,
+            type=finite_float,
             default=0.0,
             help="CPU seconds per wire MB the host spends moving bytes on the cores its compute "
             "uses (charged while it overlaps compute; 0: offloaded network)",
@@ -110,9 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--cycle", default="0s", metavar="TIME",
             help="collectives start only at the cycles of a background loop this far apart, "
-            "like Horovod's (HOROVOD_CYCLE_TIME, default 5ms there); 0 (default): at once",
+            "like Horovod's (HOROVOD_CYCLE_TIME, default 5ms there); 0s (default): at once",
         )
-        network_args(p, default_topology=None)
+        network_args(p)
         json_arg(p)
         if name == "run":
             p.add_argument(
@@ -120,7 +146,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             )
             p.add_argument("--chrome", default=None, metavar="FILE", help="write a Chrome trace")
             p.add_argument(
-                "--ranks", type=int, default=4, help="tracks in the Chrome trace (default 4)"
+                "--ranks",
+                type=int,
+                default=None,
+                help="tracks in the Chrome trace, files of --write-chakra (default 4; at most "
+                "the topology's NPUs)",
             )
             p.add_argument(
                 "--write-chakra",
@@ -154,7 +184,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle_collective(args: argparse.Namespace) -> int:
     """``scaleout sim collective``: price one collective (and Themis' gain); exit code."""
     from scaleout.sim.collectives import collective_cost
-    from scaleout.sim.themis import themis_gain
+    from scaleout.sim.themis import pipelined_algorithm, themis_gain
     from scaleout.sim.units import format_time, parse_bytes
 
     try:
@@ -197,12 +227,11 @@ def handle_collective(args: argparse.Namespace) -> int:
         if args.themis:
             if args.op != "allreduce":
                 raise ValueError("--themis schedules all-reduce only")
-            algo = algorithm_from(args)
             gain, base, them = themis_gain(
                 topo,
                 nbytes=size,
                 chunks=args.chunks,
-                algorithm=algo if isinstance(algo, str) else algo[0],
+                algorithm=pipelined_algorithm(algorithm_from(args), args.flat),
             )
             data["themis"] = {
                 "chunks": args.chunks,
@@ -220,8 +249,7 @@ def handle_collective(args: argparse.Namespace) -> int:
             )
     except (ValueError, TypeError) as err:
         return fail(err)
-    emit(args, data, "\n".join(lines))
-    return 0
+    return emit(args, data, "\n".join(lines))
 
 
 def handle_validate(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 from scaleout.cli.sim_args import algorithm_from, emit, fail, topology_from
@@ -23,11 +22,18 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
     from scaleout.sim.units import parse_bytes, parse_time
 
     codec = codec_model(args.codec)
-    if args.codec_ratio != 1.0 or args.codec_cost or args.codec_gather:
+    custom = [f"--{name.replace('_', '-')}"
+              for name in ("codec_ratio", "codec_cost", "codec_gather")
+              if getattr(args, name) not in (None, False)]
+    if custom and codec.name:
+        raise ValueError(f"--codec {args.codec} is a measured codec (its own ratio and cost) "
+                         f"and {', '.join(custom)} are for a codec not measured here: give one "
+                         "or the other")
+    if custom:
         codec = CodecModel(
             name="codec",
-            ratio=args.codec_ratio,
-            seconds_per_byte=args.codec_cost / (1 << 20),
+            ratio=1.0 if args.codec_ratio is None else args.codec_ratio,
+            seconds_per_byte=(args.codec_cost or 0.0) / (1 << 20),
             summable=not args.codec_gather,
         )
     bucket = parse_bytes(args.bucket)
@@ -45,24 +51,31 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
             policy=args.policy, bucket_bytes=bucket, first_bucket_bytes=min(bucket, 1 << 20)
         ),
     )
-    if not 0 < args.speed < math.inf:  # (nan too)
-        raise ValueError(f"--speed must be a finite number > 0, got {args.speed}")
+    if args.speed is not None and not args.trace:
+        raise ValueError("--speed applies to --trace (a model's compute comes from --device)")
+    if args.device is not None and (args.trace or args.chakra):
+        raise ValueError("--device applies to --model (a trace's compute was measured: scale it "
+                         "with --speed)")
     if args.chakra:
         return None, config
     if args.trace:
+        speed = 1.0 if args.speed is None else args.speed
+        if not speed > 0:
+            raise ValueError(f"--speed must be a finite number > 0, got {speed}")
         workload = read_trace(args.trace)
         return workload.scaled(
             batch_size=workload.batch_size if args.batch is None else args.batch,
-            speed=args.speed), config
-    if args.device in DEVICES:
-        device = DEVICES[args.device]
+            speed=speed), config
+    name = "p100" if args.device is None else args.device
+    if name in DEVICES:
+        device = DEVICES[name]
     else:
         try:
-            device = float(args.device)
+            device = float(name)
         except ValueError:
             raise ValueError(
                 f"--device must be one of {', '.join(DEVICES)} or a FLOP/s rate like 5e12, "
-                f"got {args.device!r}"
+                f"got {name!r}"
             ) from None
     return model_workload(args.model, device=device,
                           batch_size=32 if args.batch is None else args.batch), config
@@ -77,12 +90,11 @@ def handle_run(args: argparse.Namespace) -> int:
     from scaleout.sim.units import format_bytes, format_time
 
     try:
-        if args.ranks < 1:
-            raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
         workload, config = _workload_and_config(args)
         topo = topology_from(args)
         if args.nodes is not None:
             topo = topo.with_npus(args.nodes)
+        ranks = _ranks(args, topo.npus)
         started = time.perf_counter()
         if workload is None:  # a Chakra trace: execute its graph
             _, nodes = read_et(args.chakra)
@@ -144,23 +156,38 @@ def handle_run(args: argparse.Namespace) -> int:
             if args.write_chakra:
                 schema = load_schema()
                 nodes = chakra_nodes(workload, config)
-                for rank in range(args.ranks):
+                for rank in range(ranks):
                     write_et(
                         et_path(args.write_chakra, rank),
                         schema.GlobalMetadata(version="0.0.4"),
                         nodes,
                     )
-                last = et_path(args.write_chakra, args.ranks - 1)
+                last = et_path(args.write_chakra, ranks - 1)
                 text += f"\nwrote {et_path(args.write_chakra, 0)} .. {last}"
         if args.chrome:
             write_chrome_trace(
-                args.chrome, spans, ranks=args.ranks, metadata={"command": args.command_line}
+                args.chrome, spans, ranks=ranks, metadata={"command": args.command_line}
             )
             text += f"\nwrote {args.chrome}"
     except (ValueError, TypeError, OSError, ImportError) as err:
         return fail(err)
-    emit(args, data, text)
-    return 0
+    return emit(args, data, text)
+
+
+def _ranks(args: argparse.Namespace, npus: int) -> int:
+    """``--ranks``: the ranks written to ``--chrome`` / ``--write-chakra`` (default 4, or all
+    of a smaller topology's NPUs).
+
+    Raises:
+        ValueError: below 1, above the topology's NPUs, or given with neither output.
+    """
+    if args.ranks is None:
+        return min(4, npus)
+    if not (args.chrome or args.write_chakra):
+        raise ValueError("--ranks applies to --chrome and --write-chakra")
+    if not 1 <= args.ranks <= npus:
+        raise ValueError(f"--ranks must be from 1 to the topology's {npus} NPUs, got {args.ranks}")
+    return args.ranks
 
 
 def _counts(text: str) -> list[int]:
@@ -245,5 +272,4 @@ def handle_sweep(args: argparse.Namespace) -> int:
             ax.set_title(f"{workload.name}: {args.policy}/{args.mode}")
             fig.savefig(args.plot, dpi=100, bbox_inches="tight")
             text += f"\nwrote {args.plot}"
-    emit(args, data, text)
-    return 0
+    return emit(args, data, text)

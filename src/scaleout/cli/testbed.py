@@ -60,17 +60,20 @@ def register(subparsers: Any) -> None:
     up.add_argument("--subnet", default=None, help="IPv4 subnet for hosts (default: a free private /24)")
 
     actions.add_parser("down", help="remove a testbed (and any stale ones)")
-    actions.add_parser("status", help="list testbeds and their hosts")
+    status = actions.add_parser("status", help="list testbeds and their hosts")
 
     cal = actions.add_parser("calibrate", help="measure gloo allreduce bandwidth/latency on a testbed")
     cal.add_argument("--ranks", type=int, default=2, help="ranks, one per host (default 2)")
     cal.add_argument("--nbytes", type=int, default=None,
-                     help="allreduce size in bytes (default: ~0.5 s worth at the rate, 4 MiB to 256 MiB)")
+                     help="allreduce size in bytes, >= 4 (default: ~0.5 s worth at the rate, "
+                          "4 MiB to 256 MiB)")
     cal.add_argument("--iters", type=int, default=5, help="timed large allreduces (default 5)")
     cal.add_argument("--repeat", type=int, default=1, help="repeat the whole measurement (default 1)")
 
-    for sub in (up, actions.choices["down"], actions.choices["status"], cal):
+    for sub in (up, actions.choices["down"], cal):
         sub.add_argument("--name", default=DEFAULT_NAME, help=f"testbed name (default {DEFAULT_NAME!r})")
+    status.add_argument("--name", default=None, help="only this testbed (default: all)")
+    for sub in (up, actions.choices["down"], status, cal):
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
     actions.choices["down"].add_argument(
         "--all", action="store_true", help="remove every testbed and leftover so-* namespace"
@@ -128,16 +131,25 @@ def _down(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     states = list_testbeds()
+    if args.name is not None:
+        named = [s for s in states if s.name == args.name]
+        if not named:
+            up = ", ".join(repr(s.name) for s in states) or "none"
+            raise TestbedError(f"no testbed named {args.name!r} (up: {up})")
+        states = named
     _print_states(states, as_json=args.json)
     return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from scaleout.testbed.calibrate import calibrate
+    from scaleout.testbed.calibrate import calibrate, check_sizes
 
+    if args.repeat < 1:
+        raise ValueError(f"--repeat: expected an integer >= 1, got {args.repeat}")
+    check_sizes(nbytes=args.nbytes, iters=args.iters)  # before the testbed: nothing to attach
     tb = Testbed.attach(args.name)
     rate = tb.config.rate_bps
-    nbytes = args.nbytes or _default_nbytes(rate)
+    nbytes = _default_nbytes(rate) if args.nbytes is None else args.nbytes
     rows, results = [], []
     for i in range(args.repeat):
         result = calibrate(tb, ranks=args.ranks, nbytes=nbytes, iters=args.iters)

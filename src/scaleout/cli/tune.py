@@ -7,12 +7,12 @@ import json
 import sys
 
 from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT
-from scaleout.cli.bench_train import add_cluster_arguments
+from scaleout.cli.bench_train import add_cluster_arguments, cluster_rate
 
 EXAMPLE = """examples:
   scaleout tune --workload resnet18 --rate 100mbit          # 2 testbed hosts at 100 Mbit/s
   scaleout tune --workload transformer --ranks 4 --rate 1gbit --exact
-  scaleout tune --workload digits-mlp --no-testbed           # loopback: nothing lossy
+  scaleout tune --workload digits-mlp --no-testbed           # loopback (no --rate): nothing lossy
 
 It starts the ranks of `scaleout bench train` with DataParallel(tune=...) (SGD, momentum 0.9),
 runs --warmup iterations (the tuner measures the defaults from the second on, measures the
@@ -63,7 +63,7 @@ def handler(args: argparse.Namespace) -> int:
     spec = "auto-exact" if args.exact else "auto"
     try:
         config = TrainBenchConfig(
-            workload=args.workload, ranks=args.ranks, rate=args.rate, rounds=1,
+            workload=args.workload, ranks=args.ranks, rate=cluster_rate(args), rounds=1,
             iters=args.iters, warmup=args.warmup, batch=args.batch,
             compression=(spec,), mode=args.mode, threads=args.threads, device=args.device,
             testbed=not args.no_testbed)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.collectives import ALGORITHMS
-from scaleout.sim.themis import SCHEDULERS
+from scaleout.sim.themis import SCHEDULERS, pipelined_algorithm
 
 __all__ = ["MODES", "CodecModel", "CODECS", "codec_model", "IterationConfig"]
 
@@ -48,8 +49,9 @@ class CodecModel:
                              f"multi_round codec, got {self.rounds!r}")
         if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
-        if not isinstance(self.seconds_per_byte, (int, float)) or self.seconds_per_byte < 0:
-            raise ValueError(f"codec seconds_per_byte must be >= 0, got {self.seconds_per_byte!r}")
+        cost = self.seconds_per_byte
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
+            raise ValueError(f"codec seconds_per_byte must be a finite number >= 0, got {cost!r}")
         exact_ok = self.ratio == 1 and not self.seconds_per_byte and self.summable
         if not self.name and not (exact_ok and not self.multi_round):
             raise ValueError(
@@ -201,12 +203,12 @@ class IterationConfig:
                 raise ValueError(
                     f"pipeline must be None or one of {SCHEDULERS}, got {self.pipeline!r}"
                 )
-            if len(set(names)) != 1 or self.flat:
-                raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
+            pipelined_algorithm(self.algorithm, self.flat)
         for name in ("host_s_per_byte", "host_s_per_message", "cycle_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < math.inf:  # (nan too)
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.early_chunks, bool):
             raise TypeError(f"early_chunks must be a bool, got {self.early_chunks!r}")
         chunks = self.pipeline_chunks

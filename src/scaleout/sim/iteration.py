@@ -45,7 +45,7 @@ from scaleout.sim.events import EventQueue
 from scaleout.sim.lanes import Chunk, LaneQueues
 from scaleout.sim.network import Topology
 from scaleout.sim.result import IterationResult, Span
-from scaleout.sim.themis import pipelined_allreduce
+from scaleout.sim.themis import pipelined_algorithm, pipelined_allreduce
 from scaleout.sim.workload import Workload
 
 __all__ = ["Span", "IterationResult", "simulate"]
@@ -121,12 +121,11 @@ class _Run:
             )
             active = sum(d.npus > 1 for d in self.topo.dims)
             if self.cfg.pipeline and op == "allreduce" and active > 1:
-                algorithm = self.cfg.algorithm
                 piped = pipelined_allreduce(
                     self.topo,
                     nbytes=size,
                     chunks=self.cfg.pipeline_chunks,
-                    algorithm=algorithm if isinstance(algorithm, str) else algorithm[0],
+                    algorithm=pipelined_algorithm(self.cfg.algorithm),
                     scheduler=self.cfg.pipeline,
                 )
                 self.costs[wire, summable] = CollectiveCost(

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,8 +61,8 @@ class Device:
     source: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.flops, (int, float)) or not self.flops > 0:
-            raise ValueError(f"Device.flops must be > 0, got {self.flops!r}")
+        if not isinstance(self.flops, (int, float)) or not 0 < self.flops < math.inf:
+            raise ValueError(f"Device.flops must be a finite number > 0, got {self.flops!r}")
 
 
 def _conv(name: str, cin: int, cout: int, k: int, hw: int) -> ModelLayer:
@@ -332,8 +333,8 @@ def model_workload(
     """
     spec = model(name) if isinstance(name, str) else name
     rate = device.flops if isinstance(device, Device) else float(device)
-    if not rate > 0:
-        raise ValueError(f"device rate must be > 0 FLOP/s, got {device!r}")
+    if not 0 < rate < math.inf:  # (nan too)
+        raise ValueError(f"device rate must be a finite number > 0 FLOP/s, got {device!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     return Workload(

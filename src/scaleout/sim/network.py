@@ -22,9 +22,12 @@ from types import MappingProxyType
 
 from scaleout.sim.units import parse_bandwidth, parse_time
 
-__all__ = ["KINDS", "Dimension", "Topology", "Preset", "PRESETS", "parse_topology", "preset"]
+__all__ = ["KINDS", "MIN_BANDWIDTH", "Dimension", "Topology", "Preset", "PRESETS",
+           "parse_topology", "preset"]
 
 KINDS = ("ring", "fully_connected", "switch")
+#: Bytes per second of the slowest link priced: 1 bit/s.
+MIN_BANDWIDTH = 1 / 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +37,8 @@ class Dimension:
     Attributes:
         kind: ``"ring"``, ``"fully_connected"`` or ``"switch"``.
         npus: NPUs along this dimension, >= 1.
-        bandwidth: bytes per second of one NPU's link on this dimension (per direction).
+        bandwidth: bytes per second of one NPU's link on this dimension (per direction), at
+            least :data:`MIN_BANDWIDTH` (slower links price a message beyond any float).
         latency: seconds per hop.
         name: a label for reports (e.g. ``"nvlink"``).
     """
@@ -50,8 +54,9 @@ class Dimension:
             raise ValueError(f"dimension kind must be one of {KINDS}, got {self.kind!r}")
         if isinstance(self.npus, bool) or not isinstance(self.npus, int) or self.npus < 1:
             raise ValueError(f"npus must be an int >= 1, got {self.npus!r}")
-        if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not isinstance(self.bandwidth, (int, float)) or not self.bandwidth >= MIN_BANDWIDTH:
+            raise ValueError(f"bandwidth must be at least 1 bit/s ({MIN_BANDWIDTH} bytes/s), "
+                             f"got {self.bandwidth!r} bytes/s")
         if not isinstance(self.latency, (int, float)) or self.latency < 0:
             raise ValueError(f"latency must be >= 0 s, got {self.latency!r}")
 

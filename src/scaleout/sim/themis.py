@@ -41,14 +41,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scaleout.sim.collectives import phase_time
 from scaleout.sim.events import EventQueue
 from scaleout.sim.network import Topology
 
-__all__ = ["SCHEDULERS", "INTRA", "MAX_CHUNKS", "PipelineResult", "pipelined_allreduce",
-           "themis_gain"]
+__all__ = ["SCHEDULERS", "INTRA", "MAX_CHUNKS", "PipelineResult", "pipelined_algorithm",
+           "pipelined_allreduce", "themis_gain"]
 
 SCHEDULERS = ("baseline", "themis")
 INTRA = ("fifo", "scf")
@@ -100,6 +101,24 @@ def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> l
             size *= d
         orders.append(order)
     return orders
+
+
+def pipelined_algorithm(algorithm: str | Sequence[str], flat: bool = False) -> str:
+    """The one per-dimension algorithm of a pipelined all-reduce: ``algorithm``, or the name
+    its per-dimension list repeats.
+
+    Raises:
+        ValueError: several different algorithms, or ``flat`` (a pipelined all-reduce runs
+            the hierarchical phases, one dimension at a time).
+
+    Example:
+        >>> pipelined_algorithm(("ring", "ring"))
+        'ring'
+    """
+    names = (algorithm,) if isinstance(algorithm, str) else tuple(algorithm)
+    if len(set(names)) != 1 or flat:
+        raise ValueError("a pipelined all-reduce takes one algorithm and no flat ring")
+    return names[0]
 
 
 def pipelined_allreduce(

@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -61,18 +62,30 @@ VERSION = 2
 READABLE = (1, 2)  # versions read (1: see the module docstring)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _seconds(layer: Mapping, key: str, default: float | None = None) -> float:
     value = layer.get(key, default)
-    if isinstance(value, list):
-        if not value:
-            raise ValueError(f"layer {layer.get('name')!r}: {key} is an empty list")
-        value = statistics.median(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"layer {layer.get('name')!r}: {key} must be seconds (a number or a "
-            f"list of numbers), got {value!r}"
-        )
-    return float(value)
+    if isinstance(value, list) and not value:
+        raise ValueError(f"layer {layer.get('name')!r}: {key} is an empty list")
+    samples = value if isinstance(value, list) else [value]
+    if all(_is_number(x) for x in samples):
+        with contextlib.suppress(OverflowError):  # (an integer too large for a float)
+            return float(statistics.median(samples))
+    raise ValueError(
+        f"layer {layer.get('name')!r}: {key} must be seconds (a number or a "
+        f"list of numbers), got {value!r}"
+    )
+
+
+def _integer(data: Mapping, key: str, default: int, where: str = "") -> int:
+    """``data[key]`` (``default`` when absent), which must be an integer (not 5.5 or true)."""
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}{key} must be an integer, got {value!r}")
+    return value
 
 
 def _recorded_samples(events: list) -> dict[tuple[str, str], list[float]]:
@@ -115,7 +128,8 @@ def workload_from_dict(data: Mapping) -> Workload:
     """A :class:`Workload` from a parsed trace.
 
     Raises:
-        ValueError: not a scaleout trace of a known version, or a malformed layer.
+        ValueError: not a scaleout trace of a known version, a batch size or byte count that
+            is not an integer, or a malformed layer (times must be finite seconds >= 0).
     """
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise ValueError(
@@ -130,17 +144,22 @@ def workload_from_dict(data: Mapping) -> Workload:
     layers = data.get("layers")
     if not isinstance(layers, list) or not layers:
         raise ValueError("trace needs a non-empty 'layers' list")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Mapping):
+            raise ValueError(f"layer {i} must be an object (name, forward_s, backward_s, "
+                             f"grad_bytes), got {layer!r}")
     if version == 1 and isinstance(data.get("events"), list):
         layers = _v1_recorded(layers, data["events"])
     return Workload(
         name=str(data.get("workload", "trace")),
-        batch_size=int(data.get("batch_size", 1)),
+        batch_size=_integer(data, "batch_size", 1),
         layers=tuple(
             Layer(
                 name=str(layer.get("name", f"layer{i}")),
                 forward_s=_seconds(layer, "forward_s"),
                 backward_s=_seconds(layer, "backward_s"),
-                grad_bytes=int(layer.get("grad_bytes", 0)),
+                grad_bytes=_integer(layer, "grad_bytes", 0,
+                                    f"layer {layer.get('name', f'layer{i}')!r}: "),
                 update_s=_seconds(layer, "update_s", 0.0),
             )
             for i, layer in enumerate(layers)

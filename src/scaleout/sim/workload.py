@@ -15,14 +15,19 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-__all__ = ["Layer", "Workload"]
+__all__ = ["MAX_GRAD_BYTES", "Layer", "Workload"]
+
+#: Above any layer's gradient: Chakra's sizes and torch's element counts are 64-bit.
+MAX_GRAD_BYTES = 2**63 - 1
 
 
 def _nonneg(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{owner}.{name} must be a number >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value < math.inf:  # (nan too)
+        raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +37,8 @@ class Layer:
     Attributes:
         name: for reports and traces.
         forward_s, backward_s: compute seconds on one rank for one iteration.
-        grad_bytes: bytes of its gradients (0: nothing to exchange).
+        grad_bytes: bytes of its gradients (0: nothing to exchange; at most
+            :data:`MAX_GRAD_BYTES`).
         update_s: optimizer update seconds once its gradients arrived.
     """
 
@@ -50,9 +56,10 @@ class Layer:
         if (
             isinstance(self.grad_bytes, bool)
             or not isinstance(self.grad_bytes, int)
-            or self.grad_bytes < 0
+            or not 0 <= self.grad_bytes <= MAX_GRAD_BYTES
         ):
-            raise ValueError(f"Layer.grad_bytes must be an int >= 0, got {self.grad_bytes!r}")
+            raise ValueError(f"Layer.grad_bytes must be an int from 0 to 2**63 - 1, got "
+                             f"{self.grad_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,13 +112,14 @@ class Workload:
         batch (updates do scale with speed).
 
         Raises:
-            ValueError: a batch size < 1 or a speed that is not > 0.
+            ValueError: a batch size < 1 or a speed that is not a finite number > 0.
         """
         batch = self.batch_size if batch_size is None else batch_size
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch!r}")
-        if not isinstance(speed, (int, float)) or not speed > 0:
-            raise ValueError(f"speed must be > 0, got {speed!r}")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) \
+                or not 0 < speed < math.inf:
+            raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
         factor = batch / self.batch_size / speed
         return Workload(
             name=self.name,

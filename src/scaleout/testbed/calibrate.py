@@ -34,7 +34,7 @@ from datetime import timedelta
 from scaleout.testbed.errors import TestbedError
 from scaleout.testbed.testbed import Testbed
 
-__all__ = ["CalibrationResult", "calibrate", "main"]
+__all__ = ["CalibrationResult", "calibrate", "check_sizes", "main"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,11 +118,7 @@ def calibrate(
     hosts = testbed.hosts
     if not 1 <= ranks <= len(hosts):
         raise ValueError(f"ranks: expected 1 to {len(hosts)} (one per host), got {ranks}")
-    if nbytes < 4 or iters < 1 or warmup < 0 or latency_iters < 1:
-        raise ValueError(
-            f"expected nbytes >= 4, iters >= 1, warmup >= 0, latency_iters >= 1; got "
-            f"nbytes={nbytes}, iters={iters}, warmup={warmup}, latency_iters={latency_iters}"
-        )
+    check_sizes(nbytes=nbytes, iters=iters, warmup=warmup, latency_iters=latency_iters)
     port = testbed.free_port(0)
     init = f"tcp://{testbed.master_addr}:{port}"
     procs = []
@@ -153,6 +149,21 @@ def calibrate(
         small_allreduce_s=data["small_allreduce_s"],
         tcp_rtt_s=data["tcp_rtt_s"],
     )
+
+
+def check_sizes(*, nbytes: int | None, iters: int, warmup: int = 1,
+                latency_iters: int = 200) -> None:
+    """Check :func:`calibrate`'s sizes (``nbytes`` ``None``: not chosen yet, nothing to check).
+
+    Raises:
+        ValueError: ``nbytes`` < 4 (one float32), ``iters`` < 1, ``warmup`` < 0 or
+            ``latency_iters`` < 1.
+    """
+    if (nbytes is not None and nbytes < 4) or iters < 1 or warmup < 0 or latency_iters < 1:
+        raise ValueError(
+            f"expected nbytes >= 4, iters >= 1, warmup >= 0, latency_iters >= 1; got "
+            f"nbytes={nbytes}, iters={iters}, warmup={warmup}, latency_iters={latency_iters}"
+        )
 
 
 def _collect(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:

@@ -9,6 +9,8 @@ sparse updates); the dense MLPs stay data parallel
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -384,13 +386,19 @@ def test_a_rank_holding_no_table_follows_a_conversion_of_the_tables() -> None:
     run_ranks(2, body_converted_after_construction, timeout=40)
 
 
-def body_load_checks_table_shapes() -> None:
+def _two_tables() -> tuple[Any, torch.nn.Module]:
+    """The job's environment and a module holding two tables: table 0 split by rows over
+    both ranks, table 1 on rank 1."""
     env = scaleout.init(timeout=20)
-    dist = env.create_distribution()
     plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
                         owners=(ROW_WISE, 1), ranks=2)
     net = torch.nn.Module()
-    net.embeddings = EmbeddingCollection(plan.tables, dist, plan=plan)
+    net.embeddings = EmbeddingCollection(plan.tables, env.create_distribution(), plan=plan)
+    return env, net
+
+
+def body_load_checks_table_shapes() -> None:
+    env, net = _two_tables()
     state = full_state_dict(net)
     wider = {**state, "embeddings.0.weight": torch.randn(7, 2)}  # a larger vocabulary's
     with pytest.raises(ValueError, match=r"table 0 needs a full weight of shape \(5, 2\), "
@@ -406,12 +414,7 @@ def test_loading_a_table_of_another_shape_is_refused() -> None:
 
 
 def body_load_without_tables() -> list[str]:
-    env = scaleout.init(timeout=20)
-    dist = env.create_distribution()
-    plan = ShardingPlan(tables=(TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2)),
-                        owners=(ROW_WISE, 1), ranks=2)
-    net = torch.nn.Module()
-    net.embeddings = EmbeddingCollection(plan.tables, dist, plan=plan)
+    env, net = _two_tables()
     net.fc = torch.nn.Linear(2, 1)
     dense = {k: v for k, v in full_state_dict(net).items() if k.startswith("fc.")}
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: '

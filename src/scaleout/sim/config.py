@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -10,6 +9,7 @@ from types import MappingProxyType
 from scaleout.scheduler.config import SchedulerConfig
 from scaleout.sim.collectives import ALGORITHMS
 from scaleout.sim.themis import SCHEDULERS, pipelined_algorithm
+from scaleout.sim.workload import finite_number
 
 __all__ = ["MODES", "CodecModel", "CODECS", "codec_model", "IterationConfig"]
 
@@ -50,7 +50,7 @@ class CodecModel:
         if not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
             raise ValueError(f"codec ratio must be in (0, 1], got {self.ratio!r}")
         cost = self.seconds_per_byte
-        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < math.inf:
+        if not finite_number(cost):
             raise ValueError(f"codec seconds_per_byte must be a finite number >= 0, got {cost!r}")
         exact_ok = self.ratio == 1 and not self.seconds_per_byte and self.summable
         if not self.name and not (exact_ok and not self.multi_round):
@@ -206,8 +206,7 @@ class IterationConfig:
             pipelined_algorithm(self.algorithm, self.flat)
         for name in ("host_s_per_byte", "host_s_per_message", "cycle_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0 <= value < math.inf:  # (nan too)
+            if not finite_number(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.early_chunks, bool):
             raise TypeError(f"early_chunks must be a bool, got {self.early_chunks!r}")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from scaleout.sim.workload import Layer, Workload
+from scaleout.sim.workload import Layer, Workload, finite_number
 
 __all__ = ["ModelLayer", "ModelSpec", "Device", "DEVICES", "MODELS", "model", "model_workload"]
 
@@ -61,7 +61,7 @@ class Device:
     source: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.flops, (int, float)) or not 0 < self.flops < math.inf:
+        if not finite_number(self.flops, positive=True):
             raise ValueError(f"Device.flops must be a finite number > 0, got {self.flops!r}")
 
 

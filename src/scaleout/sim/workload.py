@@ -18,15 +18,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["MAX_GRAD_BYTES", "Layer", "Workload"]
+__all__ = ["MAX_GRAD_BYTES", "Layer", "Workload", "finite_number"]
 
 #: Above any layer's gradient: Chakra's sizes and torch's element counts are 64-bit.
 MAX_GRAD_BYTES = 2**63 - 1
 
 
+def finite_number(value: object, *, positive: bool = False) -> bool:
+    """Whether ``value`` is an int or a float (not a bool), finite (not nan) and >= 0 (> 0
+    when ``positive``): what the simulator's times, rates and costs must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (0 < value if positive else 0 <= value) and value < math.inf
+
+
 def _nonneg(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value < math.inf:  # (nan too)
+    if not finite_number(value):
         raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -117,8 +124,7 @@ class Workload:
         batch = self.batch_size if batch_size is None else batch_size
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch!r}")
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)) \
-                or not 0 < speed < math.inf:
+        if not finite_number(speed, positive=True):
             raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
         factor = batch / self.batch_size / speed
         return Workload(

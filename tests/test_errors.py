@@ -96,6 +96,11 @@ def body_mismatch() -> None:
     verify_plan(d.communicator(G), "bucket plan", [(4, "float32"), (8, "float32")])
     with pytest.raises(ValueError, match=r"rank 0: bucket plan \[4\]; rank 1: bucket plan \[5\]"):
         verify_plan(d.communicator(G), "bucket plan", [4 + env.rank])
+    # ranks on different grids would each run their group's collectives alone
+    with pytest.raises(ValueError, match=r"rank 0: create_distribution Grid\(world_size=2, "
+                       r"data_parts=2, model_parts=1\); rank 1: create_distribution Grid\(\S+ "
+                       r"data_parts=1, model_parts=2\)"):
+        env.create_distribution(*((2, 1) if env.rank == 0 else (1, 2)))
     assert torch.equal(d.allreduce(torch.ones(2), group=G).wait(), torch.full((2,), 2.0))
     env.finalize()
 

@@ -149,3 +149,69 @@ def test_resume_refuses_on_every_rank_when_ranks_see_different_commits(tmp_path:
     empty.mkdir()
     results = run_ranks(2, body_resume_unseen, str(tmp_path), str(empty), timeout=60)
     assert all("the ranks see different versions" in text for text in results), results
+
+
+def body_codec_residuals(directory: str) -> list[object]:
+    """A codec's error-feedback residuals go back with the weights: restore() and a resumed
+    commit give each rank its own residuals of the commit (rank 0's are never synced)."""
+    os.environ["SCALEOUT_STATE_DIR"] = directory
+    hvd.init(timeout=30)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    compression = hvd.Compression.codec("topk:ratio=0.25")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    state = hvd.elastic.TorchState(model, opt, epoch=0)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 8) * (hvd.rank() + 1)).square().sum().backward()
+        opt.step()
+
+    def residuals(compression: object) -> dict[str, torch.Tensor]:
+        return {name: buffer.clone() for name, saved in compression.state_dict().items()
+                for buffer in saved["buffers"].values()}
+
+    step()
+    state.sync()
+    state.commit()
+    committed = residuals(compression)
+    step()
+    moved = residuals(compression)
+    state.restore()
+    restored = residuals(compression)
+    fresh_model, fresh = nn.Linear(8, 4), hvd.Compression.codec("topk:ratio=0.25")
+    fresh_opt = hvd.DistributedOptimizer(torch.optim.SGD(fresh_model.parameters(), lr=0.1),
+                                         named_parameters=fresh_model.named_parameters(),
+                                         compression=fresh)
+    assert hvd.elastic.TorchState(fresh_model, fresh_opt, epoch=0).resume()
+    resumed = residuals(fresh)
+    hvd.shutdown()
+    return [committed, moved, restored, resumed]
+
+
+def body_codec_other_size(directory: str) -> list[object]:
+    os.environ["SCALEOUT_STATE_DIR"] = directory
+    hvd.init(timeout=30)
+    model, compression = nn.Linear(8, 4), hvd.Compression.codec("topk:ratio=0.25")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression)
+    with pytest.warns(UserWarning, match="made at 2 ranks, resumed at 3: the codec's error-"):
+        assert hvd.elastic.TorchState(model, opt, epoch=0).resume()
+    hvd.shutdown()
+    return [compression.state_dict()]
+
+
+def test_codec_residuals_are_committed_per_rank(tmp_path: Path) -> None:
+    results = run_ranks(2, body_codec_residuals, str(tmp_path), timeout=60)
+    for committed, moved, restored, resumed in results:
+        assert committed and committed.keys() == moved.keys() == restored.keys() == resumed.keys()
+        assert any(not torch.equal(committed[k], moved[k]) for k in committed)
+        assert all(torch.equal(committed[k], restored[k]) for k in committed)
+        assert all(torch.equal(committed[k], resumed[k]) for k in committed)
+    first, second = results[0][0], results[1][0]  # each rank keeps its own
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+    # at another size the residuals start afresh (rank 0's would be counted on every rank)
+    assert run_ranks(3, body_codec_other_size, str(tmp_path), timeout=60) == [[{}]] * 3

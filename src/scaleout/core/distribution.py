@@ -10,6 +10,7 @@ import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator, ReduceOp
+from scaleout.core.consistency import verify_plan
 from scaleout.core.gloo_device import new_group_on_world_device
 from scaleout.core.grid import Grid, GroupType
 from scaleout.core.request import Request
@@ -48,6 +49,11 @@ class Distribution:
         if grid.world_size != env.world_size:
             raise ValueError(f"the grid is for {grid.world_size} ranks, the job has "
                              f"{env.world_size}")
+        if env.world_size > 1:  # ranks on different grids would each run a collective alone
+            world = Communicator(group=tdist.group.WORLD, ranks=tuple(range(env.world_size)),
+                                 name="global", global_rank=env.rank, timeout=env.timeout,
+                                 check_consistency="off")
+            verify_plan(world, "create_distribution", grid)
         layout = grid.groups()
         self._env = env
         self.grid = grid

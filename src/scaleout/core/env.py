@@ -112,7 +112,8 @@ class Environment:
             model_parts: model-parallel degree (consecutive ranks).
 
         Raises:
-            ValueError: ``data_parts * model_parts`` does not divide the world size.
+            ValueError: ``data_parts * model_parts`` does not divide the world size, or the
+                ranks asked for different grids (every rank's is named).
         """
         self.require_alive()
         grid = Grid(world_size=self.world_size, model_parts=model_parts,

@@ -84,9 +84,14 @@ class CodecCompression:
         return {name: state.state_dict() for name, state in self.states.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Return to what :meth:`state_dict` returned: tensors it does not name start afresh."""
+        self.states = {}
         for name, saved in state_dict.items():
             self.state(name).load_state_dict(saved)
+
+    def sync(self) -> None:
+        """Nothing: error-feedback residuals are this rank's own corrections (each rank's
+        differ), so ``hvd.elastic`` state syncs never give every rank rank 0's."""
 
     def __repr__(self) -> str:
         return f"Compression.codec({self.codec!r})"

@@ -22,7 +22,8 @@ from typing import Any
 from torch import nn
 
 from scaleout import checkpoint
-from scaleout.horovod.context import rank
+from scaleout.horovod.compression import CodecCompression
+from scaleout.horovod.context import rank, size
 from scaleout.horovod.objects import broadcast_object, encode_object
 from scaleout.horovod.parameters import broadcast_optimizer_state, broadcast_parameters
 from scaleout.launch.restarts import STATE_DIR_VAR, state_dir
@@ -204,6 +205,10 @@ class TorchState(ObjectState):
                             f"{type(optimizer).__name__}")
         self.model = model
         self.optimizer = optimizer
+        # a codec's error-feedback residuals belong with the weights they correct: committed,
+        # restored and persisted with them, per rank (never synced from rank 0)
+        codec = getattr(optimizer, "compression", None)
+        self._codec = codec if isinstance(codec, CodecCompression) else None
         self._stateful = {name: value for name, value in kwargs.items()
                           if hasattr(value, "state_dict") and hasattr(value, "load_state_dict")}
         plain = {name: value for name, value in kwargs.items() if name not in self._stateful}
@@ -220,6 +225,8 @@ class TorchState(ObjectState):
             self._saved_torch["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         for name, value in self._stateful.items():
             self._saved_torch[name] = copy.deepcopy(value.state_dict())
+        if self._codec is not None:
+            self._saved_torch[_CODEC] = self._codec.state_dict()
         super().save()
 
     def restore(self) -> None:
@@ -229,6 +236,8 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(self._saved_torch["optimizer"])
         for name, value in self._stateful.items():
             value.load_state_dict(self._saved_torch[name])
+        if self._codec is not None:
+            self._codec.load_state_dict(self._saved_torch[_CODEC])
         super().restore()
 
     def sync(self) -> None:
@@ -247,10 +256,34 @@ class TorchState(ObjectState):
     def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
         stateful = {name: value.state_dict() for name, value in self._stateful.items()}
         model = self.model if self.model is not None else nn.Module()
-        return model, self.optimizer, {"objects": self._saved_state, "stateful": stateful}
+        extra = {"objects": self._saved_state, "stateful": stateful}
+        if self._codec is not None:
+            extra[_CODEC] = {"rank": rank(), "size": size(),
+                             "states": self._saved_torch[_CODEC]}
+        return model, self.optimizer, extra
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         for name, value in self._stateful.items():
             value.load_state_dict(extra["stateful"][name])
+        if self._codec is not None:
+            self._codec.load_state_dict(_own_residuals(extra.get(_CODEC)))
         super()._load_extra(extra)
+
+
+#: where a TorchState keeps its optimizer's codec residuals (in memory and in a commit)
+_CODEC = "codec residuals"  # (not a valid keyword: no user state shares the name)
+
+
+def _own_residuals(saved: dict[str, Any] | None) -> dict[str, Any]:
+    """The codec states of a persisted commit that are this rank's: none when the commit has
+    none, or when it was made at another size (the checkpoint then gives every rank rank 0's,
+    and adding one rank's residuals on every rank would count them that many times)."""
+    if saved is None:
+        return {}
+    if (saved["rank"], saved["size"]) != (rank(), size()):
+        warnings.warn(f"hvd.elastic: the commit was made at {saved['size']} ranks, resumed at "
+                      f"{size()}: the codec's error-feedback residuals start afresh",
+                      UserWarning, stacklevel=4)
+        return {}
+    return saved["states"]
 

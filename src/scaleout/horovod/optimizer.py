@@ -198,8 +198,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "still being accumulated or averaged")
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def compression(self) -> Any:
+        """The compression the gradients travel with (``hvd.Compression.none`` by default)."""
+        return self._compression
+
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict."""
+        """The wrapped optimizer's state dict (a codec compression's residuals are the
+        compression's own: ``hvd.elastic.TorchState`` commits them per rank)."""
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

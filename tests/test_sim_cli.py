@@ -296,6 +296,28 @@ def test_no_option_is_silently_ignored_or_overridden(tmp_path, capsys) -> None:
     assert main([*themis, "--algorithm", "direct,direct", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["themis"]["gain"] > 0
     _refused(capsys, [*model, "--ranks", "2"], "--ranks applies to --chrome and --write-chakra")
+    # one collective took --chunks and priced it unchunked
+    _refused(capsys, ["sim", "collective", "--chunks", "8"], "--chunks applies to --themis")
+    assert main([*themis, "--chunks", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["themis"]["chunks"] == 8
+
+
+def test_a_chakra_trace_refuses_what_it_records(tmp_path, capsys) -> None:
+    # the trace's graph ran as recorded and the workload's options were dropped silently
+    prefix = str(tmp_path / "rn")
+    assert main(["sim", "run", "--model", "resnet50", "--write-chakra", prefix]) == 0
+    capsys.readouterr()
+    chakra = ["sim", "run", "--chakra", f"{prefix}.0.et"]
+    for extra in (["--batch", "64"], ["--policy", "fifo"], ["--mode", "sync"],
+                  ["--bucket", "1MB"], ["--codec", "blockquant"], ["--pipeline", "themis"],
+                  ["--pipeline-chunks", "4"], ["--codec-ratio", "0.5"], ["--codec-gather"],
+                  ["--host-cost", "0.1"], ["--cycle", "5ms"], ["--write-chakra", prefix]):
+        _refused(capsys, [*chakra, *extra],
+                 f"--chakra runs the trace's own graph (its batch, buckets, codec and order are "
+                 f"recorded in it): {extra[0]} does not apply to it")
+    _refused(capsys, [*chakra, "--batch", "8", "--mode", "sync"], "--batch, --mode do not")
+    assert main([*chakra, "--policy", "priority", "--json"]) == 0  # the defaults, said again
+    assert json.loads(capsys.readouterr().out)["nodes"] > 100
 
 
 def test_nothing_non_finite_is_printed(capsys) -> None:

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also run the chunked all-reduce with fixed-order and Themis scheduling (one "
         "algorithm for every dimension, not --flat)",
     )
-    coll.add_argument("--chunks", type=int, default=64, help="chunks for --themis (default 64)")
+    coll.add_argument("--chunks", type=int, default=None,
+                      help="chunks for --themis (default 64)")
     network_args(coll)
     json_arg(coll)
     coll.set_defaults(func=handle_collective)
@@ -140,6 +141,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         network_args(p)
         json_arg(p)
+        # what a Chakra trace (run as its own graph) does not take: refused when changed
+        p.set_defaults(graph_ignores={dest: p.get_default(dest) for dest in (
+            "batch", "policy", "mode", "bucket", "codec", "pipeline", "pipeline_chunks",
+            "codec_ratio", "codec_cost", "codec_gather", "host_cost", "cycle")})
         if name == "run":
             p.add_argument(
                 "--nodes", type=int, default=None, help="resize the topology to this many NPUs"
@@ -224,9 +229,12 @@ def handle_collective(args: argparse.Namespace) -> int:
                 ],
             ),
         ]
+        if args.chunks is not None and not args.themis:
+            raise ValueError("--chunks applies to --themis (one collective is not chunked)")
         if args.themis:
             if args.op != "allreduce":
                 raise ValueError("--themis schedules all-reduce only")
+            args.chunks = 64 if args.chunks is None else args.chunks
             gain, base, them = themis_gain(
                 topo,
                 nbytes=size,

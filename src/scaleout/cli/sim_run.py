@@ -57,6 +57,14 @@ def _workload_and_config(args: argparse.Namespace) -> tuple[Workload | None, Ite
         raise ValueError("--device applies to --model (a trace's compute was measured: scale it "
                          "with --speed)")
     if args.chakra:
+        changed = [name for name, default in args.graph_ignores.items()
+                   if getattr(args, name) != default]
+        changed += ["write_chakra"] if getattr(args, "write_chakra", None) else []
+        if changed:
+            raise ValueError(
+                f"--chakra runs the trace's own graph (its batch, buckets, codec and order are "
+                f"recorded in it): {', '.join('--' + n.replace('_', '-') for n in changed)} "
+                f"{'does' if len(changed) == 1 else 'do'} not apply to it")
         return None, config
     if args.trace:
         speed = 1.0 if args.speed is None else args.speed

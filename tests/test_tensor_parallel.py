@@ -25,7 +25,7 @@ from scaleout.pytorch import (
     tensor_parallel,
 )
 from scaleout.pytorch.tensor_parallel import plan_tensor_parallel
-from tp_models import MODELS, FusedAttention, LlamaAttention, batch
+from tp_models import MODELS, FusedAttention, LlamaAttention, LocalHeadsAttention, batch
 
 PER_RANK, STEPS = 3, 4
 TINY = SchedulerConfig(bucket_bytes=2048, first_bucket_bytes=512, partition_bytes=512,
@@ -335,8 +335,9 @@ def test_attention_is_split_only_with_a_head_count() -> None:
         assert plan_tensor_parallel(_SingleHead()) == {}
     assert plan_tensor_parallel(_HFAttention()) == {
         "query": "column", "key": "column", "value": "column", "dense": "row"}
-    assert plan_tensor_parallel(LlamaAttention()) == {
-        "wq": "column", "wk": "column", "wv": "column", "wo": "row"}
+    for llama in (LlamaAttention(), LocalHeadsAttention()):
+        assert plan_tensor_parallel(llama) == {
+            "wq": "column", "wk": "column", "wv": "column", "wo": "row"}
     assert plan_tensor_parallel(_Heads()) == {}  # whether a/b are its attention: not told
 
 
@@ -345,7 +346,11 @@ def test_attention_is_split_only_with_a_head_count() -> None:
 #: rank 0 all of q and half of k, 0.75 off)
 PLANNED = {"llama": (LlamaAttention, {"wq": "column", "wk": "column", "wv": "column",
                                       "wo": "row"}),
-           "fused": (FusedAttention, {"qkv": "qkv", "proj": "row"})}
+           "fused": (FusedAttention, {"qkv": "qkv", "proj": "row"}),
+           # the heads a rank holds (n_local_heads) stayed whole: the forward's view(..., -1)
+           # then halved each head's width, silently 0.063 off
+           "local": (LocalHeadsAttention, {"wq": "column", "wk": "column", "wv": "column",
+                                           "wo": "row"})}
 
 
 def body_planned_attention(kind: str) -> tuple[list[int], float]:
@@ -356,10 +361,11 @@ def body_planned_attention(kind: str) -> tuple[list[int], float]:
     plain = build().double()
     torch.manual_seed(0)
     net = tensor_parallel(build().double(), dist, plan=plan)
-    heads = [getattr(net, attr) for attr in ("n_heads", "n_kv_heads") if hasattr(net, attr)]
+    heads = [getattr(net, attr) for attr in ("n_heads", "n_kv_heads", "n_local_heads",
+                                             "n_local_kv_heads") if hasattr(net, attr)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, net)]
     for step in range(2):
-        x = torch.randn(3, 5, plain.wq.in_features if kind == "llama" else 12,
+        x = torch.randn(3, 5, 12 if kind == "fused" else plain.wq.in_features,
                         generator=torch.Generator().manual_seed(step), dtype=torch.float64)
         for module, opt in zip((plain, net), opts):
             module(x).square().mean().backward()
@@ -379,7 +385,7 @@ def body_planned_attention(kind: str) -> tuple[list[int], float]:
     return heads, worst
 
 
-@pytest.mark.parametrize("kind,heads", [("llama", [2, 1]), ("fused", [1])])
+@pytest.mark.parametrize("kind,heads", [("llama", [2, 1]), ("fused", [1]), ("local", [2, 1])])
 def test_planned_attention_divides_its_heads_and_trains_like_the_plain_one(
         kind: str, heads: list[int]) -> None:
     for got, worst in run_ranks(2, body_planned_attention, kind, timeout=60):

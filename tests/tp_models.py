@@ -51,6 +51,27 @@ class LlamaAttention(nn.Module):
         return self.wo((att @ v).transpose(1, 2).reshape(batch, seq, -1))
 
 
+class LocalHeadsAttention(nn.Module):
+    """LLaMA's reference code: the forward reshapes with the heads *this rank* holds
+    (``n_local_heads``, ``n_local_kv_heads``); built unsplit, they are all the heads."""
+
+    def __init__(self, width: int = 8, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.n_local_heads, self.n_local_kv_heads = n_heads, n_kv_heads
+        kv_width = width // n_heads * n_kv_heads
+        self.wq, self.wo = nn.Linear(width, width), nn.Linear(width, width)
+        self.wk, self.wv = nn.Linear(width, kv_width), nn.Linear(width, kv_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_local_heads, -1).transpose(1, 2)
+        shared = self.n_local_heads // self.n_local_kv_heads
+        k, v = (f(x).view(batch, seq, self.n_local_kv_heads, -1).transpose(1, 2)
+                .repeat_interleave(shared, dim=1) for f in (self.wk, self.wv))
+        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return self.wo((att @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
 class FusedAttention(nn.Module):
     """GPT-2's layout: one ``[q; k; v]`` projection whose output the forward splits in three."""
 

@@ -31,7 +31,9 @@ _QKV = ({"q", "query", "q_proj", "wq", "to_q"}, {"k", "key", "k_proj", "wk", "to
 _QKV_NAMES = set().union(*_QKV)
 _OUT = ("out_proj", "o_proj", "out", "o", "proj", "c_proj", "dense", "wo")
 _HEADS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads", "nhead",
-          "num_key_value_heads", "n_kv_heads", "num_kv_heads")
+          "num_key_value_heads", "n_kv_heads", "num_kv_heads",
+          # the heads a rank holds, as LLaMA's reference code names them
+          "n_local_heads", "n_local_kv_heads", "num_local_heads", "num_local_key_value_heads")
 #: names of fused ``[q; k; v]`` projections: "column" would give rank 0 all of q, not a third
 _FUSED = ("qkv", "c_attn", "query_key_value", "in_proj", "wqkv", "qkv_proj")
 

@@ -108,11 +108,16 @@ def test_sharded_state_splits_and_joins_at_any_size() -> None:
     shapes = [(7,), (2, 3), (2,), ()]
     gen = torch.Generator().manual_seed(0)
     full = {"state": {i: {"exp_avg": torch.randn(s, generator=gen), "step": torch.tensor(4.0)}
-                      for i, s in enumerate(shapes[:3])},
+                      for i, s in enumerate(shapes)},
             "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}
     for size in (1, 2, 3, 4, 5):
         parts = [split_optimizer_state(full, shapes, size, r) for r in range(size)]
         assert sum(p["state"][0]["exp_avg"].numel() for p in parts) == 7
+        # a 0-dim parameter's moment is 0-dim like its step: it was kept whole on every
+        # rank, and the first step after the load failed ("output with shape []")
+        assert [p["state"][3]["exp_avg"].shape for p in parts] == \
+            [(1,)] + [(0,)] * (size - 1)
+        assert all(p["state"][3]["step"].shape == () for p in parts)
         joined = consolidate_optimizer_state(parts, shapes)
         assert joined["param_groups"] == full["param_groups"]
         for index, entry in full["state"].items():
@@ -184,3 +189,17 @@ def test_a_tensor_parallel_checkpoint_names_the_grid_it_needs(tmp_path: Path) ->
         for outcome in run_ranks(world, body_tensor_parallel, path, grid, False):
             assert "split over model groups of 2: it loads only on such a grid, not on model " \
                    "groups of 1" in outcome, outcome
+
+
+def test_every_scalar_in_a_sharded_optimizers_state_is_named() -> None:
+    # a 0-dim parameter's state is told apart from the optimizer's scalars by name only
+    from scaleout.pytorch.resharding import SCALAR_STATE
+    from scaleout.pytorch.sharded_update import ELEMENTWISE
+
+    for cls in ELEMENTWISE:
+        p = nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()
+        scalars = {k for k, v in opt.state[p].items() if not torch.is_tensor(v) or v.dim() == 0}
+        assert scalars <= SCALAR_STATE, (cls.__name__, scalars)

@@ -22,7 +22,7 @@ import torch
 from scaleout.session.parameter_set import owned_range
 
 __all__ = ["consolidate_optimizer_state", "split_optimizer_state", "optimizer_shapes",
-           "shard_group"]
+           "SCALAR_STATE", "shard_group"]
 
 Shape = tuple[int, ...]
 
@@ -98,12 +98,19 @@ def consolidate_optimizer_state(states: Sequence[Mapping[str, Any]], shapes: Seq
     return {"state": joined, "param_groups": [dict(g) for g in states[0]["param_groups"]]}
 
 
+#: the per-parameter scalars in the state of the optimizers a sharded update takes
+#: (``sharded_update.ELEMENTWISE``): Adam's ``step``, ASGD's ``eta`` and ``mu``, NAdam's
+#: ``mu_product``; every other tensor there holds one value per element
+SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
 def split_optimizer_state(state: Mapping[str, Any], shapes: Sequence[Shape], size: int,
                           rank: int) -> dict[str, Any]:
     """This rank's part of an unsharded ``state`` for a sharded update over ``size`` ranks.
 
     Tensors shaped like their parameter become the rank's owned slice (a copy); anything else
-    (Adam's ``step``) is kept.
+    (Adam's ``step``) is kept. A 0-dim parameter's per-element state is 0-dim like its
+    scalars: there the names in :data:`SCALAR_STATE` tell them apart.
     """
     sliced: dict[int, dict[str, Any]] = {}
     for index, entry in state["state"].items():
@@ -111,7 +118,8 @@ def split_optimizer_state(state: Mapping[str, Any], shapes: Sequence[Shape], siz
         start, count = _valid(math.prod(shape), size, rank)
         sliced[index] = {
             key: value.reshape(-1)[start: start + count].clone()
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and tuple(value.shape) == shape
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+            and (value.dim() >= 1 or key not in SCALAR_STATE)
             else value
             for key, value in entry.items()}
     return {"state": sliced, "param_groups": [dict(g) for g in state["param_groups"]]}

@@ -57,6 +57,7 @@ from scaleout.checkpoint_agree import (
 )
 from scaleout.checkpoint_checks import (
     check_extra,
+    check_extra_states,
     check_model,
     check_optimizer,
     optimizer_class,
@@ -107,10 +108,12 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 def _current(path: Path) -> Path | None:
     """The version directory ``path`` names, or None when there is no checkpoint yet."""
     if path.is_symlink():
-        return path.parent / os.readlink(path)
-    if path.exists():
+        target = Path(os.readlink(path))
+        if target.parent.name == path.name + _VERSIONS and target.name.isdigit():
+            return path.parent / target
+    if path.exists() or path.is_symlink():
         raise ValueError(f"checkpoint path {path} exists and is not a scaleout checkpoint "
-                         "(a symbolic link to a version directory)")
+                         f"(a symbolic link to a version directory {path.name}{_VERSIONS}/<n>)")
     return None
 
 
@@ -120,10 +123,14 @@ def _model_parts(model: nn.Module) -> int:
     return 1 if distribution is None else distribution.size(GroupType.MODEL)
 
 
-def _synchronize(model: nn.Module) -> None:
-    sync = getattr(model, "synchronize", None)
-    if callable(sync):
-        sync()  # finish pending gradient communication and lazy updates
+def _synchronize(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Finish pending gradient communication and lazy updates: of ``model``, and of the
+    DataParallel that ``optimizer`` steps when ``model`` is the module it wraps (else they
+    would land on the weights just loaded, or be missing from the weights saved)."""
+    for owner in (model, getattr(optimizer, "model", None)):
+        sync = getattr(owner, "synchronize", None)
+        if callable(sync):
+            sync()
 
 
 def save(path: str | os.PathLike[str], model: nn.Module,
@@ -167,7 +174,7 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     # the commit does not point)
     first_exchange("save", agree_on_version, path, current, 0, "nothing was saved")
     fresh = versions / str(int(current.name) + 1 if current is not None else 0)
-    _synchronize(model)
+    _synchronize(model, optimizer)
     payload = agreed(lambda: _payload(model, optimizer, step, extra, rank, world))
     warn_untracked(model, optimizer, extra)
     # a save killed before its commit left files (of another world size, perhaps) there
@@ -229,7 +236,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     first_exchange("load", agree_on_version, path, current, saved_world)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    _synchronize(model)
+    _synchronize(model, optimizer)
     plan = agreed(lambda: _plan(path, current, saved_world, model, optimizer, map_location))
     model.load_state_dict(plan["model"])
     if optimizer is not None:
@@ -256,21 +263,25 @@ def _plan(path: Path, current: Path, saved_world: int, model: nn.Module,
             layout is None or layout["shards"] == (shards[0] if shards else None)):
         payload, model_state, optimizer_state = own, own["model"], own["optimizer"]
         saved_class = (layout or {}).get("optimizer_class")
+        saved_shapes = (layout or {}).get("shapes")
     else:
         payload = _consolidate(path, current, map_location)
         if shards is not None and shards[0] != world:
             raise ValueError(f"cannot re-partition checkpoint {path} for a sharded update over "
-                             f"{shards[0]} of {world} ranks (a model group): resume at world "
+                             f"{shards[0]} of {world} ranks (a model group): resume with the "
+                             f"sharding it was saved with (distributed_update as then) at world "
                              f"size {saved_world}")
         same_ranks = saved_world == world and own is not None  # only the sharding changed
         model_state = own["model"] if same_ranks else \
             _reset_codec_state(payload["model"], saved_world, world)
         optimizer_state, saved_class = payload["optimizer"], payload["optimizer_class"]
+        saved_shapes = payload["optimizer_shapes"]
         if optimizer_state is not None and shards is not None:
             optimizer_state = split_optimizer_state(optimizer_state, optimizer_shapes(optimizer),
                                                     *shards)
     check_model(path, model, model_state)
-    check_optimizer(path, optimizer, optimizer_state, saved_class)
+    check_extra_states(path, model, model_state)
+    check_optimizer(path, optimizer, optimizer_state, saved_class, saved_shapes)
     return {"model": model_state, "optimizer": optimizer_state,
             "rng": own["rng"] if own is not None else None,
             "step": int(payload["step"]), "extra": dict(payload["extra"])}
@@ -281,10 +292,11 @@ def consolidate(path: str | os.PathLike[str], *,
     """The checkpoint at ``path`` as one unsharded state (no process group needed).
 
     Returns:
-        ``{"step", "extra", "world_size", "model", "optimizer", "optimizer_class"}``: rank 0's
-        model state (with rank 0's codec residuals, if any) and ``extra``; the optimizer state
-        of an unsharded optimizer (a sharded update's slices joined); ``None`` without one;
-        the optimizer's class (``module.name``; None if not recorded).
+        ``{"step", "extra", "world_size", "model", "optimizer", "optimizer_class",
+        "optimizer_shapes"}``: rank 0's model state (with rank 0's codec residuals, if any) and
+        ``extra``; the optimizer state of an unsharded optimizer (a sharded update's slices
+        joined); ``None`` without one; the optimizer's class (``module.name``) and its
+        parameters' shapes in state-index order (None if not recorded).
 
     Raises:
         FileNotFoundError: there is no checkpoint at ``path``.
@@ -313,14 +325,16 @@ def _consolidate(path: Path, current: Path,
     if optimizer is not None and layout["shards"] is not None:
         if layout["shards"] != saved_world:
             raise ValueError(f"checkpoint {path} has a sharded update over {layout['shards']} "
-                             f"of {saved_world} ranks (a model group): it loads only at world "
-                             f"size {saved_world}")
+                             f"of {saved_world} ranks (a model group): it loads only with that "
+                             f"sharding (distributed_update as then), at world size "
+                             f"{saved_world}")
         states = [optimizer] + [read(current, r, saved_world, map_location)["optimizer"]
                                 for r in range(1, saved_world)]
         optimizer = consolidate_optimizer_state(states, [tuple(s) for s in layout["shapes"]])
     return {"step": int(first["step"]), "extra": dict(first["extra"]),
             "world_size": saved_world, "model": first["model"], "optimizer": optimizer,
-            "optimizer_class": layout.get("optimizer_class")}
+            "optimizer_class": layout.get("optimizer_class"),
+            "optimizer_shapes": layout.get("shapes")}
 
 
 def _reset_codec_state(state: Mapping[str, Any], saved_world: int,

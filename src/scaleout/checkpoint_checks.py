@@ -3,9 +3,10 @@
 - at save: that ``extra`` survives the ``weights_only=True`` load (:func:`check_extra`), and
   which trainable parameters the optimizer does not hold (:func:`warn_untracked`: their
   optimizer's state is not in the checkpoint unless it travels in ``extra``);
-- at load: that the model state fits the model (keys, shapes) and the optimizer state the
-  optimizer (its class, its groups) (:func:`check_model`, :func:`check_optimizer`), so that a
-  refused load leaves model and optimizer as they were.
+- at load: that the model state fits the model (keys, shapes, the extra states its modules
+  check) and the optimizer state the optimizer (its class, its groups) (:func:`check_model`,
+  :func:`check_extra_states`, :func:`check_optimizer`), so that a refused load leaves model
+  and optimizer as they were.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_extra", "warn_untracked", "check_model", "check_optimizer",
-           "optimizer_class"]
+from scaleout.pytorch.resharding import optimizer_shapes
+
+__all__ = ["check_extra", "warn_untracked", "check_model", "check_extra_states",
+           "check_optimizer", "optimizer_class"]
 
 
 def _round_trips(value: Any) -> bool:
@@ -144,10 +147,28 @@ def check_model(path: Path, model: nn.Module, state: Mapping[str, Any]) -> None:
                          f"nothing was restored")
 
 
+def check_extra_states(path: Path, model: nn.Module, state: Mapping[str, Any]) -> None:
+    """Raise ValueError unless every module of ``model`` that can say so
+    (``check_extra_state(state)``: DataParallel, EmbeddingCollection) takes its extra state
+    in ``state``: ``load_state_dict`` would meet a refusal only after the modules before it
+    were loaded."""
+    for name, module in model.named_modules():
+        check = getattr(module, "check_extra_state", None)
+        key = f"{name}._extra_state" if name else "_extra_state"
+        if callable(check) and key in state:
+            try:
+                check(state[key])
+            except ValueError as err:
+                raise ValueError(f"checkpoint {path} does not fit this model ({key}: {err}); "
+                                 f"nothing was restored") from None
+
+
 def check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None,
-                    state: Mapping[str, Any] | None, saved_class: str | None) -> None:
+                    state: Mapping[str, Any] | None, saved_class: str | None,
+                    saved_shapes: list[Any] | None = None) -> None:
     """Raise ValueError unless ``state`` loads into ``optimizer``: state present, the same
-    class (when the checkpoint records it), the same groups of the same sizes."""
+    class and parameter shapes (when the checkpoint records them), the same groups of the
+    same sizes."""
     if optimizer is None:
         return
     if state is None:
@@ -163,3 +184,11 @@ def check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None,
     if sizes != saved:
         raise ValueError(f"checkpoint {path}: the optimizer's parameter groups hold {saved} "
                          f"parameters there and {sizes} here; nothing was restored")
+    if saved_shapes is None:  # (older checkpoints record none)
+        return
+    here = optimizer_shapes(optimizer)
+    for index, (there, shape) in enumerate(zip(saved_shapes, here)):
+        if tuple(there) != tuple(shape):  # the state of other parameters: the step would fail
+            raise ValueError(f"checkpoint {path}: the optimizer's parameter {index} has shape "
+                             f"{tuple(there)} there and {tuple(shape)} here (an optimizer over "
+                             f"other parameters); nothing was restored")

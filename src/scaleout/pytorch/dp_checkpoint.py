@@ -72,20 +72,35 @@ class CheckpointSurface(nn.Module):
         """Restored by ``load_state_dict()`` (applied at the first forward if not yet built).
 
         Raises:
-            ValueError: ``state`` is not such a dict, or its owed gradient names a parameter
-                this model does not have, or has another shape.
+            ValueError: see :meth:`check_extra_state`.
         """
-        if not isinstance(state, dict) or "compression" not in state:
-            raise ValueError("DataParallel extra state must be a dict with a 'compression' entry")
-        self._load_carry(state.get("carry", {}))  # (checkpoints before stop 25 have none)
+        loaded = self._checked_carry(state)
+        for layer in self._layers:
+            layer.carry.clear()
+        for layer, index, owed in loaded:
+            layer.carry[index] = owed
         if self._session is None:
             self._pending_compression_state = dict(state["compression"])
         else:
             self._session.load_compression_state_dict(
                 fit_compression_state(self._session, state["compression"]))
 
-    def _load_carry(self, carry: Any) -> None:
-        """Replace every layer's owed gradient with ``carry`` (:meth:`get_extra_state`'s)."""
+    def check_extra_state(self, state: Any) -> None:
+        """Whether :meth:`set_extra_state` takes ``state``, changing nothing
+        (:func:`scaleout.checkpoint.load` asks every module before it restores any).
+
+        Raises:
+            ValueError: ``state`` is not such a dict, or its owed gradient names a parameter
+                this model does not have, or has another shape.
+        """
+        self._checked_carry(state)
+
+    def _checked_carry(self, state: Any) -> list[tuple[Any, int, torch.Tensor]]:
+        """The owed gradients of extra ``state`` (:meth:`get_extra_state`'s) as (layer,
+        parameter index, tensor on the parameter's device), checked."""
+        if not isinstance(state, dict) or "compression" not in state:
+            raise ValueError("DataParallel extra state must be a dict with a 'compression' entry")
+        carry = state.get("carry", {})  # (checkpoints before stop 25 have none)
         layers = {layer.name: layer for layer in self._layers}
         if not isinstance(carry, dict):
             raise ValueError(f"DataParallel extra state's 'carry' must be a dict, got "
@@ -103,7 +118,4 @@ class CheckpointSurface(nn.Module):
                 raise ValueError(f"the checkpoint owes gradient of shape {tuple(owed.shape)} "
                                  f"to {key!r}, whose parameter has shape {tuple(param.shape)}")
             loaded.append((layer, int(index), owed.to(param.device, param.dtype)))
-        for layer in self._layers:
-            layer.carry.clear()
-        for layer, index, owed in loaded:
-            layer.carry[index] = owed
+        return loaded

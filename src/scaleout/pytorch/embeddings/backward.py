@@ -136,6 +136,18 @@ class TableBackward(nn.Module):
         updates with now (of the same kind: call :meth:`update_in_backward` first).
 
         Raises:
+            ValueError: see :meth:`check_extra_state`.
+        """
+        self.check_extra_state(state)
+        saved = state["update_in_backward"]
+        if saved is not None:
+            self._batch.update.load_state_dict(saved["state"])
+
+    def check_extra_state(self, state: Any) -> None:
+        """Whether :meth:`set_extra_state` takes ``state``, changing nothing
+        (:func:`scaleout.checkpoint.load` asks every module before it restores any).
+
+        Raises:
             ValueError: state saved with a rule and no rule (or another kind) here, or
                 accumulators of other tables than this rank's (another plan).
         """
@@ -160,4 +172,3 @@ class TableBackward(nn.Module):
                                  f"accumulators for {key!r} have {value.shape[0]} rows, this "
                                  f"rank's tables {rows.get(key, 'none')} (saved with another "
                                  "plan)")
-        rule.load_state_dict(saved["state"])

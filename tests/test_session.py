@@ -189,6 +189,14 @@ def body_misuse() -> None:
     with pytest.raises(TypeError, match="parameter_sets must hold ParameterSetSpec"):
         session.add_operation("bad", dist, parameter_sets=[4])
     op = session.add_operation("fc", dist, parameter_sets=[ParameterSetSpec(count=4)])
+    # two buckets of one name: one codec state was lost at save, the other loaded into both
+    with pytest.raises(ValueError, match="operation 'twin': a parameter set named 'fc.0' is "
+                                         "already registered"):
+        session.add_operation("twin", dist, parameter_sets=[ParameterSetSpec(count=4,
+                                                                             name="fc.0")])
+    with pytest.raises(ValueError, match="named 'w' is already registered"):
+        session.add_operation("pair", dist, parameter_sets=[ParameterSetSpec(count=2, name="w"),
+                                                            ParameterSetSpec(count=2, name="w")])
     with pytest.raises(ValueError, match="must be divisible by the data-group size 2"):
         session.set_global_minibatch_size(5)
     session.set_global_minibatch_size(4)
@@ -309,6 +317,13 @@ def test_ranks_with_different_bucket_plans_fail_at_commit() -> None:
     ({"count": 4, "shape": 4}, TypeError, "tuple of ints (a tensor's shape) or None, got 4"),
     ({"count": 4, "shape": (True, 4)}, TypeError, "got (True, 4)"),
     ({"count": 4, "shape": (3,)}, ValueError, "shape (3,) has 3 elements, but count is 4"),
+    # "false" is true: the set was sharded silently
+    ({"count": 4, "distributed_update": "false"}, TypeError,
+     "ParameterSetSpec.distributed_update must be a bool, got 'false'"),
+    ({"count": 4, "model_split": "no"}, TypeError, "model_split must be a bool, got 'no'"),
+    # accepted, then wait_gradient_comm failed on "the comm hook's result ... has 10 values"
+    ({"count": 4, "distributed_update": True, "compression": "topk:ratio=0.5"}, ValueError,
+     "compression with distributed_update=True is not supported"),
 ])
 def test_parameter_set_spec_rejects_bad_name_and_shape(kwargs: dict, error: type,
                                                        fragment: str) -> None:

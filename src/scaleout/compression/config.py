@@ -83,6 +83,11 @@ class CompressionConfig:
         object.__setattr__(self, "layers", MappingProxyType(
             {pattern: self._wrap(codec) for pattern, codec in layers.items()}))
 
+    @property
+    def lossy(self) -> bool:
+        """Whether any of its codecs (the default one or a layer's) changes the gradients."""
+        return any(codec.name != "none" for codec in (self.codec, *self.layers.values()))
+
     def _wrap(self, codec: Codec) -> Codec:
         """``codec`` compressing the momentum when ``momentum`` is set (not ``none``)."""
         if not self.momentum or codec.name == _UNCOMPRESSED.name or isinstance(codec, MomentumCodec):

@@ -120,9 +120,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = distributed_update
         self._compression = None if compression is None else as_config(compression)  # errors now
-        if distributed_update and self._compression is not None and any(
-                codec.name != "none" for codec in (self._compression.codec,
-                                                   *self._compression.layers.values())):
+        if distributed_update and self._compression is not None and self._compression.lossy:
             raise ValueError("compression= with distributed_update=True is not supported: the "
                              "sharded update reduce-scatters each gradient and the codecs "
                              "exchange whole buckets; use one or the other")

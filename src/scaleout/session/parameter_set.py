@@ -72,6 +72,14 @@ class ParameterSetSpec:
             raise TypeError(f"ParameterSetSpec.dtype must be a floating torch.dtype, got {self.dtype!r}")
         if not isinstance(self.name, str):
             raise TypeError(f"ParameterSetSpec.name must be a str, got {self.name!r}")
+        for flag in ("distributed_update", "model_split"):  # ("no" would be true)
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"ParameterSetSpec.{flag} must be a bool, got "
+                                f"{getattr(self, flag)!r}")
+        if self.distributed_update and self.compression is not None and self.compression.lossy:
+            raise ValueError("ParameterSetSpec: compression with distributed_update=True is not "
+                             "supported: the sharded update reduce-scatters the gradient and "
+                             "the codecs exchange whole buckets; use one or the other")
         if self.shape is not None:
             object.__setattr__(self, "shape", _checked_shape(self.shape, self.count))
 

@@ -139,6 +139,13 @@ class Session:
         op = Operation(len(self._operations), name, distribution, parameter_sets, inputs,
                        outputs, statistics=self.statistics,
                        local_minibatch=self.local_minibatch_size)
+        taken = [ps.name for earlier in self._operations for ps in earlier.parameter_sets]
+        for ps in op.parameter_sets:  # statistics, errors and a codec's saved state name them
+            if ps.name in taken:
+                raise ValueError(f"operation {name!r}: a parameter set named {ps.name!r} is "
+                                 f"already registered (each set's name must be unique: its "
+                                 f"codec state is saved under it)")
+            taken.append(ps.name)
         if self._operations:
             op.prev, self._operations[-1].next = self._operations[-1], op
         self._operations.append(op)

@@ -47,9 +47,16 @@ def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(PER_RANK * world, 1, generator=g, dtype=torch.float64)
 
 
-def reference(world: int, dense_emb: float = 0.0) -> dict[str, torch.Tensor]:
+def penalty(net: Lookups, rank: int) -> torch.Tensor:
+    """An L2 term on ``emb`` outside the forward (another weight per rank): a gradient in
+    every row, which the forward's lookups do not know of."""
+    return 1e-2 * (rank + 1) * net.emb.weight.pow(2).sum()
+
+
+def reference(world: int, dense_emb: float = 0.0, l2: bool = False) -> dict[str, torch.Tensor]:
     """The single-process run on every rank's data; ``dense_emb`` is added to every row of
-    ``emb.weight``'s gradient each step (what a rank's gradient hook adds, averaged)."""
+    ``emb.weight``'s gradient each step (what a rank's gradient hook adds, averaged); ``l2``:
+    each rank's loss has its :func:`penalty`."""
     torch.manual_seed(0)
     net = Lookups().double()
     opt = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
@@ -57,7 +64,8 @@ def reference(world: int, dense_emb: float = 0.0) -> dict[str, torch.Tensor]:
         ids, targets = batch(step, world)
         for rank in range(world):
             rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            (F.mse_loss(net(ids[rows]), targets[rows]) / world).backward()
+            loss = F.mse_loss(net(ids[rows]), targets[rows])
+            ((loss + penalty(net, rank) if l2 else loss) / world).backward()
         if dense_emb:
             net.emb.weight.grad += dense_emb
         opt.step()
@@ -65,7 +73,7 @@ def reference(world: int, dense_emb: float = 0.0) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.named_parameters()}
 
 
-def body(mode: str, compression: str | None) -> dict[str, object]:
+def body(mode: str, compression: str | None, l2: bool = False) -> dict[str, object]:
     env = scaleout.init(timeout=60)
     world = env.world_size
     torch.manual_seed(0 if env.rank == 0 else 7)  # DataParallel broadcasts rank 0's weights
@@ -77,12 +85,13 @@ def body(mode: str, compression: str | None) -> dict[str, object]:
     for step in range(STEPS):
         ids, targets = batch(step, world)
         rows = slice(env.rank * PER_RANK, (env.rank + 1) * PER_RANK)
-        F.mse_loss(model(ids[rows]), targets[rows]).backward()
+        loss = F.mse_loss(model(ids[rows]), targets[rows])
+        (loss + penalty(net, env.rank) if l2 else loss).backward()
         opt.step()
         opt.zero_grad()
     model.synchronize()
     if compression is None:
-        expected = reference(world)
+        expected = reference(world, l2=l2)
         for name, param in net.named_parameters():
             torch.testing.assert_close(param.detach(), expected[name], rtol=1e-9, atol=1e-11,
                                        msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
@@ -119,6 +128,16 @@ def test_lookup_weights_go_row_sparse_and_training_matches_single_process(
         assert result["codecs"]["out.weight"] != "rows"
         assert result["codecs"]["pos.weight"] == "none"  # read whole by every batch
         assert result["bytes"] < 0.6 * _dense_bytes(), result["bytes"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_penalty_on_a_table_outside_the_forward_is_exchanged_too(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rows the forward looked up were sent and the penalty's gradient in every other row
+    # stayed each rank's own (0.22 off the reference, the ranks apart)
+    monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")
+    for result in run_ranks(2, body, mode, None, True):
+        assert result["codecs"]["emb.weight"] == "rows"
 
 
 def test_over_loopback_switched_off_or_compressed_the_lookups_go_as_configured(

@@ -22,7 +22,10 @@ at every forward since the bucket's last exchange, each of its weights
   than DataParallel's own).
 
 Where one of these fails, the bucket's exchange finds the rows in the gradient, as before,
-until its next exchange. A forward whose graph is never backpropagated adds its rows to
+until its next exchange. What the forward cannot see, a term of the loss outside it that
+reads the table (an L2 penalty: every row's gradient), the exchange checks in the gradient
+(its non-zeros all in flagged rows); on a miss it searches, and the bucket gets no more hints
+(before stop 48 such a penalty's gradient was dropped outside the looked-up rows, 0.05 off). A forward whose graph is never backpropagated adds its rows to
 those of the next: more rows sent, none missed. (A hook on the weight's grad accumulator
 node, which no public API registers, is not seen.)
 """
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 
 from scaleout.compression import CodecState, RowsCodec
-from scaleout.compression.rows import ROWS_SEARCH, ROWS_TOUCHED
+from scaleout.compression.rows import ROWS_HINT_MISSED, ROWS_SEARCH, ROWS_TOUCHED
 from scaleout.pytorch.lookup_reads import graph_readers, is_lookup
 from scaleout.pytorch.modules import Layer
 from scaleout.session import Session
@@ -63,6 +66,8 @@ class _Bucket:
         if self.state.step != self.seen_step:  # an exchange since: it took (or left) the hint
             self._drop()
             self.valid, self.seen_step = True, self.state.step
+        if scratch.get(ROWS_HINT_MISSED):  # the gradient had rows no lookup read: no more
+            self.valid = False
         ids = self._looked_up(readers, own_hook) if self.valid else None
         if ids is None:
             self.valid = False

@@ -80,6 +80,8 @@ def test_make_codec_parses_specs(spec: str, expected: Codec) -> None:
         ("sign:12", "multiple of 8"),
         ("blockquant:0", "block_size must be"),
         ("powersgd:rank=0", "rank must be"),
+        # taken, then the first encode failed on "Overflow when unpacking long long"
+        ("powersgd:seed=18446744073709551616", "seed must be an int in [0, 2"),
         ("cast:error_feedback=maybe", "not a valid bool"),
     ],
 )

@@ -108,6 +108,8 @@ def test_config_wraps_every_lossy_codec_and_validates() -> None:
         MomentumCodec(codec=cfg.codec, momentum=BETA)
     with pytest.raises(ValueError, match=r"momentum must be in \(0, 1\)"):
         MomentumCodec(codec=make_codec("sign"), momentum=0.0)
+    with pytest.raises(TypeError, match="momentum must be a number, got str '0.5'"):
+        MomentumCodec(codec=make_codec("sign"), momentum="0.5")  # (it failed at an exchange)
     with pytest.raises(ValueError, match="scale must be one of"):
         make_codec("sign:scale=max")
 

@@ -439,6 +439,21 @@ def body_embedding_options() -> None:
         tables = [torch.nn.Embedding(5, 2), torch.nn.Embedding(4, 2, **option)]
         with pytest.raises(ValueError, match=rf"table 1: {next(iter(option))} .*not supported"):
             EmbeddingCollection.from_embeddings(tables, dist)
+    # a frozen table was sharded trainable: an optimizer over the collection moved it
+    pretrained = torch.nn.Embedding.from_pretrained(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"tables \[1\] are frozen \(requires_grad=False\) "
+                                         r"and the others are not"):
+        EmbeddingCollection.from_embeddings([torch.nn.Embedding(5, 2), pretrained], dist)
+    frozen = EmbeddingCollection.from_embeddings([pretrained, pretrained], dist)
+    assert not any(p.requires_grad for p in frozen.parameters())
+    # an owner of 0.5 was in range, no rank's: that table's lookups read zeros
+    specs = (TableSpec(rows=5, dim=2), TableSpec(rows=4, dim=2))
+    with pytest.raises(ValueError, match=r"owners must be ranks 0..1, ROW_WISE or "
+                                         r"COLUMN_WISE, got \[0.5\]"):
+        ShardingPlan(tables=specs, owners=(0.5, 1), ranks=2)
+    for pooling in (float("nan"), True):
+        with pytest.raises(ValueError, match="pooling must be a finite number > 0"):
+            TableSpec(rows=5, dim=2, pooling=pooling)
     env.finalize()
 
 

@@ -29,6 +29,7 @@ from scaleout.compression.base import (
     Communicator,
     ExchangeGenerator,
     check_compressible,
+    check_number,
     update_buffer,
     work_dtype,
 )
@@ -71,7 +72,8 @@ class MomentumCodec(Codec):
     def __post_init__(self) -> None:
         if not isinstance(self.codec, Codec) or isinstance(self.codec, MomentumCodec):
             raise TypeError(f"momentum: codec must be a (non-momentum) Codec, got {self.codec!r}")
-        if not 0.0 < float(self.momentum) < 1.0:
+        check_number("momentum", "momentum", self.momentum)  # ("0.5" failed at an exchange)
+        if not 0.0 < self.momentum < 1.0:
             raise ValueError(f"momentum: momentum must be in (0, 1), got {self.momentum!r}")
 
     @property

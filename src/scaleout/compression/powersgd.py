@@ -89,8 +89,10 @@ class PowerSGDCodec(Codec):
         refuse_bools("powersgd", rank=self.rank, seed=self.seed)
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"powersgd: rank must be an int >= 1, got {self.rank!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"powersgd: seed must be an int, got {self.seed!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**62:
+            # (2**64 was taken, and the first encode failed on "Overflow when unpacking long
+            # long"; the seed plus the step must fit a generator's int64)
+            raise ValueError(f"powersgd: seed must be an int in [0, 2**62), got {self.seed!r}")
 
     def unsuited(self, optimizer: Any, *, compresses_momentum: bool = False) -> str | None:
         """Adaptive optimizers; carrying a momentum. See docs/codecs.md."""

@@ -194,10 +194,21 @@ class EmbeddingCollection(Lookahead):
         """Shard existing tables (every rank passes the same ones; each keeps its own;
         ``plan``, ``max_batch`` and ``ids_with_gradients`` as for the constructor).
 
+        Tables that are all frozen (``requires_grad`` off, ``nn.Embedding.from_pretrained``'s
+        default) give a frozen collection.
+
         Raises:
             ValueError: a table with ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``
-                (the sharded tables would ignore them).
+                (the sharded tables would ignore them), or frozen tables beside trained ones
+                (the collection's tables are frozen or trained together; before, a frozen
+                table was trained).
         """
+        frozen = [i for i, e in enumerate(embeddings) if not e.weight.requires_grad]
+        if frozen and len(frozen) < len(embeddings):
+            raise ValueError(f"EmbeddingCollection.from_embeddings: tables {frozen} are frozen "
+                             f"(requires_grad=False) and the others are not; the collection's "
+                             f"tables train together: keep the frozen ones in a collection of "
+                             f"their own")
         for i, e in enumerate(embeddings):
             for option, unset in (("padding_idx", None), ("max_norm", None),
                                   ("scale_grad_by_freq", False)):
@@ -211,8 +222,9 @@ class EmbeddingCollection(Lookahead):
         def copy(index: int, weight: torch.Tensor, first: int, column: int) -> None:
             weight.copy_(embeddings[index].weight[first: first + weight.shape[0],
                                                   column: column + weight.shape[1]])
-        return cls(specs, distribution, plan=plan, dtype=dtype, init=copy, max_batch=max_batch,
-                   ids_with_gradients=ids_with_gradients)
+        collection = cls(specs, distribution, plan=plan, dtype=dtype, init=copy,
+                         max_batch=max_batch, ids_with_gradients=ids_with_gradients)
+        return collection.requires_grad_(False) if frozen else collection
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``.double()``, ``.to(device)``: a rank that holds no table follows too (its lookups

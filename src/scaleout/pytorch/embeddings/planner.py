@@ -11,6 +11,8 @@ all rows, a block of the columns.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,8 +55,10 @@ class TableSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TableSpec {self.name!r}: {field} must be an int >= 1, got "
                                  f"{value!r}")
-        if not isinstance(self.pooling, (int, float)) or self.pooling <= 0:
-            raise ValueError(f"TableSpec {self.name!r}: pooling must be > 0, got {self.pooling!r}")
+        if isinstance(self.pooling, bool) or not isinstance(self.pooling, (int, float)) or \
+                not 0 < self.pooling < math.inf:  # (NaN fails too)
+            raise ValueError(f"TableSpec {self.name!r}: pooling must be a finite number > 0, "
+                             f"got {self.pooling!r}")
 
     def nbytes(self, element_size: int) -> int:
         """Bytes of its weights."""
@@ -82,7 +86,9 @@ class ShardingPlan:
         if len(self.owners) != len(self.tables):
             raise ValueError(f"ShardingPlan: {len(self.tables)} tables but {len(self.owners)} "
                              "owners")
-        bad = [o for o in self.owners if not (0 <= o < self.ranks or o in _SPLIT)]
+        # (an owner 0.5 passed the range and then was no rank's: its lookups read zeros)
+        bad = [o for o in self.owners if isinstance(o, bool) or not isinstance(o, int)
+               or not (0 <= o < self.ranks or o in _SPLIT)]
         if bad:
             raise ValueError(f"ShardingPlan: owners must be ranks 0..{self.ranks - 1}, ROW_WISE "
                              f"or COLUMN_WISE, got {bad}")

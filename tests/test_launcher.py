@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -114,6 +115,23 @@ def test_usage_errors(tmp_path: Path) -> None:
     result = scaleout_run("-n", "1", str(script), env={"SCALEOUT_STATE_DIR": "/proc/no/such"})
     assert result.returncode == 2 and result.stderr.startswith(
         "scaleout run: error: SCALEOUT_STATE_DIR = '/proc/no/such' cannot be used"), result.stderr
+    # an abbreviation was accepted by the parser but its value taken for the script
+    # ("argument -n/--nproc-per-node: expected one argument")
+    result = scaleout_run("--nproc", "2", str(script))
+    assert result.returncode == 2 and "unrecognized arguments: --nproc" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs util-linux's taskset")
+def test_threads_per_rank_follow_the_cpus_the_launch_may_use(tmp_path: Path) -> None:
+    # os.cpu_count() gave the whole machine's count under a cpuset or taskset
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nprint('threads', os.environ['OMP_NUM_THREADS'])\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env.pop("OMP_NUM_THREADS", None)
+    result = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "scaleout", "run",
+                             "-n", "1", str(script)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "[rank 0] threads 1" in result.stdout, result.stdout
 
 
 NODES = """

@@ -54,7 +54,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run", help="start N ranks of a script", description=DESCRIPTION, epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)  # (split_argv knows whole names: --nproc's value was the script)
     parser.add_argument("-n", "--nproc-per-node", type=int, default=2, dest="nprocs",
                         help="ranks on this node (default 2)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")

@@ -258,13 +258,22 @@ def _attempts(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                   "rank again with a fresh rendezvous")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a cpuset, ``taskset``, Slurm's binding), which
+    ``os.cpu_count()`` ignores: ranks given the node's count oversubscribe a share of it."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (not on Linux)
+        return max(1, os.cpu_count() or 1)
+
+
 def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None,
               out: IO[str], signals: _Signals, attempt: Mapping[str, str]) -> Ranks:
     """Start every rank of this node, wait until they end, stop them; return them."""
     port = config.master_port if config.master_port is not None else free_port()
     world = config.nprocs * config.nnodes
     token = config.env.get(TOKEN_VAR) or os.environ.get(TOKEN_VAR) or new_token()
-    threads = max(1, (os.cpu_count() or 1) // config.nprocs)
+    threads = max(1, usable_cpus() // config.nprocs)
     launcher = launcher_env()
     memory = allocator_env(config.allocator, {**os.environ, **config.env})
     ranks = Ranks(out)

@@ -41,35 +41,31 @@ class LlamaAttention(nn.Module):
         self.wq, self.wo = nn.Linear(width, width), nn.Linear(width, width)
         self.wk, self.wv = nn.Linear(width, kv_width), nn.Linear(width, kv_width)
 
+    def head_counts(self) -> tuple[int, int]:
+        """(query heads, k/v heads) the forward reshapes with."""
+        return self.n_heads, self.n_kv_heads
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, -1).transpose(1, 2)
-        shared = self.n_heads // self.n_kv_heads
-        k, v = (f(x).view(batch, seq, self.n_kv_heads, -1).transpose(1, 2)
-                .repeat_interleave(shared, dim=1) for f in (self.wk, self.wv))
+        heads, kv_heads = self.head_counts()
+        q = self.wq(x).view(batch, seq, heads, -1).transpose(1, 2)
+        k, v = (f(x).view(batch, seq, kv_heads, -1).transpose(1, 2)
+                .repeat_interleave(heads // kv_heads, dim=1) for f in (self.wk, self.wv))
         att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
         return self.wo((att @ v).transpose(1, 2).reshape(batch, seq, -1))
 
 
-class LocalHeadsAttention(nn.Module):
+class LocalHeadsAttention(LlamaAttention):
     """LLaMA's reference code: the forward reshapes with the heads *this rank* holds
     (``n_local_heads``, ``n_local_kv_heads``); built unsplit, they are all the heads."""
 
     def __init__(self, width: int = 8, n_heads: int = 4, n_kv_heads: int = 2) -> None:
-        super().__init__()
+        super().__init__(width, n_heads, n_kv_heads)
         self.n_local_heads, self.n_local_kv_heads = n_heads, n_kv_heads
-        kv_width = width // n_heads * n_kv_heads
-        self.wq, self.wo = nn.Linear(width, width), nn.Linear(width, width)
-        self.wk, self.wv = nn.Linear(width, kv_width), nn.Linear(width, kv_width)
+        del self.n_heads, self.n_kv_heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_local_heads, -1).transpose(1, 2)
-        shared = self.n_local_heads // self.n_local_kv_heads
-        k, v = (f(x).view(batch, seq, self.n_local_kv_heads, -1).transpose(1, 2)
-                .repeat_interleave(shared, dim=1) for f in (self.wk, self.wv))
-        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
-        return self.wo((att @ v).transpose(1, 2).reshape(batch, seq, -1))
+    def head_counts(self) -> tuple[int, int]:
+        return self.n_local_heads, self.n_local_kv_heads
 
 
 class FusedAttention(nn.Module):

@@ -37,6 +37,7 @@ def test_layers_report_compute_communication_and_bytes() -> None:
         assert stats[layer]["compute_s"] > 0, stats[layer]
         assert stats[layer]["comm_s"] > 0, stats[layer]
         assert stats[layer]["raw_bytes"] == 3 * 4 * numel  # fp32, three iterations
+        assert stats[layer]["iterations"] == 3, stats[layer]  # (it read 0)
     # layer 2's weight travels as bf16: fewer bytes than raw; layer 0 goes exact
     assert stats["2"]["bytes"] < stats["2"]["raw_bytes"]
     assert stats["0"]["bytes"] == stats["0"]["raw_bytes"]

@@ -24,21 +24,34 @@ def register_chrome(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("folder", help="the folder given to DataParallel(trace=) / SCALEOUT_TRACE")
     p.add_argument("-o", "--output", default=None, help="output file (default FOLDER/chrome.json)")
+    p.add_argument("--model", type=int, default=0, metavar="N",
+                   help="which traced model of each process: 0 (default) reads "
+                        "trace.<rank>.json, N > 0 trace.<rank>.N.json (a process that trains "
+                        "several DataParallel models writes one file per model)")
     p.set_defaults(func=handle_chrome)
+
+
+def _files_by_rank(folder: str, model: int) -> dict[int, str]:
+    """rank -> the file of traced model ``model`` in ``folder`` (``trace.<rank>.json`` for
+    model 0, ``trace.<rank>.<model>.json`` after: ``scaleout.session.trace.trace_path``)."""
+    by_rank = {}
+    for path in glob.glob(os.path.join(folder, "trace.*.json")):
+        match = re.search(r"trace\.(\d+)(?:\.(\d+))?\.json$", path)
+        if match and int(match.group(2) or 0) == model:
+            by_rank[int(match.group(1))] = path
+    return by_rank
 
 
 def handle_chrome(args: argparse.Namespace) -> int:
     """Write the merged trace; exit code."""
     from scaleout.sim.chrome import chrome_trace_of_ranks, recorded_spans
 
-    files = glob.glob(os.path.join(args.folder, "trace.*.json"))
-    by_rank = {}
-    for path in files:
-        match = re.search(r"trace\.(\d+)\.json$", path)
-        if match:
-            by_rank[int(match.group(1))] = path
+    if args.model < 0:
+        return fail(ValueError(f"--model must be >= 0, got {args.model}"))
+    by_rank = _files_by_rank(args.folder, args.model)
     if not by_rank:
-        return fail(ValueError(f"no trace.<rank>.json in {args.folder!r}: record with "
+        name = "trace.<rank>.json" if args.model == 0 else f"trace.<rank>.{args.model}.json"
+        return fail(ValueError(f"no {name} in {args.folder!r}: record with "
                                "DataParallel(trace=FOLDER) or SCALEOUT_TRACE=FOLDER"))
     try:
         per_rank = []
@@ -48,7 +61,7 @@ def handle_chrome(args: argparse.Namespace) -> int:
             try:
                 with open(by_rank[rank], encoding="utf-8") as f:
                     per_rank.append(recorded_spans(json.load(f)))
-            except (ValueError, KeyError) as err:  # (names the file, not only the position)
+            except ValueError as err:  # (names the file, not only the event)
                 raise ValueError(f"{by_rank[rank]}: not a scaleout trace: {err}") from None
     except (OSError, ValueError) as err:
         return fail(err)

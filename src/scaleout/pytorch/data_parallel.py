@@ -45,7 +45,7 @@ from scaleout.scheduler import SchedulerConfig
 from scaleout.session import Phase, Session, Statistics
 from scaleout.session.bucket import CommHook
 from scaleout.session.timing import stopwatch_for
-from scaleout.session.trace import TraceRecorder
+from scaleout.session.trace import TraceRecorder, claim_trace_path, prepare_trace_folder
 
 __all__ = ["DataParallel"]
 
@@ -67,10 +67,12 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
             parameter-name glob pattern to spec; ``None`` sends exact gradients.
         broadcast_buffers: keep floating buffers (BatchNorm running statistics) consistent
             by averaging them over the data group after every training forward.
-        trace: a folder: every rank records a timeline (each layer's forward and backward,
-            each bucket's communication, exposed waits, updates) and writes
-            ``trace.<rank>.json`` there on ``close()`` / ``write_trace()``; default from
-            ``SCALEOUT_TRACE``. ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
+        trace: a folder (made now; a ``ValueError`` now if it cannot be): every rank records
+            a timeline (each layer's forward and backward, each bucket's communication,
+            exposed waits, updates) and writes ``trace.<rank>.json`` there on ``close()`` /
+            ``write_trace()`` (a process's later traced models: ``trace.<rank>.<n>.json``,
+            n = 1, 2... in the order they are built); default from ``SCALEOUT_TRACE``.
+            ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
         verify_replicas: every N steps, check that the replicas are identical (debug; see
             ``scaleout.pytorch.replicas``); default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off.
         tune: choose ``scheduler`` (and codecs) from the first iterations' measurements:
@@ -114,6 +116,10 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
         if trace is not None and not isinstance(trace, (str, os.PathLike)):
             raise TypeError(f"trace must be a folder (a str or path) or None, got {trace!r}")
+        folder = trace if trace is not None else os.environ.get("SCALEOUT_TRACE") or None
+        self._trace_dir = (prepare_trace_folder(  # (before any collective: every rank fails)
+            folder, setting="trace=" if trace is not None else "SCALEOUT_TRACE")
+            if folder else None)
         self.module = module
         self.distribution = distribution
         self.env = distribution.env
@@ -149,8 +155,11 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self._forward_order: list[Layer] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._pending_compression_state: dict[str, Any] = {}
-        self._trace_dir = trace if trace is not None else os.environ.get("SCALEOUT_TRACE") or None
-        self._trace = TraceRecorder(self.env.rank) if self._trace_dir else None
+        self._trace, self._trace_file = ((TraceRecorder(self.env.rank),
+                                          claim_trace_path(self._trace_dir, self.env.rank))
+                                         if self._trace_dir else (None, None))
+        self._first_laps = Statistics(self._trace)  # the first forward's (no session yet)
+        self._timed = False  # this forward is timed: a backward may follow (grad enabled)
         self._no_sync = self._backward_queued = False
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
@@ -254,8 +263,13 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         if self._tuner is not None and self._session is not None:
             self._tuner.before_forward(self)  # measures; at its iteration, tunes and rebuilds
         self._stopwatch.begin()
-        if self._trace is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
-            self._trace.batch_size = args[0].shape[0]
+        # Only a forward that a backward may follow is timed: an evaluation forward under
+        # no_grad() enters neither the statistics nor the trace (nor sets its batch size).
+        self._timed = torch.is_grad_enabled()
+        if self._trace is not None and self._timed:
+            first = args[0] if args else None
+            self._trace.begin_forward(first.shape[0] if isinstance(first, torch.Tensor)
+                                      and first.dim() else None)
 
     @torch.compiler.disable  # (a compiled module runs its first forward eagerly)
     def _first_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -276,6 +290,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                 output, [p for layer in self._layers for p in layer.params], self.comm,
                 self._device, rows=self._rows_default, embeddings=ran)
             self._commit()
+            self._merge_first_laps()
         if self._shares and self.training and torch.is_grad_enabled():
             self._shares.hook(output)
         for layer in self._forward_order:  # layers this forward did not run
@@ -286,7 +301,6 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
             self._buffer_average.start()
         if self._session is not None:
             self._stopwatch.flush(self._session.statistics)
-            self._session.statistics.end_iteration()
 
     def train(self, mode: bool = True) -> DataParallel:
         if mode != self.training:
@@ -296,19 +310,22 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
     def write_trace(self, **meta: Any) -> str | None:
         """Write this rank's trace (when tracing) into the trace folder; its path. ``meta``:
         ``workload``, ``batch_size``, ``device``, ``command`` for the file."""
-        if self._trace is None:
+        if self._trace is None or self._trace_file is None:
             return None
         meta.setdefault("device", str(self._device))
-        return self._trace.write(self._trace_dir, **meta)
+        return self._trace.write(self._trace_file, **meta)
 
     def close(self) -> None:
-        """Write the trace (when tracing), stop the progress thread and remove the hooks."""
-        self.write_trace()
-        if self._session is not None:
-            self._session.close()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Write the trace (when tracing), stop the progress thread and remove the hooks (even
+        when writing the trace fails: its error is raised after)."""
+        try:
+            self.write_trace()
+        finally:
+            if self._session is not None:
+                self._session.close()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
 
     # -- set-up ------------------------------------------------------------------------
 

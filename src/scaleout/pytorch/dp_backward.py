@@ -1,7 +1,9 @@
 """DataParallel's backward side: each gradient leaves the moment it exists (through a comm
 hook, when one is registered), and the end of backward sends what did not (a parameter's
 ``.grad`` or zeros for parameters unused here, a tied parameter's early share that no hook
-took) and the flags saying who has a gradient.
+took) and the flags saying who has a gradient; that end ends a training iteration of the
+statistics (and the trace): a forward without backward (evaluation) or a ``no_sync()``
+micro-batch's backward does not.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``module``,
 ``_session``, ``_alone``, ``_compression``, ``_tuner``, ``_comm_hook``, ``_set_of``,
@@ -136,3 +138,4 @@ class BackwardSide:
             self.updates.gradients_to_grad()
         else:  # overlap: the parameters the optimizer does not hold get DDP's .grad now
             self.updates.outside_to_grad()
+        self._session.statistics.end_iteration()

@@ -1,12 +1,14 @@
 """DataParallel's per-layer forward hooks: the update a layer waits for, and its timing.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``_session``,
-``_forward_order``, ``updates`` and ``_stopwatch``). Before the first forward commits the
-session, the pre-hooks record the order the layers run in (it decides the buckets); after
-it, each layer's pre-hook completes that layer's update (cross-iteration overlap: at the
-latest here) and the post-hook times its forward. :meth:`ForwardHooks._completes` serves a
-module that reads other layers' parameters before their own modules run
-(``scaleout.pytorch.reads``).
+``_forward_order``, ``updates``, ``_stopwatch``, ``_timed`` and ``_first_laps``). Before
+the first forward commits the session, the pre-hooks record the order the layers run in (it
+decides the buckets); after it, each layer's pre-hook completes that layer's update
+(cross-iteration overlap: at the latest here). The post-hook times the layer's forward, the
+first one's too (into statistics of its own until the session exists), when a backward may
+follow it (grad enabled; an evaluation forward is not an iteration's).
+:meth:`ForwardHooks._completes` serves a module that reads other layers' parameters before
+their own modules run (``scaleout.pytorch.reads``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from scaleout.pytorch.modules import Layer
+from scaleout.session import Statistics
 
 __all__ = ["ForwardHooks"]
 
@@ -25,13 +28,27 @@ __all__ = ["ForwardHooks"]
 class ForwardHooks:
     """The forward-side hook factories of DataParallel (see the module docstring)."""
 
+    def _lap_statistics(self) -> Statistics:
+        """Where a forward's laps go: the session's statistics, or before the first forward
+        built the session, that forward's own (:meth:`_merge_first_laps` adds them after)."""
+        return self._first_laps if self._session is None else self._session.statistics
+
+    def _merge_first_laps(self) -> None:
+        """Add the first forward's compute to the new session's statistics (its spans are in
+        the trace already): its iteration's backward is counted there too."""
+        if self._session is not None:
+            for name, figures in self._first_laps.as_dict().items():
+                if name != "total":
+                    self._session.statistics.add(name, compute_s=figures["compute_s"])
+        self._first_laps.reset()
+
     def _pre_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:
             if self._session is None:
                 if layer not in self._forward_order:
                     self._forward_order.append(layer)
-                return
-            self.updates.complete(layer)
+            else:
+                self.updates.complete(layer)
             self._stopwatch.restart()
         return torch.compiler.disable(hook)
 
@@ -44,8 +61,8 @@ class ForwardHooks:
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            if self._session is not None:  # (backward compute is timed from here on)
-                self._stopwatch.lap(self._session.statistics, layer.name, phase="forward")
+            if self._timed:  # (backward compute is timed from here on)
+                self._stopwatch.lap(self._lap_statistics(), layer.name, phase="forward")
             else:
                 self._stopwatch.restart()
         return torch.compiler.disable(hook)

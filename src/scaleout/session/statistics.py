@@ -24,7 +24,7 @@ class OperationStats:
         exposed_s: time the training loop was blocked waiting for that communication.
         bytes: payload bytes handed to collectives for it (after compression).
         raw_bytes: bytes it would have sent uncompressed.
-        iterations: iterations recorded.
+        iterations: iterations ended since it first reported (before stop 48: always 0).
     """
 
     compute_s: float = 0.0
@@ -65,7 +65,13 @@ class Statistics:
                     setattr(stats, key, getattr(stats, key) + part)
 
     def end_iteration(self) -> None:
-        self.iterations += 1
+        """A training iteration ended: DataParallel calls it at the end of each backward that
+        exchanged gradients, so per-iteration figures are per training step (a forward
+        without backward, as in evaluation, or a ``no_sync()`` micro-batch is none)."""
+        with self._lock:  # (each operation's count: the iterations since it first reported)
+            self.iterations += 1
+            for stats in self._ops.values():
+                stats.iterations += 1
         if self.trace is not None:
             self.trace.end_iteration()
 

@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from scaleout.sim.iteration import Span
+from scaleout.sim.trace import LANES, recorded_event
 
-__all__ = ["LANES", "chrome_trace", "chrome_trace_of_ranks", "write_chrome_trace", "recorded_spans"]
+__all__ = ["LANES", "RecordedSpan", "chrome_trace", "chrome_trace_of_ranks",
+           "write_chrome_trace", "recorded_spans"]
 
-LANES = ("compute", "comm", "wait")
+_SPAN_KEYS = ("lane", "name", "start", "end", "iteration")
+
+
+@dataclass(frozen=True)
+class RecordedSpan(Span):
+    """A span of a real run with what its event carried besides (a bucket's ``bytes``,
+    ``raw_bytes``, ``codec`` and ``priority_lane``, a compute span's ``phase``): the Chrome
+    event's ``args``, so Perfetto shows what each span moved and where."""
+
+    args: Mapping[str, Any] = field(default_factory=dict)
 
 
 def chrome_trace(spans: Iterable[Span], *, ranks: int = 1, metadata: dict | None = None) -> dict:
@@ -64,13 +77,19 @@ def chrome_trace_of_ranks(per_rank: Sequence[Iterable[Span]], *,
                     "tid": LANES.index(span.lane),
                     "ts": span.start * 1e6,
                     "dur": (span.end - span.start) * 1e6,
-                    "args": {"iteration": span.iteration},
+                    "args": _args(span),
                 }
             )
     doc = {"traceEvents": events, "displayTimeUnit": "ms"}
     if metadata:
         doc["otherData"] = metadata
     return doc
+
+
+def _args(span: Span) -> dict:
+    """A Chrome event's ``args``: the iteration, and a recorded span's other fields."""
+    extra = span.args if isinstance(span, RecordedSpan) else {}
+    return {"iteration": span.iteration, **extra}
 
 
 def write_chrome_trace(
@@ -81,14 +100,21 @@ def write_chrome_trace(
         json.dump(chrome_trace(spans, ranks=ranks, metadata=metadata), f)
 
 
-def recorded_spans(trace: dict) -> list[Span]:
+def recorded_spans(trace: dict) -> list[RecordedSpan]:
     """The spans of a trace recorded by a real run (``scaleout.session.trace``), one rank.
 
     Raises:
-        ValueError: the trace holds no ``events`` (not recorded by a run).
+        ValueError: the trace holds no ``events`` (not recorded by a run), or an event that
+            is not an object on a known lane with finite seconds, end >= start, and an
+            integer iteration (:func:`~scaleout.sim.trace.recorded_event`; named by index).
     """
     if not isinstance(trace, dict) or not isinstance(trace.get("events"), list):
         raise ValueError("not a recorded trace: it has no 'events' list (record one with "
                          "DataParallel(trace=FOLDER) or SCALEOUT_TRACE=FOLDER)")
-    return [Span(e["lane"], e["name"], float(e["start"]), float(e["end"]), int(e["iteration"]))
-            for e in trace["events"]]
+    return [_recorded_span(recorded_event(i, event)) for i, event in enumerate(trace["events"])]
+
+
+def _recorded_span(event: Mapping) -> RecordedSpan:
+    return RecordedSpan(event["lane"], str(event.get("name", "")), float(event["start"]),
+                        float(event["end"]), event["iteration"],
+                        args={k: v for k, v in event.items() if k not in _SPAN_KEYS})

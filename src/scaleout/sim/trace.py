@@ -16,13 +16,14 @@ device speeds (:meth:`~scaleout.sim.workload.Workload.scaled`). The format, vers
          "forward_s": 0.011,           # seconds, or a list of per-iteration samples
          "backward_s": [0.021, 0.022], # (the median is used)
          "grad_bytes": 37632,          # bytes of this layer's gradients (0: none)
-         "update_s": 0.0}              # optional: optimizer update seconds
+         "update_s": 0.0}              # optional: optimizer update seconds (or samples)
       ]
     }
 
-A sample is a layer's whole forward (or backward) in one iteration. Recording such a file
-from ``DataParallel`` is the runtime's business (``scaleout.session.trace``, which adds the
-spans it timed under ``"events"``); anything that writes this JSON feeds the simulator.
+A sample is a layer's whole forward (or backward, or update) in one iteration. Recording such
+a file from ``DataParallel`` is the runtime's business (``scaleout.session.trace``, which adds
+the spans it timed under ``"events"``, each checked by :func:`recorded_event` where read);
+anything that writes this JSON feeds the simulator.
 
 Version 1 has the same layout and is still read. The runtime's recorder wrote version 1 with
 one sample per timed span, that is one per parameter gradient in backward (a weight and a bias:
@@ -42,15 +43,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 from collections.abc import Mapping
 
+from scaleout.session.trace import LANES  # the lanes of a recorded trace's events
 from scaleout.sim.workload import Layer, Workload
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "LANES",
+    "recorded_event",
     "workload_from_dict",
     "workload_to_dict",
     "read_trace",
@@ -88,6 +93,38 @@ def _integer(data: Mapping, key: str, default: int, where: str = "") -> int:
     return value
 
 
+def _finite(value: object) -> bool:
+    """A number that is a finite float (10**400 is not: it has no float)."""
+    try:
+        return _is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def recorded_event(index: int, event: object) -> Mapping:
+    """``event``, number ``index`` of a recorded trace's ``events``, once checked: an object
+    on one of :data:`LANES` with finite ``start`` <= ``end`` seconds and an integer
+    ``iteration`` (its other keys are free: ``phase``, ``bytes``, ``codec``...).
+
+    Raises:
+        ValueError: it is not, naming the event by index (and name).
+    """
+    if not isinstance(event, Mapping):
+        raise ValueError(f"event {index} must be an object (lane, name, start, end, "
+                         f"iteration), got {event!r}")
+    where = f"event {index} ({event.get('name')!r})"
+    if event.get("lane") not in LANES:
+        raise ValueError(f"{where}: lane must be one of {LANES}, got {event.get('lane')!r}")
+    start, end = event.get("start"), event.get("end")
+    if not (_finite(start) and _finite(end) and end >= start):
+        raise ValueError(f"{where}: start and end must be seconds (finite, end >= start), "
+                         f"got {start!r} and {end!r}")
+    iteration = event.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int):
+        raise ValueError(f"{where}: iteration must be an integer, got {iteration!r}")
+    return event
+
+
 def _recorded_samples(events: list) -> dict[tuple[str, str], list[float]]:
     """(layer, phase) -> per-iteration sums of the compute spans of ``events`` (a recorded
     trace's), in iteration order."""
@@ -98,16 +135,10 @@ def _recorded_samples(events: list) -> dict[tuple[str, str], list[float]]:
         phase = event.get("phase")
         if phase not in ("forward", "backward"):
             continue
-        start, end = event.get("start"), event.get("end")
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in (start, end)):
-            raise ValueError(f"event {i} ({event.get('name')!r}): start and end must be "
-                             f"seconds, got {start!r} and {end!r}")
-        iteration = event.get("iteration")
-        if isinstance(iteration, bool) or not isinstance(iteration, int):
-            raise ValueError(f"event {i} ({event.get('name')!r}): iteration must be an "
-                             f"integer, got {iteration!r}")
+        event = recorded_event(i, event)
         per = sums.setdefault((str(event.get("name")), phase), {})
-        per[iteration] = per.get(iteration, 0.0) + (end - start)
+        iteration = event["iteration"]
+        per[iteration] = per.get(iteration, 0.0) + (event["end"] - event["start"])
     return {key: list(per.values()) for key, per in sums.items()}
 
 

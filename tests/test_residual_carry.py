@@ -123,9 +123,13 @@ def test_a_checkpoint_owing_a_parameter_the_model_lacks_is_refused() -> None:
     model = DataParallel.__new__(DataParallel)  # (no process group: only the loading rule)
     nn.Module.__init__(model)
     model._layers = find_layers(Products())
+    def state(carry: dict) -> dict:
+        return {"compression": {}, "carry": carry}
+
     with pytest.raises(ValueError, match="'c/0', a parameter this model does not have"):
-        model._load_carry({"c/0": torch.zeros(3)})
+        model.check_extra_state(state({"c/0": torch.zeros(3)}))
     with pytest.raises(ValueError, match=r"shape \(3,\) to '<root>/1', whose .* \(300,\)"):
-        model._load_carry({"<root>/1": torch.zeros(3)})
-    model._load_carry({"<root>/1": torch.ones(300, dtype=torch.float32)})
+        model.check_extra_state(state({"<root>/1": torch.zeros(3)}))
+    model._session = None
+    model.set_extra_state(state({"<root>/1": torch.ones(300, dtype=torch.float32)}))
     assert model._layers[0].carry[1].dtype == torch.float64

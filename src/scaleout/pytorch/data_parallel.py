@@ -160,7 +160,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                                          if self._trace_dir else (None, None))
         self._first_laps = Statistics(self._trace)  # the first forward's (no session yet)
         self._timed = False  # this forward is timed: a backward may follow (grad enabled)
-        self._no_sync = self._backward_queued = False
+        self._no_sync = self._backward_queued = self._outer_queued = False
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
         self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
@@ -291,8 +291,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
                 self._device, rows=self._rows_default, embeddings=ran)
             self._commit()
             self._merge_first_laps()
-        if self._shares and self.training and torch.is_grad_enabled():
-            self._shares.hook(output)
+        if self.training and torch.is_grad_enabled():
+            self._watch_output(output)
         for layer in self._forward_order:  # layers this forward did not run
             self.updates.complete(layer)
         if self._lookup_rows and self.training and torch.is_grad_enabled():

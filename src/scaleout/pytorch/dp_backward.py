@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from scaleout.pytorch.modules import Layer
 from scaleout.session.bucket import CommHook
@@ -74,11 +75,43 @@ class BackwardSide:
 
     def _on_share(self, param: nn.Parameter) -> None:
         """A gradient (or a tied parameter's early share) of ``param`` left: it was used, and
-        the end of this backward sends what did not."""
+        the end of this backward sends what did not (at the end of the graph task that
+        reached the model's output, when one did: :meth:`_watch_output`)."""
         self._used[id(param)] = True
         if not self._backward_queued:
             self._backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            if not self._outer_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _watch_output(self, output: Any) -> None:
+        """After a training forward: hook the output's tensors (and the tied parameters'
+        readers), so that the backward that reaches them ends the model's backward.
+
+        A callback queued from a gradient's hook runs when that hook's graph task ends, and
+        a reentrant activation checkpoint (``checkpoint(..., use_reentrant=True)``) runs
+        its block's backward as a graph task nested in the outer one: the end came before
+        the layers in front of the block had their gradients (they went as unused zeros,
+        then again; a codec's exchange ran twice: blockquant 2.4e-3 off, overlap mode
+        failed). The output's hook runs in the outer task, at the model's backward's start.
+        """
+        if self._shares:
+            self._shares.hook(output)
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, _grad: torch.Tensor) -> None:
+        if not self._outer_queued:
+            self._outer_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_outer)
+
+    def _end_outer(self) -> None:
+        """The graph task that reached the output ended: the model's backward ended, if a
+        gradient arrived in it (``torch.autograd.grad`` of the output, a gradient penalty's,
+        accumulates none: nothing is sent)."""
+        self._outer_queued = False
+        if self._backward_queued:
+            self._end_backward()
 
     def _sender(self, ps: Any) -> Callable[[torch.Tensor], None]:
         def send(gradient: torch.Tensor) -> None:

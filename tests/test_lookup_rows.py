@@ -130,14 +130,26 @@ def test_lookup_weights_go_row_sparse_and_training_matches_single_process(
         assert result["bytes"] < 0.6 * _dense_bytes(), result["bytes"]
 
 
+def checked_body(mode: str, l2: bool) -> int:
+    """:func:`body`, counting the exchanges that had to check the forward's rows against the
+    gradient (``rows._covered``)."""
+    import scaleout.compression.rows as rows
+
+    checks, covered = [], rows._covered
+    rows._covered = lambda *args: checks.append(1) or covered(*args)
+    assert body(mode, None, l2)["codecs"]["emb.weight"] == "rows"
+    return len(checks)
+
+
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_a_penalty_on_a_table_outside_the_forward_is_exchanged_too(
         mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # the rows the forward looked up were sent and the penalty's gradient in every other row
-    # stayed each rank's own (0.22 off the reference, the ranks apart)
+    # stayed each rank's own (0.22 off the reference, the ranks apart): now the gradient is
+    # seen to be the lookups' alone (no check), or checked once, missed, and searched after
     monkeypatch.setenv("SCALEOUT_LOOKUP_ROWS", "1")
-    for result in run_ranks(2, body, mode, None, True):
-        assert result["codecs"]["emb.weight"] == "rows"
+    assert run_ranks(2, checked_body, mode, False) == [0, 0]
+    assert run_ranks(2, checked_body, mode, True) == [1, 1]  # (body: exact, both)
 
 
 def test_over_loopback_switched_off_or_compressed_the_lookups_go_as_configured(

@@ -34,7 +34,7 @@ from scaleout.compression.state import CodecState
 from scaleout.core import collectives
 from scaleout.core.collectives import ReduceOp
 
-__all__ = ["ROWS_HINT_MISSED", "ROWS_SEARCH", "ROWS_TOUCHED", "RowsCodec"]
+__all__ = ["ROWS_HINT_MISSED", "ROWS_HINT_PROVEN", "ROWS_SEARCH", "ROWS_TOUCHED", "RowsCodec"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +120,7 @@ class RowsCodec(Codec):
         chosen: dict[int, torch.Tensor] = {}  # block offset -> the rows sent (absent: whole)
         hint = state.scratch.pop(ROWS_TOUCHED, None)  # (for this exchange only)
         search = state.scratch.pop(ROWS_SEARCH, ())
+        proven = state.scratch.pop(ROWS_HINT_PROVEN, False)
         if matrices:
             flags = _checked_hint(hint, sum(n // w for _, n, w, _ in matrices), flat.device)
             scratch = None if flags is not None and not search else state.work_buffer(
@@ -128,7 +129,8 @@ class RowsCodec(Codec):
                 for first, stop, o, w in _searched(search, matrices):
                     flags[first:stop] = _touched(flat[o:o + (stop - first) * w].view(-1, w),
                                                  scratch[o:o + (stop - first) * w].view(-1, w))
-                if not _covered(flat, matrices, flags):  # (a term outside the forward)
+                if not proven and not _covered(flat, matrices, flags):  # (a loss term
+                    # outside the forward)
                     state.scratch[ROWS_HINT_MISSED] = True
                     flags = None
             if flags is None:  # find them: a pass over every matrix
@@ -210,6 +212,13 @@ ROWS_TOUCHED = "rows_touched"
 #: layer) skips the pass over its tables. Taken out with the hint; ignored without one.
 ROWS_SEARCH = "rows_search"
 
+
+#: Set in ``scratch`` beside a :data:`ROWS_TOUCHED` hint by a giver that saw the gradient of
+#: each hinted tensor come from the hint's lookups alone (``scaleout.pytorch.lookup_ids``:
+#: the tensor a lookup's backward gave, unchanged since but for the other lookups' in-place
+#: additions): the exchange then skips its check of the hint (:func:`_covered`). Taken out
+#: with the hint.
+ROWS_HINT_PROVEN = "rows_hint_proven"
 
 #: Set in ``scratch`` (and kept) when a :data:`ROWS_TOUCHED` hint missed a row whose gradient
 #: is not zero: a term of the loss outside the forward the hint came from (an L2 penalty on

@@ -8,6 +8,7 @@ micro-batch's backward does not.
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``module``,
 ``_session``, ``_alone``, ``_compression``, ``_tuner``, ``_comm_hook``, ``_set_of``,
 ``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_sent_version``, ``_stopwatch``,
+``_lookup_rows``,
 ``updates``, ``replicas``, ``distributed_update`` and ``env``).
 """
 
@@ -70,6 +71,8 @@ class BackwardSide:
         self._on_share(param)
         layer, ps = self._set_of[id(param)]
         self._stopwatch.lap(self._session.statistics, layer.name, phase="backward")
+        if self._lookup_rows:  # (whether only its lookups wrote the gradient the hint is of)
+            self._lookup_rows.settle(param)
         self._sender(ps)(param.grad)
         self._sent_version[id(param)] = param.grad._version
 

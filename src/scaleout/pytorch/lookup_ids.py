@@ -33,14 +33,15 @@ node, which no public API registers, is not seen.)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from scaleout.compression import CodecState, RowsCodec
-from scaleout.compression.rows import ROWS_HINT_MISSED, ROWS_SEARCH, ROWS_TOUCHED
+from scaleout.compression.rows import (ROWS_HINT_MISSED, ROWS_HINT_PROVEN, ROWS_SEARCH,
+                                        ROWS_TOUCHED)
 from scaleout.pytorch.lookup_reads import graph_readers, is_lookup
 from scaleout.pytorch.modules import Layer
 from scaleout.session import Session
@@ -59,6 +60,11 @@ class _Bucket:
     search: tuple[tuple[int, int], ...] = ()  # the other matrices' flags: (first, count)
     seen_step: int = -1  # the codec state's exchanges at the last forward
     valid: bool = True  # every forward since the last exchange gave its rows
+    # what each weight's lookups gave its gradient, (data_ptr, version) per contribution,
+    # and the weights whose gradient is exactly that (:meth:`settle`), since the exchange
+    given: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    proven: set[int] = field(default_factory=set)
+    disproven: bool = False
 
     def observe(self, readers: dict[int, list[tuple[Any, int]]], own_hook: Callable) -> None:
         """Add this forward's rows to the hint, or drop it until the next exchange."""
@@ -66,6 +72,7 @@ class _Bucket:
         if self.state.step != self.seen_step:  # an exchange since: it took (or left) the hint
             self._drop()
             self.valid, self.seen_step = True, self.state.step
+            self.given, self.proven, self.disproven = {}, set(), False
         if scratch.get(ROWS_HINT_MISSED):  # the gradient had rows no lookup read: no more
             self.valid = False
         ids = self._looked_up(readers, own_hook) if self.valid else None
@@ -73,6 +80,9 @@ class _Bucket:
             self.valid = False
             self._drop()
             return
+        for param, _ in self.members:
+            for node, slot in readers.get(id(param), ()):
+                node.register_hook(self._recorder(id(param), slot))
         flags = scratch.get(ROWS_TOUCHED)
         if flags is None:
             flags = scratch[ROWS_TOUCHED] = torch.zeros(self.rows, dtype=torch.bool,
@@ -84,6 +94,32 @@ class _Bucket:
     def _drop(self) -> None:
         self.state.scratch.pop(ROWS_TOUCHED, None)
         self.state.scratch.pop(ROWS_SEARCH, None)
+        self.state.scratch.pop(ROWS_HINT_PROVEN, None)
+
+    def _recorder(self, key: int, slot: int) -> Callable[..., None]:
+        """A lookup node's post-hook: note the gradient it hands the weight (no reference)."""
+        def record(grad_inputs: tuple[Any, ...], _grad_outputs: Any) -> None:
+            grad = grad_inputs[slot]
+            if grad is not None:
+                self.given.setdefault(key, []).append((grad.data_ptr(), grad._version))
+        return record
+
+    def settle(self, param: nn.Parameter) -> None:
+        """``param``'s gradient is final (before it is sent): it is the sum of its lookups'
+        alone when it is the very tensor one of them gave, changed since by nothing but the
+        other lookups' additions (autograd adds into the first gradient in place: one version
+        each). Anything else (a term of the loss outside the forward added in place, or out of
+        place: another tensor) leaves the hint unproven, and the exchange counts the
+        gradient's non-zeros instead. Proven for every weight: ``ROWS_HINT_PROVEN``."""
+        grad, given = param.grad, self.given.get(id(param), [])
+        if grad is None or not any(
+                ptr == grad.data_ptr() and grad._version == version + len(given) - 1
+                for ptr, version in given):
+            self.disproven = True
+            return
+        self.proven.add(id(param))
+        if not self.disproven and len(self.proven) == len(self.members):
+            self.state.scratch[ROWS_HINT_PROVEN] = True
 
     def _looked_up(self, readers: dict[int, list[tuple[Any, int]]],
                    own_hook: Callable) -> torch.Tensor | None:
@@ -145,10 +181,17 @@ class LookupRows:
             if members:
                 self._buckets.append(_Bucket(state.codec_state, members, first, tuple(search)))
         self._params = {id(p): p for b in self._buckets for p, _ in b.members}
+        self._bucket_of = {id(p): b for b in self._buckets for p, _ in b.members}
         self._own_hook = own_hook
 
     def __bool__(self) -> bool:
         return bool(self._buckets)
+
+    def settle(self, param: nn.Parameter) -> None:
+        """``param``'s gradient is final and about to be sent (:meth:`_Bucket.settle`)."""
+        bucket = self._bucket_of.get(id(param))
+        if bucket is not None and ROWS_TOUCHED in bucket.state.scratch:
+            bucket.settle(param)
 
     def observe(self, output: Any) -> None:
         """A training forward produced ``output``: hand its rows to the next exchanges (call

@@ -6,12 +6,13 @@ hang a rank in torch's group creation)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import scaleout
 from harness import run_ranks
 from scaleout import SchedulerConfig
-from scaleout.pytorch import DataParallel
+from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 
 def body_types() -> None:
@@ -57,3 +58,29 @@ def test_options_that_differ_across_ranks_are_named_on_every_rank(case: str, ran
         assert "DataParallel options" in message, message
         mine, theirs = message.split("; rank 1: ")
         assert rank0 in mine and rank1 in theirs, message
+
+
+def body_thawed(mode: str) -> str:
+    env = scaleout.init(timeout=20)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    net[0].requires_grad_(False)  # a frozen backbone...
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model, mode=mode)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    net[0].requires_grad_(True)  # ...that thaws
+    with pytest.raises(ValueError) as caught:
+        model(torch.randn(2, 4))
+    model.close()
+    env.finalize()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sync"])
+def test_a_parameter_frozen_when_wrapped_that_thaws_is_refused(mode: str) -> None:
+    # nothing exchanged its gradient: in overlap mode it never moved, in sync mode each rank
+    # stepped on its own (the ranks 6.3e-2 apart), silently
+    for message in run_ranks(2, body_thawed, mode, timeout=30):
+        assert message.startswith("parameters ['0.weight', '0.bias'] were frozen "
+                                  "(requires_grad=False) when DataParallel was built"), message

@@ -380,6 +380,42 @@ def test_a_statistics_reset_on_one_rank_does_not_move_its_tuning() -> None:
     assert at0 == at1 == 4 and key0 == key1
 
 
+def body_uneven_forwards(kind: str) -> list[torch.Tensor]:
+    """Rank 0 alone runs an evaluation forward, or accumulates two micro-batches per step
+    where rank 1 runs one: ranks whose forwards differ in number, steps alike."""
+    env = scaleout.init(timeout=20)
+    net = _net()
+    model = DataParallel(net, env.create_distribution(), tune=TuneConfig(link=SLOW, measure=1))
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), model)
+    generator = torch.Generator().manual_seed(1 + env.rank)
+    for step in range(7):
+        if kind == "micro" and env.rank == 0:
+            with model.no_sync():
+                model(torch.randn(8, 128, generator=generator)).square().mean().backward()
+        model(torch.randn(8, 128, generator=generator)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if kind == "eval" and env.rank == 0 and step == 1:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(2, 128))
+            model.train()
+    model.synchronize()
+    params = [p.detach().clone() for p in net.parameters()]
+    model.close()
+    env.finalize()
+    return params
+
+
+@pytest.mark.parametrize("kind", ["eval", "micro"])
+def test_ranks_with_other_numbers_of_forwards_tune_at_the_same_step(kind: str) -> None:
+    # every forward advanced the tuner: the ranks tuned at different steps and their
+    # collectives met others (CommunicationTimeout); only a forward whose backward exchanges
+    # counts now
+    first, second = run_ranks(2, body_uneven_forwards, kind, timeout=60)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_lossy_tuning_without_a_known_optimizer_stays_exact() -> None:
     tune = TuneConfig(allow_lossy=True, link=SLOW)
     results = run_ranks(2, body, tune, "sgd", False, timeout=120)
@@ -403,10 +439,9 @@ def bad_arguments() -> None:
     model.close()
     with pytest.raises(RuntimeError, match="tune="):
         DataParallel(_net(), dist).tune_now()
-    wrong = DataParallel(_net(), dist, tune=TuneConfig(link=SLOW, measure=1))  # 2 ranks' link
-    with pytest.raises(ValueError, match="ranks"):
-        for _ in range(3):
-            wrong(torch.randn(4, 128)).sum().backward()
+    # a link for 2 ranks on 1: refused when the model is built (it was at the 4th forward)
+    with pytest.raises(ValueError, match="TuneConfig.link is for 2 ranks; the data group has 1"):
+        DataParallel(_net(), dist, tune=TuneConfig(link=SLOW, measure=1))
     env.finalize()
 
 
@@ -419,6 +454,13 @@ def test_bad_arguments_raise() -> None:
                           (dict(runner_up_within="10%"), ValueError)):
         with pytest.raises(error):
             TuneConfig(**kwargs)
+    # skip=0 was taken and tuned as 1 (the first forward builds the plan)
+    with pytest.raises(ValueError, match="skip must be an int >= 1, got 0"):
+        TuneConfig(skip=0)
+    with pytest.raises(TypeError, match="codecs must be a tuple of codec specs, got None"):
+        TuneConfig(codecs=None)
+    # a generator was used up by the check: no codecs left to choose from
+    assert TuneConfig(codecs=(c for c in ("cast:bf16", "sign"))).codecs == ("cast:bf16", "sign")
     assert as_tune_config(False) is None and as_tune_config(True).allow_lossy is False
     assert as_tune_config("lossy").allow_lossy is True
 

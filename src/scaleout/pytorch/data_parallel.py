@@ -33,11 +33,11 @@ from scaleout.pytorch.lookup_ids import LookupRows
 from scaleout.pytorch.lookup_reads import (exact_builtin, find_lookup_reads, ran_embeddings,
                                             rows_wanted)
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
-                                      register_layers, set_bucket_parameters)
+                                      refuse_thawed, register_layers, set_bucket_parameters)
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.reads import find_early_reads
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
-from scaleout.pytorch.residual_carry import carry_residuals, residual_slices
+from scaleout.pytorch.residual_carry import Replanning
 from scaleout.pytorch.tied import EarlyShares, splittable
 from scaleout.pytorch.tuning import tuner_for
 from scaleout.pytorch.updates import LazyUpdates
@@ -49,7 +49,7 @@ from scaleout.session.trace import TraceRecorder, claim_trace_path, prepare_trac
 
 __all__ = ["DataParallel"]
 
-class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
+class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
@@ -130,8 +130,9 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
             raise ValueError("compression= with distributed_update=True is not supported: the "
                              "sharded update reduce-scatters each gradient and the codecs "
                              "exchange whole buckets; use one or the other")
-        self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
+        self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update,
+                                ranks=self.comm.size)
         interval = replica_interval(verify_replicas)
         floats = floating_buffers(module)
         if self.comm.size > 1:  # before the options make groups and collectives of their own
@@ -145,6 +146,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self.replicas = ReplicaCheck(self.comm, module, interval)
         self._model_comm = distribution.communicator(GroupType.MODEL)
         self._layers = find_layers(module)
+        self._frozen = [p for p in module.parameters()  # (find_layers left them out)
+                        if not p.requires_grad and p.numel() and not is_local(p)]
         for layer in self._layers:  # a shard on another model group: a ValueError now
             for param in layer.params:
                 registration(param, self._model_comm)
@@ -161,6 +164,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
         self._first_laps = Statistics(self._trace)  # the first forward's (no session yet)
         self._timed = False  # this forward is timed: a backward may follow (grad enabled)
         self._no_sync = self._backward_queued = self._outer_queued = False
+        self._exchanges = 0  # backwards whose gradients were exchanged (the tuner's clock)
         self._alone: Statistics | None = None  # set when there is nothing to exchange (_commit)
         self._used: dict[int, bool] = {}
         self._tied: list[nn.Parameter] = []  # read by a lookup and more (first forward's graph)
@@ -259,8 +263,12 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
     @torch.compiler.disable
     def _before_forward(self, args: tuple[Any, ...]) -> None:
         self._finish_buffers()
+        refuse_thawed(self.module, self._frozen)  # (none frozen: nothing to walk)
         self.replicas.before_forward(self.synchronize)
-        if self._tuner is not None and self._session is not None:
+        # (only a forward whose backward exchanges: every rank runs as many; a rank's extra
+        # evaluation forward or no_sync() micro-batch ran its tuning at another point: a hang)
+        if self._tuner is not None and self._session is not None and torch.is_grad_enabled() \
+                and not self._no_sync:
             self._tuner.before_forward(self)  # measures; at its iteration, tunes and rebuilds
         self._stopwatch.begin()
         # Only a forward that a backward may follow is timed: an evaluation forward under
@@ -328,17 +336,6 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface):
             self._handles.clear()
 
     # -- set-up ------------------------------------------------------------------------
-
-    def _rebuild(self, scheduler: SchedulerConfig, compression: CompressionConfig | None) -> None:
-        """Plan again with new options (the tuner's; every rank, nothing in flight)."""
-        old = self._session
-        assert old is not None
-        owed = residual_slices(old)  # (gradient the codecs have not sent yet)
-        self._scheduler, self._compression = scheduler, compression
-        old.close(reuse=True)  # (its lanes' process groups serve the new plan's)
-        self._commit()
-        if self._session is not None and self._session is not old:
-            carry_residuals(self._session, self._forward_order, owed, self.comm)
 
     def _commit(self) -> None:
         """Register the layers in the order the first forward ran them, then commit; or, on

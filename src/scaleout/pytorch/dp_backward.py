@@ -175,3 +175,4 @@ class BackwardSide:
         else:  # overlap: the parameters the optimizer does not hold get DDP's .grad now
             self.updates.outside_to_grad()
         self._session.statistics.end_iteration()
+        self._exchanges += 1

@@ -91,6 +91,24 @@ def find_layers(module: nn.Module) -> list[Layer]:
     return layers
 
 
+def refuse_thawed(module: nn.Module, frozen: list[nn.Parameter]) -> None:
+    """Raise when a parameter frozen when DataParallel was built (``frozen``: left out of
+    its layers) requires grad now.
+
+    Raises:
+        ValueError: naming them (before, nothing exchanged their gradients: in overlap mode
+            they never moved, in sync mode each rank stepped on its own, the ranks apart).
+    """
+    thawed = {id(p) for p in frozen if p.requires_grad}
+    if thawed:
+        names = [name for name, p in module.named_parameters() if id(p) in thawed]
+        raise ValueError(f"parameters {names[:4]}{' ...' if len(names) > 4 else ''} were "
+                         f"frozen (requires_grad=False) when DataParallel was built and "
+                         f"require grad now: their gradients are not exchanged. Build "
+                         f"DataParallel after unfreezing them (a frozen backbone that thaws: "
+                         f"wrap the model again then), or keep them frozen")
+
+
 def agreed_order(comm: Communicator, layers: list[Layer], ran: list[Layer],
                  device: torch.device) -> list[Layer]:
     """The layers in the order of the first forward, the same on every rank of ``comm``.

@@ -35,7 +35,24 @@ from scaleout.core import collectives
 from scaleout.core.collectives import Communicator, ReduceOp
 from scaleout.pytorch.modules import Layer
 
-__all__ = ["residual_slices", "carry_residuals"]
+__all__ = ["residual_slices", "carry_residuals", "Replanning"]
+
+
+class Replanning:
+    """DataParallel's re-plan (a mixin: it uses the model's ``_session``, ``_scheduler``,
+    ``_compression``, ``_commit``, ``_forward_order`` and ``comm``)."""
+
+    def _rebuild(self, scheduler: Any, compression: Any) -> None:
+        """Plan again with new options (the tuner's; every rank, nothing in flight), the
+        codecs' residuals carried into the new plan."""
+        old = self._session
+        assert old is not None
+        owed = residual_slices(old)  # (gradient the codecs have not sent yet)
+        self._scheduler, self._compression = scheduler, compression
+        old.close(reuse=True)  # (its lanes' process groups serve the new plan's)
+        self._commit()
+        if self._session is not None and self._session is not old:
+            carry_residuals(self._session, self._forward_order, owed, self.comm)
 
 
 def residual_slices(session: Any) -> dict[str, torch.Tensor]:

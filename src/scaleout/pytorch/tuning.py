@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,7 +61,7 @@ class TuneConfig:
             ``::1``, or a launcher that puts every rank on this node: the launch's
             ``one_machine``) unless ``link`` is given.
         codecs: the codec specs a lossy tuning may choose from.
-        skip: iterations left unmeasured first (the first builds the plan).
+        skip: iterations left unmeasured first, >= 1 (the first builds the plan).
         measure: iterations whose compute is measured; tuning happens at the start of the
             forward after them (iteration ``skip + measure + 1``).
         min_gain_lossy: a codec must be predicted this much faster than exact gradients.
@@ -98,13 +98,18 @@ class TuneConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.allow_lossy, bool):
             raise TypeError(f"allow_lossy must be a bool, got {self.allow_lossy!r}")
-        if isinstance(self.codecs, str) or not all(isinstance(c, str) for c in self.codecs):
+        codecs = self.codecs  # (a generator was used up by the check: a tuple first)
+        if not isinstance(codecs, str) and isinstance(codecs, Iterable):
+            codecs = tuple(codecs)
+        if not isinstance(codecs, tuple) or not all(isinstance(c, str) for c in codecs):
             raise TypeError(f"codecs must be a tuple of codec specs, got {self.codecs!r}")
+        object.__setattr__(self, "codecs", codecs)
         for spec in self.codecs:
             if make_codec(spec).name == "none":
                 raise ValueError("codecs lists lossy codecs; 'none' is always a candidate")
-        object.__setattr__(self, "codecs", tuple(self.codecs))
-        for name, low in (("skip", 0), ("measure", 1), ("verify", 0)):
+        # skip >= 1: the first forward builds the plan and is never measured (0 was taken and
+        # tuned as 1)
+        for name, low in (("skip", 1), ("measure", 1), ("verify", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -144,13 +149,14 @@ def as_tune_config(tune: Any) -> TuneConfig | None:
                     f"{type(tune).__name__}")
 
 
-def tuner_for(tune: Any, *, compression: Any, distributed_update: bool) -> Tuner | None:
+def tuner_for(tune: Any, *, compression: Any, distributed_update: bool,
+              ranks: int | None = None) -> Tuner | None:
     """DataParallel's :class:`Tuner` for ``tune=`` (``None``: no tuning).
 
     Raises:
         ValueError: ``tune`` with ``compression=`` (the tuner chooses codecs itself) or with
-            ``distributed_update=True`` (not tuned yet); a bad ``tune``, as
-            :func:`as_tune_config` raises.
+            ``distributed_update=True`` (not tuned yet); a ``link`` for other than ``ranks``
+            (the data group's size); a bad ``tune``, as :func:`as_tune_config` raises.
         TypeError: as :func:`as_tune_config` raises.
     """
     config = as_tune_config(tune)
@@ -159,6 +165,9 @@ def tuner_for(tune: Any, *, compression: Any, distributed_update: bool) -> Tuner
     if compression is not None or distributed_update:
         raise ValueError("tune= chooses the codecs itself and plans fusible buckets: pass it "
                          "without compression= and without distributed_update=True")
+    if config.link is not None and ranks is not None and config.link.ranks != ranks:
+        raise ValueError(f"TuneConfig.link is for {config.link.ranks} ranks; the data group "
+                         f"has {ranks}")  # (said at the 4th forward before)
     return Tuner(config)
 
 
@@ -176,8 +185,10 @@ class Tuner:
         self.config = config
         self.choice: TuneChoice | None = None
         self._start: dict[str, tuple[float, float]] | None = None
-        # The clock that says when to tune is the tuner's own count of iterations (equal on
-        # every rank); a rank's statistics can be reset on that rank alone.
+        # The clock that says when to tune is the model's count of exchanged backwards (equal
+        # on every rank), read at each forward whose backward exchanges (DataParallel calls
+        # before_forward only at those: a rank's evaluation forwards and no_sync() micro-
+        # batches are its own); a rank's statistics can be reset on that rank alone.
         self._iterations = 0  # iterations completed at the last forward
         self._start_iteration = 0
         self._start_seen = 0  # this rank's statistics.iterations at the snapshot
@@ -199,8 +210,9 @@ class Tuner:
         Raises:
             RuntimeError: ``now`` before one iteration was measured.
         """
-        if not now:
-            self._iterations += 1  # (the first forward, which builds the plan, has no call)
+        if not now:  # the clock: backwards that exchanged so far, alike on every rank (a
+            # rank's own count of forwards ran ahead where its plan was built in no_sync())
+            self._iterations = model._exchanges
         if self._check is not None and not now:  # a choice being timed (forwards only)
             decided = self._check.at_forward(model, self.choice)
             if decided is not None:

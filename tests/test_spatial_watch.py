@@ -56,6 +56,24 @@ CALLS = {
     "pad width": (lambda h: F.pad(h, (1, 2)), False),
     "reflect width": (lambda h: F.pad(h, (1, 1, 0, 0), mode="reflect"), False),
     "nearest by 2 x 1.5": (lambda h: F.interpolate(h, scale_factor=(2, 1.5)), False),
+    # stop 48: calls that were let through, each a wrong result (0.23 to 10 off)
+    "row norms": (lambda h: h / h.norm(dim=(2, 3), keepdim=True), True),
+    "normalize rows": (lambda h: F.normalize(h, dim=2), True),
+    "batch statistics": (lambda h: F.batch_norm(h, None, None, training=True), True),
+    "kth along rows": (lambda h: h.kthvalue(2, dim=2).values, True),
+    "einsum": (lambda h: torch.einsum("nchw,nchw->nc", h, h), True),
+    "repeat rows": (lambda h: h.repeat(1, 1, 2, 1), True),
+    "cat rows": (lambda h: torch.cat([h, h], dim=2), True),
+    "strided 1x1": (lambda h: F.conv2d(h, torch.ones(4, 4, 1, 1), stride=2), True),
+    "repeat width": (lambda h: h.repeat(1, 1, 1, 2), False),
+    "cat channels": (lambda h: torch.cat([h, h], dim=1), False),
+    "row norms of channels": (lambda h: h / h.norm(dim=1, keepdim=True), False),
+    # a whole tensor that needs a gradient times split rows: its gradient was this rank's
+    # rows' share (a layer scale, a squeeze-and-excitation gate, a linear over the width:
+    # trained wrong, the ranks' copies apart)
+    "learnt scale": (lambda h: h * torch.ones(1, 4, 1, 1, requires_grad=True), True),
+    "linear over width": (lambda h: F.linear(h, torch.eye(6, requires_grad=True)), True),
+    "constant scale": (lambda h: h * torch.full((1, 4, 1, 1), 2.0), False),
 }
 
 
@@ -105,6 +123,28 @@ def test_row_mixing_calls_in_a_forward_are_named_at_the_first_forward() -> None:
             outcome["adaptive pool"]
         assert "pad() in Functional pads dim 2" in outcome["pad rows"]
         assert "interpolate() in Functional scales dim 2 by 1.5" in outcome["nearest by 1.5"]
+        assert "mul() in Functional combines a whole tensor that needs a gradient" in \
+            outcome["learnt scale"]
+
+
+def body_one_dimensional() -> list[str]:
+    env = scaleout.init(timeout=20)
+    dist = env.create_distribution(1, 2)
+    messages = []
+    for layer in (nn.Conv1d(2, 2, 3, padding=1), nn.MaxPool1d(3, 1, 1), nn.AvgPool1d(3, 1, 1),
+                  nn.BatchNorm1d(2)):
+        with pytest.raises(ValueError) as caught:
+            spatial_parallel(nn.Sequential(layer), dist)
+        messages.append(str(caught.value))
+    env.finalize()
+    return messages
+
+
+def test_one_dimensional_layers_that_mix_the_split_length_are_refused() -> None:
+    # an (N, C, L) sample is split along L: these were left as they were (0.5-0.8 off)
+    for messages in run_ranks(2, body_one_dimensional, timeout=30):
+        for message, name in zip(messages, ("Conv1d", "MaxPool1d", "AvgPool1d", "BatchNorm1d")):
+            assert f"layer 0 ({name}) mixes rows" in message, message
 
 
 def test_the_watch_is_off_under_scaleout_check_0() -> None:

@@ -44,17 +44,28 @@ _POOL_ARGS = {
     "avg_pool2d": ("kernel_size", "stride", "padding", "ceil_mode"),
     "avg_pool3d": ("kernel_size", "stride", "padding", "ceil_mode"),
 }
-_POOLS_ACROSS = frozenset({"adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
-                           "adaptive_max_pool3d", "lp_pool2d", "lp_pool3d",
+_POOL_ARGS.update({name: ("kernel_size", "stride", "padding", "ceil_mode")
+                   for name in ("avg_pool1d",)})
+_POOL_ARGS.update({name: ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+                   for name in ("max_pool1d", "max_pool1d_with_indices")})
+_POOLS_ACROSS = frozenset({"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+                           "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+                           "lp_pool1d", "lp_pool2d", "lp_pool3d",
                            "fractional_max_pool2d", "fractional_max_pool3d"})
 _MIXING = frozenset({"group_norm", "instance_norm", "local_response_norm", "fold", "unfold",
-                     "conv_transpose2d", "conv_transpose3d"})
+                     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv1d",
+                     "einsum"})  # (einsum: which letter is dim 2's is not followed)
 #: calls along one dimension: (position of ``dim`` counting the input, its default)
 _ALONG = {name: (1, None) for name in (
     "mean", "sum", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "argmax",
     "argmin", "median", "std", "var", "std_mean", "var_mean", "logsumexp", "all", "any",
     "count_nonzero", "softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin")}
-_ALONG.update({"sort": (1, -1), "argsort": (1, -1), "topk": (2, -1)})
+_ALONG.update({"sort": (1, -1), "argsort": (1, -1), "topk": (2, -1), "kthvalue": (2, -1),
+               "mode": (1, -1), "logcumsumexp": (1, None), "norm": (2, None),
+               "linalg_vector_norm": (2, None), "normalize": (2, 1), "quantile": (2, None),
+               "nanquantile": (2, None), "cat": (1, 0), "concat": (1, 0), "concatenate": (1, 0)})
+#: calls that repeat a tensor: the factor of dim 2 (sizes aligned from the last dim)
+_REPEATING = frozenset({"repeat", "tile"})
 #: calls that pick, shift or cut along one dimension: (position of it counting the input, its
 #: name, its default; ``None``: the flattened tensor, which mixes rows too)
 _PICKING = {"narrow": (1, "dim", 0), "select": (1, "dim", 0), "index_select": (1, "dim", 0),
@@ -194,8 +205,25 @@ def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
             shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))) >= 2 else None
     if name in ("conv2d", "conv3d"):
         weight = _arg(args, kwargs, 1, "weight", None)
+        stride = _first(_arg(args, kwargs, 3, "stride", 1))
+        if stride != 1:  # (each block's first row would start the stride anew)
+            return "convolves with a stride along the split rows"
         return ("convolves with a kernel of more than one row" if isinstance(
             weight, torch.Tensor) and weight.dim() >= 3 and weight.shape[2] > 1 else None)
+    if name == "linear" and x.dim() == 3:
+        return "applies a weight along dim 2, the split rows"
+    if name == "batch_norm" and (_arg(args, kwargs, 5, "training", False)
+                                 or _arg(args, kwargs, 1, "running_mean", None) is None):
+        return "normalises over the sample (batch statistics)"
+    if name in _REPEATING:
+        sizes = args[1:] if len(args) > 2 or not isinstance(_arg(args, kwargs, 1, "dims", 1),
+                                                               (tuple, list)) else args[1]
+        sizes = tuple(sizes) or tuple(kwargs.get("dims", kwargs.get("repeats", ())))
+        at = len(sizes) - x.dim() + 2  # (sizes align with the input's dims from the last)
+        return ("repeats the split rows" if 0 <= at < len(sizes) and sizes[at] != 1
+                else None)
+    if name == "stack" and _arg(args, kwargs, 1, "dim", 0) % (x.dim() + 1) <= 2:
+        return "stacks at or before dim 2, moving the split rows"
     if name in _ALONG:
         position, default = _ALONG[name]
         dim = _arg(args, kwargs, position, "dim", default)
@@ -208,6 +236,13 @@ def row_mixing(name: str, x: torch.Tensor, args: Sequence[Any],
             return "reduces or orders along dim 2"
     return None
 
+
+#: a whole tensor that needs a gradient meets a split one (a parameter outside the spatial
+#: layers, a squeeze-and-excitation gate from the global pool): its gradient would be this
+#: rank's rows' share alone (before stop 48: trained wrong and the ranks' copies apart)
+_WHOLE_WITH_SPLIT = ("combines a whole tensor that needs a gradient (a parameter, or a value "
+                     "from the global pool) with one split along dim 2, so that tensor's "
+                     "gradient would be this rank's rows' share alone")
 
 _ADVICE = ("use the layer form that spatial_parallel converts (nn.AdaptiveAvgPool2d(1) for a "
            "global pool, nn.MaxPool2d/AvgPool2d with windows that tile, nn.Conv2d, "
@@ -239,11 +274,16 @@ class _Watch(TorchFunctionMode):
         result = func(*args, **kwargs)
         if self._inside[0]:  # a spatial layer's own calls
             return result
-        split = [leaf for leaf in tree_leaves((args, kwargs)) if self.is_split(leaf)]
+        leaves = tree_leaves((args, kwargs))
+        split = [leaf for leaf in leaves if self.is_split(leaf)]
         if split:
             name = getattr(func, "__name__", "")
             x = args[0] if args and self.is_split(args[0]) else split[0]
             reason = row_mixing(name, x, args, kwargs, result) if x.dim() >= 3 else None
+            if reason is None and x.dim() >= 3 and any(  # (a split 0-dim value is a loss)
+                    isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                    and not self.is_split(leaf) for leaf in leaves):
+                reason = _WHOLE_WITH_SPLIT
             if reason is not None:
                 raise ValueError(
                     f"spatial_parallel: {name}() in {self._stack[-1]} {reason}, on a tensor "

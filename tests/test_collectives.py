@@ -173,6 +173,15 @@ def body_out_buffers() -> None:
         d.allgather(torch.ones(2, 3), group=g, out=torch.empty(5, 3))
     with pytest.raises(TypeError, match="out must have dtype torch.float32"):
         d.alltoall(torch.ones(2 * size), group=g, out=torch.empty(2 * size, dtype=torch.int64))
+    # an out over the tensor sent was overwritten while it was sent: wrong blocks came back
+    both = torch.arange(4.0 * size)
+    with pytest.raises(ValueError, match="alltoall: out must not overlap the tensor sent"):
+        d.alltoall(both[:2 * size], group=g, out=both[:2 * size])
+    with pytest.raises(ValueError, match="alltoallv: out must not overlap"):
+        d.alltoallv(both[:2 * size], [2] * size, [2] * size, group=g, out=both[1:2 * size + 1])
+    with pytest.raises(ValueError, match="scatter: out must not overlap"):
+        d.scatter(both[:2 * size], 0, group=g, out=both[:2])
+    assert d.alltoall(both[:2 * size], group=g, out=both[2 * size:]).wait() is not None
     env.finalize()
 
 

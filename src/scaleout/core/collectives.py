@@ -54,8 +54,11 @@ def _op(op: object, dtype: torch.dtype, operation: str) -> ReduceOp:
     return op
 
 
-def _output(out: object, shape: tuple[int, ...], like: torch.Tensor, operation: str) -> torch.Tensor:
-    """``out`` checked to receive a result of ``shape`` (or a new tensor when it is None)."""
+def _output(out: object, shape: tuple[int, ...], like: torch.Tensor, operation: str,
+            apart: bool = False) -> torch.Tensor:
+    """``out`` checked to receive a result of ``shape`` (or a new tensor when it is None);
+    ``apart``: it must not overlap ``like`` (a collective that writes blocks of ``out`` while
+    it still sends those of ``like``: an overlapping ``out`` came back with wrong data)."""
     if out is None:
         return like.new_empty(shape)
     if not isinstance(out, torch.Tensor):
@@ -66,7 +69,22 @@ def _output(out: object, shape: tuple[int, ...], like: torch.Tensor, operation: 
         raise ValueError(f"{operation}: out must be a contiguous tensor of shape {tuple(shape)}, "
                          f"got shape {tuple(out.shape)}"
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if apart and _overlap(out, like):
+        raise ValueError(f"{operation}: out must not overlap the tensor sent (it would be "
+                         f"overwritten while it is sent); pass another buffer")
     return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ``a`` and ``b`` span (from their first to their last element)
+    overlaps."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -260,7 +278,7 @@ def scatter(comm: Communicator, tensor: torch.Tensor, root: int,
     root = check_root(root, comm.size, name, comm.label)
     tensor = _checked(comm, name, tensor, root)
     rows = check_divisible(tensor, comm.size, name)
-    out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
+    out = _output(out, (rows, *tensor.shape[1:]), tensor, name, apart=True)
     parts = list(tensor.contiguous().split(rows)) if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.scatter(
         out, parts, src=comm.ranks[root], group=comm.group, async_op=True),
@@ -329,7 +347,7 @@ def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None 
     tensor = _checked(comm, name, tensor, pairwise_setting())
     check_divisible(tensor, comm.size, name)
     send = tensor.contiguous()
-    out = _output(out, tuple(send.shape), send, name)
+    out = _output(out, tuple(send.shape), send, name, apart=True)
     if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
         rows = [send.shape[0] // comm.size] * comm.size
         return comm.request(name, _blocks(comm, name, send.split(rows), out.split(rows)),
@@ -351,7 +369,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
             f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "
             f"got shape {tuple(send.shape)}"
         )
-    out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name)
+    out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name, apart=True)
     # Every rank must take the same path. Each knows only its own row and column of the
     # counts, so the exchange is taken at 2 ranks only, where both see the same blocks.
     if comm.size == 2 and recv_first(

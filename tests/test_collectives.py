@@ -182,6 +182,8 @@ def body_out_buffers() -> None:
     with pytest.raises(ValueError, match="scatter: out must not overlap"):
         d.scatter(both[:2 * size], 0, group=g, out=both[:2])
     assert d.alltoall(both[:2 * size], group=g, out=both[2 * size:]).wait() is not None
+    # an empty tensor: the root split it into one part, not one per rank (gloo refused it)
+    assert d.scatter(torch.empty(0, 3), 0, group=g).wait().shape == (0, 3)
     env.finalize()
 
 

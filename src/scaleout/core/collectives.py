@@ -279,7 +279,9 @@ def scatter(comm: Communicator, tensor: torch.Tensor, root: int,
     tensor = _checked(comm, name, tensor, root)
     rows = check_divisible(tensor, comm.size, name)
     out = _output(out, (rows, *tensor.shape[1:]), tensor, name, apart=True)
-    parts = list(tensor.contiguous().split(rows)) if comm.rank == root else None
+    whole = tensor.contiguous()  # (split(0) of an empty tensor gives one part, not size)
+    parts = [whole[i * rows:(i + 1) * rows] for i in range(comm.size)] \
+        if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.scatter(
         out, parts, src=comm.ranks[root], group=comm.group, async_op=True),
         lambda: out.copy_(parts[0]))

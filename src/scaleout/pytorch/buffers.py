@@ -45,8 +45,12 @@ class BufferAverage:
         return [owner._buffers[name] for owner, name in self._where]
 
     def start(self) -> None:
-        """Start averaging the buffers' current values (after a training forward)."""
-        flat = torch.cat([b.detach().reshape(-1) for b in self._buffers])
+        """Start averaging the buffers' current values (after a training forward), in
+        float64: the average of values that agree is then those values again for buffers of
+        32 bits or fewer (in their own dtype a constant table moved by ulps at 3 ranks, a
+        bf16 one by up to 0.57%, and ``finfo(dtype).min``, the usual mask value, summed to
+        -inf). A float64 buffer may move by an ulp at a rank count not a power of two."""
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self._buffers])
         self._request = collectives.allreduce(self._comm, flat, ReduceOp.AVG)
 
     def finish(self) -> None:

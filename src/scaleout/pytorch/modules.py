@@ -13,6 +13,7 @@ from torch import nn
 from scaleout.compression import RowsCodec
 from scaleout.core.collectives import Communicator
 from scaleout.core import collectives
+from scaleout.core.checks import SUPPORTED_DTYPES
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.placement import is_local, registration
@@ -134,7 +135,11 @@ def broadcast_tensors(comm: Communicator, tensors: Iterable[torch.Tensor], root:
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         group = by_dtype[dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in group])
-        collectives.bcast(comm, flat, root).wait()
+        # a dtype the collectives do not take (a bool mask, a complex RoPE table, int16
+        # ids) travels as its bytes: a broadcast copies them (DataParallel refused such
+        # models, even on one process)
+        wire = flat if flat.dtype in SUPPORTED_DTYPES else flat.view(torch.uint8)
+        collectives.bcast(comm, wire, root).wait()
         offset = 0
         with torch.no_grad():
             for tensor in group:

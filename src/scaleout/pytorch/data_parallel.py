@@ -66,7 +66,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         compression: a codec spec for every gradient (``"cast:bf16"``), or a dict from
             parameter-name glob pattern to spec; ``None`` sends exact gradients.
         broadcast_buffers: keep floating buffers (BatchNorm running statistics) consistent
-            by averaging them over the data group after every training forward.
+            by averaging them over the data group after every training forward (in float64:
+            buffers that agree stay as they are).
         trace: a folder (made now; a ``ValueError`` now if it cannot be): every rank records
             a timeline (each layer's forward and backward, each bucket's communication,
             exposed waits, updates) and writes ``trace.<rank>.json`` there on ``close()`` /

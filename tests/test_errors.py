@@ -96,6 +96,11 @@ def body_mismatch() -> None:
     verify_plan(d.communicator(G), "bucket plan", [(4, "float32"), (8, "float32")])
     with pytest.raises(ValueError, match=r"rank 0: bucket plan \[4\]; rank 1: bucket plan \[5\]"):
         verify_plan(d.communicator(G), "bucket plan", [4 + env.rank])
+    # alltoallv counts that do not match across the ranks: one row of uninitialised memory
+    send, recv = ([2, 2], [3, 2]) if env.rank == 1 else ([2, 2], [2, 2])
+    with pytest.raises(ValueError, match="group rank 0 sends 2 rows to group rank 1, which "
+                                         "expects 3"):
+        d.alltoallv(torch.ones(4), send, recv, group=G)
     # ranks on different grids would each run their group's collectives alone
     with pytest.raises(ValueError, match=r"rank 0: create_distribution Grid\(world_size=2, "
                        r"data_parts=2, model_parts=1\); rank 1: create_distribution Grid\(\S+ "

@@ -26,7 +26,8 @@ from scaleout.core.communicator import (
     all_gather_single,
     reduce_scatter_single,
 )
-from scaleout.core.consistency import _same_everywhere, _verify_same_call, verify_plan
+from scaleout.core.consistency import (_same_everywhere, _verify_same_call, exchange_device,
+                                        verify_plan)
 from scaleout.core.pairwise import exchange_blocks, recv_first
 from scaleout.core.pairwise import setting as pairwise_setting
 from scaleout.core.request import Request
@@ -372,6 +373,8 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
             f"got shape {tuple(send.shape)}"
         )
     out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name, apart=True)
+    if comm.size > 1 and comm.check_consistency == "full":
+        _counts_agree(comm, name, send_counts, recv_counts)
     # Every rank must take the same path. Each knows only its own row and column of the
     # counts, so the exchange is taken at 2 ranks only, where both see the same blocks.
     if comm.size == 2 and recv_first(
@@ -383,6 +386,27 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
         out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
         group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out)
+
+
+def _counts_agree(comm: Communicator, name: str, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+    """Raise ValueError on every rank unless what each rank sends each other is what that
+    one expects from it (one allgather of ``2 * size`` ints; ``"full"`` checks only: counts
+    change with every call, and ``"first"`` checks each distinct call once). Unchecked, a
+    rank that expects one row more gets a row of uninitialised memory, silently."""
+    device = exchange_device(comm.group)
+    mine = torch.tensor([*send_counts, *recv_counts], dtype=torch.int64, device=device)
+    every = torch.empty(2 * comm.size * comm.size, dtype=torch.int64, device=device)
+    work = all_gather_single(every, mine, group=comm.group, async_op=True)
+    comm.request(f"{name} (counts check)", [work], lambda: None).wait()
+    table = every.view(comm.size, 2, comm.size).tolist()  # [rank][sends, expects][peer]
+    for i in range(comm.size):
+        for j in range(comm.size):
+            if table[i][0][j] != table[j][1][i]:
+                raise ValueError(f"rank {comm.global_rank}: {name} on group {comm.label}: "
+                                 f"group rank {i} sends {table[i][0][j]} rows to group rank "
+                                 f"{j}, which expects {table[j][1][i]} (send_counts and "
+                                 f"recv_counts must match across the ranks)")
 
 
 def barrier(comm: Communicator, timeout: float | None = None, *, name: str = "barrier") -> None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_SECONDS", "check_tensor", "check_root", "check_counts",
-           "check_divisible", "check_seconds", "check_cuda_asked"]
+           "check_divisible", "check_seconds", "check_cuda_asked", "overlaps"]
 
 #: The longest timeout or period accepted (a year): longer ones overflow torch's timers.
 MAX_SECONDS = 365 * 86400.0
@@ -97,3 +97,15 @@ def check_cuda_asked(device: str) -> None:
     that torch cannot see here (before any rank is started for it)."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ``a`` and ``b`` span (from their first to their last element)
+    overlaps."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as tdist
 
 from scaleout.core import direct
-from scaleout.core.checks import check_counts, check_divisible, check_root, check_tensor
+from scaleout.core.checks import (check_counts, check_divisible, check_root, check_tensor,
+                                  overlaps)
 from scaleout.core.communicator import (
     _TORCH_OPS,
     CHECK_MODES,
@@ -26,7 +27,7 @@ from scaleout.core.communicator import (
     all_gather_single,
     reduce_scatter_single,
 )
-from scaleout.core.consistency import (_same_everywhere, _verify_same_call, exchange_device,
+from scaleout.core.consistency import (_same_everywhere, _verify_same_call, verify_counts,
                                         verify_plan)
 from scaleout.core.pairwise import exchange_blocks, recv_first
 from scaleout.core.pairwise import setting as pairwise_setting
@@ -70,22 +71,10 @@ def _output(out: object, shape: tuple[int, ...], like: torch.Tensor, operation: 
         raise ValueError(f"{operation}: out must be a contiguous tensor of shape {tuple(shape)}, "
                          f"got shape {tuple(out.shape)}"
                          f"{'' if out.is_contiguous() else ' (not contiguous)'}")
-    if apart and _overlap(out, like):
+    if apart and overlaps(out, like):
         raise ValueError(f"{operation}: out must not overlap the tensor sent (it would be "
                          f"overwritten while it is sent); pass another buffer")
     return out
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory ``a`` and ``b`` span (from their first to their last element)
-    overlaps."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -374,7 +363,7 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
         )
     out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name, apart=True)
     if comm.size > 1 and comm.check_consistency == "full":
-        _counts_agree(comm, name, send_counts, recv_counts)
+        verify_counts(comm, name, send_counts, recv_counts)
     # Every rank must take the same path. Each knows only its own row and column of the
     # counts, so the exchange is taken at 2 ranks only, where both see the same blocks.
     if comm.size == 2 and recv_first(
@@ -386,27 +375,6 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
         out, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
         group=comm.group, async_op=True), lambda: out.copy_(send))
     return comm.request(name, [work], lambda: out)
-
-
-def _counts_agree(comm: Communicator, name: str, send_counts: Sequence[int],
-                  recv_counts: Sequence[int]) -> None:
-    """Raise ValueError on every rank unless what each rank sends each other is what that
-    one expects from it (one allgather of ``2 * size`` ints; ``"full"`` checks only: counts
-    change with every call, and ``"first"`` checks each distinct call once). Unchecked, a
-    rank that expects one row more gets a row of uninitialised memory, silently."""
-    device = exchange_device(comm.group)
-    mine = torch.tensor([*send_counts, *recv_counts], dtype=torch.int64, device=device)
-    every = torch.empty(2 * comm.size * comm.size, dtype=torch.int64, device=device)
-    work = all_gather_single(every, mine, group=comm.group, async_op=True)
-    comm.request(f"{name} (counts check)", [work], lambda: None).wait()
-    table = every.view(comm.size, 2, comm.size).tolist()  # [rank][sends, expects][peer]
-    for i in range(comm.size):
-        for j in range(comm.size):
-            if table[i][0][j] != table[j][1][i]:
-                raise ValueError(f"rank {comm.global_rank}: {name} on group {comm.label}: "
-                                 f"group rank {i} sends {table[i][0][j]} rows to group rank "
-                                 f"{j}, which expects {table[j][1][i]} (send_counts and "
-                                 f"recv_counts must match across the ranks)")
 
 
 def barrier(comm: Communicator, timeout: float | None = None, *, name: str = "barrier") -> None:

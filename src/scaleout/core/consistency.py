@@ -5,6 +5,7 @@ the ranks' descriptions as UTF-8 bytes."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from scaleout.core.communicator import Communicator, all_gather_single
 
-__all__ = ["exchange_device", "verify_plan", "text_tensor", "tensor_text"]
+__all__ = ["exchange_device", "verify_plan", "verify_counts", "text_tensor", "tensor_text"]
 
 
 _DESCRIPTION_BYTES = 240
@@ -103,3 +104,24 @@ def verify_plan(comm: Communicator, name: str, layout: object) -> None:
         ValueError: the ranks' layouts differ; names every rank's layout.
     """
     _same_everywhere(comm, name, f"{name} {layout!r}")
+
+
+def verify_counts(comm: Communicator, name: str, send_counts: Sequence[int],
+                  recv_counts: Sequence[int]) -> None:
+    """Raise ValueError on every rank unless what each rank sends each other is what that
+    one expects from it (one allgather of ``2 * size`` ints; ``"full"`` checks only: counts
+    change with every call, and ``"first"`` checks each distinct call once). Unchecked, a
+    rank that expects one row more gets a row of uninitialised memory, silently."""
+    device = exchange_device(comm.group)
+    mine = torch.tensor([*send_counts, *recv_counts], dtype=torch.int64, device=device)
+    every = torch.empty(2 * comm.size * comm.size, dtype=torch.int64, device=device)
+    work = all_gather_single(every, mine, group=comm.group, async_op=True)
+    comm.request(f"{name} (counts check)", [work], lambda: None).wait()
+    table = every.view(comm.size, 2, comm.size).tolist()  # [rank][sends, expects][peer]
+    for i in range(comm.size):
+        for j in range(comm.size):
+            if table[i][0][j] != table[j][1][i]:
+                raise ValueError(f"rank {comm.global_rank}: {name} on group {comm.label}: "
+                                 f"group rank {i} sends {table[i][0][j]} rows to group rank "
+                                 f"{j}, which expects {table[j][1][i]} (send_counts and "
+                                 f"recv_counts must match across the ranks)")

@@ -132,8 +132,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
                              "sharded update reduce-scatters each gradient and the codecs "
                              "exchange whole buckets; use one or the other")
         self.comm = distribution.communicator(GroupType.DATA)
-        self._tuner = tuner_for(tune, compression=compression, distributed_update=distributed_update,
-                                ranks=self.comm.size)
+        self._tuner = tuner_for(tune, compression=compression,
+                                distributed_update=distributed_update, ranks=self.comm.size)
         interval = replica_interval(verify_replicas)
         floats = floating_buffers(module)
         if self.comm.size > 1:  # before the options make groups and collectives of their own

@@ -24,9 +24,11 @@ at every forward since the bucket's last exchange, each of its weights
 Where one of these fails, the bucket's exchange finds the rows in the gradient, as before,
 until its next exchange. What the forward cannot see, a term of the loss outside it that
 reads the table (an L2 penalty: every row's gradient), the exchange checks in the gradient
-(its non-zeros all in flagged rows); on a miss it searches, and the bucket gets no more hints
-(before stop 48 such a penalty's gradient was dropped outside the looked-up rows, 0.05 off). A forward whose graph is never backpropagated adds its rows to
-those of the next: more rows sent, none missed. (A hook on the weight's grad accumulator
+(its non-zeros all in flagged rows, unless the gradient is seen to be the lookups' own: see
+``_Bucket.settle``); on a miss it searches, and the bucket gets no more hints (before stop 48
+such a penalty's gradient was dropped outside the looked-up rows, 0.22 off). A forward whose
+graph is never backpropagated adds its rows to those of the next: more rows sent, none
+missed. (A hook on the weight's grad accumulator
 node, which no public API registers, is not seen.)
 """
 

@@ -182,6 +182,14 @@ def body_out_buffers() -> None:
     with pytest.raises(ValueError, match="scatter: out must not overlap"):
         d.scatter(both[:2 * size], 0, group=g, out=both[:2])
     assert d.alltoall(both[:2 * size], group=g, out=both[2 * size:]).wait() is not None
+    # a tensor that requires grad (a Parameter): collectives work below autograd, as torch's
+    # (a small all-reduce raised after its exchange, AVG always, an allgather timed out)
+    for numel in (4, 40_000):
+        param = torch.nn.Parameter(torch.full((numel,), float(env.rank + 1)))
+        d.allreduce(param, ReduceOp.AVG, group=g).wait()
+        assert torch.equal(param.detach(), torch.full((numel,), (size + 1) / 2))
+    gathered = d.allgather(torch.ones(2, requires_grad=True), group=g).wait()
+    assert gathered.shape == (2 * size,) and not gathered.requires_grad
     # an empty tensor: the root split it into one part, not one per rank (gloo refused it)
     assert d.scatter(torch.empty(0, 3), 0, group=g).wait().shape == (0, 3)
     env.finalize()

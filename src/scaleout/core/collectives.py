@@ -43,6 +43,8 @@ __all__ = [
 def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
              rows_may_differ: bool = False) -> torch.Tensor:
     tensor = check_tensor(tensor, operation)
+    if tensor.requires_grad:  # (below autograd, as torch's own: the results land in its memory;
+        tensor = tensor.detach()  # an nn.Parameter's small all-reduce failed, its AVG too)
     if comm.check_consistency != "off" and comm.size > 1:
         _verify_same_call(comm, operation, tensor, extra, rows_may_differ)
     return tensor

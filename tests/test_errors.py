@@ -193,3 +193,66 @@ def body_default_settings_catch_the_issue_cases() -> None:
 
 def test_default_settings_catch_mismatched_calls() -> None:
     run_ranks(2, body_default_settings_catch_the_issue_cases, timeout=60)
+
+
+def body_one_rank_refuses(mode: str) -> list[str]:
+    """Rank 1 alone passes arguments its call refuses; rank 0's call is fine."""
+    env = scaleout.init(timeout=20, check_consistency=mode)
+    d = env.create_distribution()
+    bad, x = env.rank == 1, torch.ones(4)
+    calls = [  # (rank 1's refusal; "first" mode: each call new on the communicator)
+        lambda: d.allgatherv(torch.ones(3) if bad else x, [4, 4], group=G),
+        lambda: d.allgather(x, out=torch.empty(7 if bad else 8), group=G),
+        lambda: d.alltoall(x, out=x if bad else torch.empty(4), group=G),
+        lambda: d.scatter(x, 0, out=torch.empty(3 if bad else 2), group=G),
+    ]
+    if mode == "full":  # (arguments that every rank's description holds: "full" only)
+        calls += [lambda: d.bcast(x, 5 if bad else 0, group=G),
+                  lambda: d.allreduce([1.0] if bad else x, group=G),
+                  lambda: d.reduce(x, 0, "sum" if bad else ReduceOp.SUM, group=G)]
+    said = []
+    for call in calls:
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        said.append(f"{type(info.value).__name__}: {info.value}")
+    # nobody waits in a call the other never started: the group still works
+    assert torch.equal(d.allreduce(torch.ones(2), group=G).wait(), torch.full((2,), 2.0))
+    env.finalize()
+    return said
+
+
+@pytest.mark.parametrize("mode", ["first", "full"])
+def test_arguments_one_rank_alone_refuses_are_named_on_the_others(mode: str) -> None:
+    """Before stop 49 the refusing rank raised after the call's consistency exchange, the
+    others waited in the collective itself until their timeout, and the refusing rank's next
+    call met theirs in gloo (an abort)."""
+    ok, refused = run_ranks(2, body_one_rank_refuses, mode, timeout=90)
+    assert len(ok) == len(refused) == (4 if mode == "first" else 7)
+    for mine, theirs in zip(refused, ok):
+        assert theirs.startswith("ValueError: rank 0: ") and \
+            "rank 1 refused the call's arguments: rank 0: " in theirs, theirs
+        assert mine.split(": ", 1)[1] in theirs, (mine, theirs)  # rank 1's own error, named
+    assert refused[0].startswith("ValueError: allgatherv: this rank (group rank 1) must pass")
+    if mode == "full":
+        assert refused[5] == "TypeError: allreduce: expected a torch.Tensor, got list"
+
+
+def body_refused_after_a_known_call() -> str:
+    env = scaleout.init(timeout=2, check_consistency="first")
+    d = env.create_distribution()
+    x = torch.ones(4)
+    d.allgatherv(x, [4, 4], group=G).wait()  # known: "first" checks it no more
+    if env.rank == 1:
+        with pytest.raises(ValueError, match="must pass counts"):
+            d.allgatherv(torch.ones(3), [4, 4], group=G)
+        time.sleep(4)  # (heartbeats go on: rank 0's wait times out)
+        return ""
+    with pytest.raises(CommunicationTimeout) as info:
+        d.allgatherv(x, [4, 4], group=G).wait()
+    return str(info.value)
+
+
+def test_a_refusal_the_others_do_not_check_is_named_in_their_timeout() -> None:
+    said = run_ranks(2, body_refused_after_a_known_call, timeout=60)[0]
+    assert "it refused the arguments of its next call on this group: allgatherv: this rank " \
+           "(group rank 1) must pass counts[1] = 4 rows" in said, said

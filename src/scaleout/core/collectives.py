@@ -16,8 +16,7 @@ import torch
 import torch.distributed as tdist
 
 from scaleout.core import direct
-from scaleout.core.checks import (check_counts, check_divisible, check_root, check_tensor,
-                                  overlaps)
+from scaleout.core.checks import check_counts, check_divisible, check_root, overlaps
 from scaleout.core.communicator import (
     _TORCH_OPS,
     CHECK_MODES,
@@ -27,8 +26,7 @@ from scaleout.core.communicator import (
     all_gather_single,
     reduce_scatter_single,
 )
-from scaleout.core.consistency import (_same_everywhere, _verify_same_call, verify_counts,
-                                        verify_plan)
+from scaleout.core.consistency import CallCheck, _same_everywhere, verify_counts, verify_plan
 from scaleout.core.pairwise import exchange_blocks, recv_first
 from scaleout.core.pairwise import setting as pairwise_setting
 from scaleout.core.request import Request
@@ -38,16 +36,6 @@ __all__ = [
     "allgatherv", "gather", "scatter", "reduce_scatter", "alltoall", "alltoallv", "barrier",
     "verify_plan", "average_into", "all_gather_single", "reduce_scatter_single",
 ]
-
-
-def _checked(comm: Communicator, operation: str, tensor: object, *extra: object,
-             rows_may_differ: bool = False) -> torch.Tensor:
-    tensor = check_tensor(tensor, operation)
-    if tensor.requires_grad:  # (below autograd, as torch's own: the results land in its memory;
-        tensor = tensor.detach()  # an nn.Parameter's small all-reduce failed, its AVG too)
-    if comm.check_consistency != "off" and comm.size > 1:
-        _verify_same_call(comm, operation, tensor, extra, rows_may_differ)
-    return tensor
 
 
 def _op(op: object, dtype: torch.dtype, operation: str) -> ReduceOp:
@@ -138,8 +126,10 @@ def allreduce(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.
     """Reduce ``tensor`` over the group, in place on every rank (a small CPU tensor on gloo
     in one exchange: :mod:`scaleout.core.direct`)."""
     name = "allreduce"
-    tensor = _checked(comm, name, tensor, op, *direct.setting())
-    op = _op(op, tensor.dtype, name)
+    with CallCheck(comm, name) as call:
+        tensor = call.tensor(tensor)
+        op = _op(op, tensor.dtype, name)
+        call.describe(tensor, op, *direct.setting())
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
     divisor = comm.size if op is ReduceOp.AVG else 1
     if op in _COMBINE and direct.applies(comm.group, buffer, comm.size):
@@ -172,9 +162,11 @@ def reduce(comm: Communicator, tensor: torch.Tensor, root: int,
            op: ReduceOp = ReduceOp.SUM) -> Request:
     """Reduce ``tensor`` onto group rank ``root`` (in place there; others' contents undefined)."""
     name = "reduce"
-    root = check_root(root, comm.size, name, comm.label)
-    tensor = _checked(comm, name, tensor, op, root)
-    op = _op(op, tensor.dtype, name)
+    with CallCheck(comm, name) as call:
+        root = check_root(root, comm.size, name, comm.label)
+        tensor = call.tensor(tensor)
+        op = _op(op, tensor.dtype, name)
+        call.describe(tensor, op, root)
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
     work = _start(comm, name, lambda: tdist.reduce(
         buffer, dst=comm.ranks[root], op=_TORCH_OPS[op], group=comm.group, async_op=True))
@@ -185,8 +177,10 @@ def reduce(comm: Communicator, tensor: torch.Tensor, root: int,
 def bcast(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     """Broadcast group rank ``root``'s ``tensor`` into every rank's ``tensor``."""
     name = "bcast"
-    root = check_root(root, comm.size, name, comm.label)
-    tensor = _checked(comm, name, tensor, root)
+    with CallCheck(comm, name) as call:
+        root = check_root(root, comm.size, name, comm.label)
+        tensor = call.tensor(tensor)
+        call.describe(tensor, root)
     buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
     work = _start(comm, name, lambda: tdist.broadcast(
         buffer, src=comm.ranks[root], group=comm.group, async_op=True))
@@ -200,8 +194,10 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
     is written into ``out`` when given (reuse one buffer across iterations).
     """
     name = "allgather"
-    send = _rows(_checked(comm, name, tensor, pairwise_setting()))
-    out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
+    with CallCheck(comm, name) as call:
+        send = _rows(call.tensor(tensor))
+        call.describe(send, pairwise_setting())
+        out = _output(out, (comm.size * send.shape[0], *send.shape[1:]), send, name)
     if recv_first(comm.group, send, _nbytes(send), ranks=comm.size, gather=True):
         works = _blocks(comm, name, [send] * comm.size, out.split([send.shape[0]] * comm.size))
         return comm.request(name, works, lambda: out, _nbytes(send))
@@ -213,14 +209,15 @@ def allgather(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None
 def allgatherv(comm: Communicator, tensor: torch.Tensor, counts: Sequence[int]) -> Request:
     """Concatenate every rank's rows along dim 0, rank ``i`` contributing ``counts[i]`` rows."""
     name = "allgatherv"
-    counts = check_counts(counts, comm.size, "counts", name)
-    send = _rows(_checked(comm, name, tensor, counts, pairwise_setting(),
-                          rows_may_differ=True))
-    if send.shape[0] != counts[comm.rank]:
-        raise ValueError(
-            f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
-            f"{counts[comm.rank]} rows, got a tensor of shape {tuple(send.shape)}"
-        )
+    with CallCheck(comm, name) as call:
+        counts = check_counts(counts, comm.size, "counts", name)
+        send = _rows(call.tensor(tensor))
+        call.describe(send, counts, pairwise_setting(), rows_may_differ=True)
+        if send.shape[0] != counts[comm.rank]:
+            raise ValueError(
+                f"{name}: this rank (group rank {comm.rank}) must pass counts[{comm.rank}] = "
+                f"{counts[comm.rank]} rows, got a tensor of shape {tuple(send.shape)}"
+            )
     if recv_first(comm.group, send, max(counts) * _row_bytes(send), ranks=comm.size,
                   gather=True):  # (counts are the same list everywhere: ranks decide alike)
         # no padding: every block travels at its own size
@@ -250,8 +247,10 @@ def gather(comm: Communicator, tensor: torch.Tensor, root: int) -> Request:
     ``wait()`` returns the concatenation on the root and ``None`` on the other ranks.
     """
     name = "gather"
-    root = check_root(root, comm.size, name, comm.label)
-    send = _rows(_checked(comm, name, tensor, root))
+    with CallCheck(comm, name) as call:
+        root = check_root(root, comm.size, name, comm.label)
+        send = _rows(call.tensor(tensor))
+        call.describe(send, root)
     parts = [torch.empty_like(send) for _ in range(comm.size)] if comm.rank == root else None
     work = _start(comm, name, lambda: tdist.gather(
         send, parts, dst=comm.ranks[root], group=comm.group, async_op=True),
@@ -267,10 +266,12 @@ def scatter(comm: Communicator, tensor: torch.Tensor, root: int,
     ``wait()`` returns this rank's block, of shape ``(rows / size, *tensor.shape[1:])``.
     """
     name = "scatter"
-    root = check_root(root, comm.size, name, comm.label)
-    tensor = _checked(comm, name, tensor, root)
-    rows = check_divisible(tensor, comm.size, name)
-    out = _output(out, (rows, *tensor.shape[1:]), tensor, name, apart=True)
+    with CallCheck(comm, name) as call:
+        root = check_root(root, comm.size, name, comm.label)
+        tensor = call.tensor(tensor)
+        call.describe(tensor, root)
+        rows = check_divisible(tensor, comm.size, name)
+        out = _output(out, (rows, *tensor.shape[1:]), tensor, name, apart=True)
     whole = tensor.contiguous()  # (split(0) of an empty tensor gives one part, not size)
     parts = [whole[i * rows:(i + 1) * rows] for i in range(comm.size)] \
         if comm.rank == root else None
@@ -284,10 +285,12 @@ def reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = Redu
                    out: torch.Tensor | None = None) -> Request:
     """Reduce ``tensor`` over the group and give rank i the i-th of ``size`` equal row blocks."""
     name = "reduce_scatter"
-    tensor = _checked(comm, name, tensor, op, pairwise_setting())
-    op = _op(op, tensor.dtype, name)
-    rows = check_divisible(tensor, comm.size, name)
-    out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
+    with CallCheck(comm, name) as call:
+        tensor = call.tensor(tensor)
+        op = _op(op, tensor.dtype, name)
+        call.describe(tensor, op, pairwise_setting())
+        rows = check_divisible(tensor, comm.size, name)
+        out = _output(out, (rows, *tensor.shape[1:]), tensor, name)
     send = tensor.contiguous()
     divisor = comm.size if op is ReduceOp.AVG else 1
     if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
@@ -338,10 +341,12 @@ def _reduce_scatter_blocks(comm: Communicator, name: str, send: torch.Tensor,
 def alltoall(comm: Communicator, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
     """Send row block j of ``tensor`` to rank j; result block i came from rank i."""
     name = "alltoall"
-    tensor = _checked(comm, name, tensor, pairwise_setting())
-    check_divisible(tensor, comm.size, name)
-    send = tensor.contiguous()
-    out = _output(out, tuple(send.shape), send, name, apart=True)
+    with CallCheck(comm, name) as call:
+        tensor = call.tensor(tensor)
+        call.describe(tensor, pairwise_setting())
+        check_divisible(tensor, comm.size, name)
+        send = tensor.contiguous()
+        out = _output(out, tuple(send.shape), send, name, apart=True)
     if recv_first(comm.group, send, _nbytes(send) // comm.size, ranks=comm.size):
         rows = [send.shape[0] // comm.size] * comm.size
         return comm.request(name, _blocks(comm, name, send.split(rows), out.split(rows)),
@@ -355,15 +360,17 @@ def alltoallv(comm: Communicator, tensor: torch.Tensor, send_counts: Sequence[in
               recv_counts: Sequence[int], out: torch.Tensor | None = None) -> Request:
     """Send ``send_counts[j]`` rows to rank j; receive ``recv_counts[i]`` rows from rank i."""
     name = "alltoallv"
-    send_counts = check_counts(send_counts, comm.size, "send_counts", name)
-    recv_counts = check_counts(recv_counts, comm.size, "recv_counts", name)
-    send = _rows(_checked(comm, name, tensor, pairwise_setting(), rows_may_differ=True))
-    if send.shape[0] != sum(send_counts):
-        raise ValueError(
-            f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "
-            f"got shape {tuple(send.shape)}"
-        )
-    out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name, apart=True)
+    with CallCheck(comm, name) as call:
+        send = _rows(call.tensor(tensor))
+        call.describe(send, pairwise_setting(), rows_may_differ=True)
+        send_counts = check_counts(send_counts, comm.size, "send_counts", name)
+        recv_counts = check_counts(recv_counts, comm.size, "recv_counts", name)
+        if send.shape[0] != sum(send_counts):
+            raise ValueError(
+                f"{name}: tensor must have sum(send_counts) = {sum(send_counts)} rows, "
+                f"got shape {tuple(send.shape)}"
+            )
+        out = _output(out, (sum(recv_counts), *send.shape[1:]), send, name, apart=True)
     if comm.size > 1 and comm.check_consistency == "full":
         verify_counts(comm, name, send_counts, recv_counts)
     # Every rank must take the same path. Each knows only its own row and column of the

@@ -87,6 +87,11 @@ class Communicator:
         self._seen.add(description)
         return True
 
+    def would_check(self, description: str) -> bool:
+        """Whether :meth:`needs_check` would say so now (remembering nothing)."""
+        return self.check_consistency == "full" or (
+            self.check_consistency == "first" and description not in self._seen)
+
     def forget(self, description: str) -> None:
         """Drop a call the ranks did not agree on from the remembered ones."""
         self._seen.discard(description)

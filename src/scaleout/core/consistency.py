@@ -1,22 +1,28 @@
-"""The check that every rank called the same collective (operation, dtype, shape, op, root),
-and the once-per-plan variant for persistent layouts. No pickle: a digest, and on a mismatch
+"""The check that every rank called the same collective (operation, dtype, shape, op, root)
+and that none refused its arguments, and the once-per-plan variant for persistent layouts. No pickle: a digest, and on a mismatch
 the ranks' descriptions as UTF-8 bytes."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaleout.core import progress
+from scaleout.core.checks import check_tensor
 from scaleout.core.communicator import Communicator, all_gather_single
+from scaleout.core.errors import ScaleoutError
 
-__all__ = ["exchange_device", "verify_plan", "verify_counts", "text_tensor", "tensor_text"]
+__all__ = ["CallCheck", "exchange_device", "verify_plan", "verify_counts", "text_tensor",
+           "tensor_text"]
 
 
-_DESCRIPTION_BYTES = 240
+_DESCRIPTION_BYTES = 480
+_REFUSED = "refused here:"
 
 
 def _same_everywhere(comm: Communicator, operation: str, description: str) -> None:
@@ -42,8 +48,11 @@ def _same_everywhere(comm: Communicator, operation: str, description: str) -> No
     comm.request(f"{operation} (consistency report)", [work], lambda: None).wait()
     calls = [tensor_text(part) for part in texts.split(_DESCRIPTION_BYTES)]
     listing = "; ".join(f"rank {comm.ranks[i]}: {call}" for i, call in enumerate(calls))
-    error = ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: the ranks "
-                       f"called different collectives (operation, dtype, shape, op or root): "
+    refusing = [str(comm.ranks[i]) for i, call in enumerate(calls) if _REFUSED in call]
+    what = (f"rank{'s' * (len(refusing) > 1)} {', '.join(refusing)} refused the call's "
+            f"arguments" if refusing else "the ranks called different collectives "
+            "(operation, dtype, shape, op or root)")
+    error = ValueError(f"rank {comm.global_rank}: {operation} on group {comm.label}: {what}: "
                        f"{listing}")
     error.collective_mismatch = True  # type: ignore[attr-defined]  # (uncaught: a quick exit)
     raise error
@@ -77,15 +86,73 @@ def exchange_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _verify_same_call(comm: Communicator, operation: str, tensor: torch.Tensor,
-                      extra: tuple[object, ...], rows_may_differ: bool) -> None:
-    """Exchange a signature of this call and raise if any member's differs."""
-    shape = f"(*, {', '.join(map(str, tensor.shape[1:]))})" if rows_may_differ else \
-        str(tuple(tensor.shape))
-    args = "".join(f", {getattr(e, 'name', e)}" for e in extra)
-    description = f"{operation}({str(tensor.dtype).removeprefix('torch.')}, shape {shape}{args})"
-    if comm.needs_check(description):
-        _same_everywhere(comm, operation, description)
+class CallCheck:
+    """A collective's argument checks, and the check that every rank called the same one.
+
+    Use as ``with CallCheck(comm, name) as call:`` around all of a call's argument checks;
+    :meth:`tensor` checks the tensor, :meth:`describe` names the call once its arguments
+    that every rank must share are known. On leaving, every member's description is compared
+    when ``comm`` checks this call (:meth:`Communicator.needs_check`). A TypeError or
+    ValueError raised inside travels too: where the other ranks check this call, this rank
+    takes part in their exchange with its refusal in its description, so they raise a
+    ValueError naming it instead of waiting in a collective this rank never starts (and a
+    later call of this rank does not meet theirs in gloo). Then the refusal itself is raised
+    here. Where they do not check (``"first"`` and a call made before, ``"off"``), it is
+    raised here alone; the heartbeats carry it, so their timeouts name it.
+    """
+
+    def __init__(self, comm: Communicator, operation: str) -> None:
+        self.comm, self.operation = comm, operation
+        self.description: str | None = None
+
+    def tensor(self, tensor: object) -> torch.Tensor:
+        """``tensor`` checked, below autograd (as torch's collectives: the results land in its
+        memory; an ``nn.Parameter``'s small all-reduce failed, its AVG too)."""
+        tensor = check_tensor(tensor, self.operation)
+        return tensor.detach() if tensor.requires_grad else tensor
+
+    def describe(self, tensor: torch.Tensor, *extra: object,
+                 rows_may_differ: bool = False) -> None:
+        """Name the call by ``tensor``'s dtype and shape (rows left out when they may differ
+        between the ranks) and ``extra`` (reduce op, root, counts, path settings)."""
+        if self.comm.check_consistency == "off" or self.comm.size == 1:
+            return  # (nothing compares it)
+        shape = f"(*, {', '.join(map(str, tensor.shape[1:]))})" if rows_may_differ else \
+            str(tuple(tensor.shape))
+        args = "".join(f", {getattr(e, 'name', e)}" for e in extra)
+        self.description = \
+            f"{self.operation}({str(tensor.dtype).removeprefix('torch.')}, shape {shape}{args})"
+
+    def __enter__(self) -> CallCheck:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        comm, description = self.comm, self.description
+        if error is None:
+            if description is not None and comm.size > 1 and comm.needs_check(description):
+                _same_everywhere(comm, self.operation, description)
+        elif isinstance(error, (TypeError, ValueError)):
+            self._refused(error)
+
+    def _refused(self, error: Exception) -> None:
+        comm, description = self.comm, self.description
+        progress.refused(comm.label, str(error))
+        if comm.size == 1:
+            return
+        if (description is None and comm.check_consistency != "full") or \
+                (description is not None and not comm.would_check(description)):
+            # The others may be inside the call: an uncaught refusal exits at once (a teardown
+            # that met their collective in gloo would abort).
+            error.collective_mismatch = True  # type: ignore[attr-defined]
+            return
+        try:
+            _same_everywhere(comm, self.operation,
+                             f"{description or self.operation + '(...)'} {_REFUSED} {error}")
+        except ValueError:
+            pass  # (the others' call differs from this refusal: they raise it too)
+        except ScaleoutError as failure:  # (they never came: the refusal stays the error)
+            error.add_note(f"(telling the other ranks failed: {failure})")
 
 
 def verify_plan(comm: Communicator, name: str, layout: object) -> None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["started", "snapshot", "count", "lagging"]
+__all__ = ["started", "refused", "snapshot", "count", "lagging"]
 
 _lock = threading.Lock()
 _calls: dict[str, list] = {}  # label -> [count, last operation, member ranks]
 _latest: list[str] = []  # [label, operation] of the latest collective started
+_refused: dict[str, list] = {}  # label -> [collectives started there by then, the refusal]
 
 
 def started(label: str, operation: str, members: tuple[int, ...]) -> None:
@@ -38,12 +39,21 @@ def started(label: str, operation: str, members: tuple[int, ...]) -> None:
         _latest[:] = [label, operation]
 
 
+def refused(label: str, why: str) -> None:
+    """Note that this process refused a collective's arguments on the group ``label`` (its
+    peers may wait in that call: their timeouts say why it never came)."""
+    with _lock:
+        entry = _calls.get(label)
+        _refused[label] = [0 if entry is None else entry[0], why]
+
+
 def snapshot() -> dict[str, object]:
     """What a heartbeat publishes: ``{"calls": {label: [count, last operation]}, "latest":
-    [label, operation]}`` (``latest`` empty before the first collective)."""
+    [label, operation], "refused": {label: [count then, why]}}`` (``latest`` empty before the
+    first collective)."""
     with _lock:
         return {"calls": {label: [n, op] for label, (n, op, _) in _calls.items()},
-                "latest": list(_latest)}
+                "latest": list(_latest), "refused": {k: list(v) for k, v in _refused.items()}}
 
 
 def count(label: str) -> tuple[int, tuple[int, ...]] | None:
@@ -76,6 +86,9 @@ def lagging(group: str, me: int, calls_of: Callable[[int], dict]) -> str | None:
                 latest = published.get("latest") or [group]
                 if latest[0] != group:
                     said += f", its latest call {latest[1]} on group {latest[0]}"
+                then, why = published.get("refused", {}).get(group, [None, ""])
+                if then == theirs:  # (no call started there since)
+                    said += f"; it refused the arguments of its next call on this group: {why}"
                 behind.append((rank, said))
     if not behind:
         return None

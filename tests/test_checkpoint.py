@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import time
+import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -179,3 +180,38 @@ def body_ranks_see_different_versions(folder: str) -> str:
 def test_ranks_that_see_different_versions_load_and_save_nothing(tmp_path: Path) -> None:
     for message in run_ranks(2, body_ranks_see_different_versions, str(tmp_path), timeout=60):
         assert "rank 0: version 0 of 2 ranks, rank 1: version 1 of 2 ranks" in message, message
+
+
+def body_other_codec(path: str) -> list[str]:
+    from scaleout.pytorch import DataParallel, DistributedOptimizer
+
+    env = scaleout.init(timeout=30)
+    net, model, opt = make(seed=0)
+    train(model, opt, 3, env.rank)
+    checkpoint.save(path, model, opt, step=3)
+    said = []
+    for spec in ("topk:ratio=0.1", "topk:ratio=0.2", "sign"):
+        torch.manual_seed(0)
+        net2 = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
+        model2 = DataParallel(net2, compression=spec)
+        opt2 = DistributedOptimizer(torch.optim.SGD(net2.parameters(), lr=0.05), model2)
+        model2(torch.zeros(1, 64))  # (built: the codec state loads at once)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            checkpoint.load(path, model2, opt2)
+        said.append(" | ".join(str(w.message) for w in caught))
+        residuals = [t for entry in model2._session.compression_state_dict().values()
+                     for state in entry["states"].values() for t in state["buffers"].values()]
+        said.append(f"residuals {sum(float(t.abs().sum()) for t in residuals) > 0}")
+    env.finalize()
+    return said
+
+
+def test_codec_state_saved_by_another_codec_is_reset_with_a_warning(tmp_path: Path) -> None:
+    """Before stop 49 topk's residuals loaded into another codec's (or topk at another
+    ratio) without a word."""
+    said = run_ranks(2, body_other_codec, str(tmp_path / "ckpt"), timeout=90)[0]
+    assert said[:2] == ["", "residuals True"], said
+    for i in (2, 4):
+        assert "is reset" in said[i] and "it was saved by TopK" in said[i], said[i]
+        assert said[i + 1] == "residuals False", said

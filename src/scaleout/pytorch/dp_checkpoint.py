@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaleout.session.hooks import other_codec
+
 __all__ = ["CheckpointSurface", "fit_compression_state"]
 
 
@@ -21,10 +23,12 @@ def fit_compression_state(session: Any, state: dict[str, Any]) -> dict[str, Any]
 
     The rest is reset with a ``UserWarning`` that says why, as a world-size change does: the
     checkpoint was saved with another compression (switched off, another codec or buckets, or
-    a codec that ``tune=`` had chosen and this run has not chosen yet).
+    a codec that ``tune=`` had chosen and this run has not chosen yet), or its bucket with
+    another codec or codec options (their residuals, momentum or PowerSGD factors would be
+    taken for this codec's: kept before stop 49).
     """
-    have = set(session.compressed_buckets())
-    unknown = sorted(set(state) - have)
+    have = session.compressed_buckets()
+    unknown = sorted(set(state) - set(have))
     if unknown:
         warnings.warn(
             f"the checkpoint's codec state (error-feedback residuals) of {len(unknown)} "
@@ -32,7 +36,14 @@ def fit_compression_state(session: Any, state: dict[str, Any]) -> dict[str, Any]
             f"compresses {sorted(have) or 'nothing'}); the checkpoint was saved with other "
             f"compression (switched off since, another codec or buckets, or a codec that tune= "
             f"chose and this run has not chosen yet)", UserWarning, stacklevel=3)
-    return {name: entry for name, entry in state.items() if name in have}
+    other = sorted(name for name, entry in state.items()
+                   if name in have and isinstance(entry, dict) and other_codec(entry, have[name]))
+    if other:
+        warnings.warn(
+            f"the checkpoint's codec state of {len(other)} bucket(s) is reset ({other[0]}, "
+            f"...): it was saved by {state[other[0]]['codec']}, and this session compresses "
+            f"that bucket with {have[other[0]].state.codec!r}", UserWarning, stacklevel=3)
+    return {name: entry for name, entry in state.items() if name in have and name not in other}
 
 
 class CheckpointSurface(nn.Module):

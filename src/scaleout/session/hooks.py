@@ -16,7 +16,7 @@ from scaleout.core.collectives import ReduceOp
 from scaleout.core.request import Request
 from scaleout.session.bucket import GradBucket
 
-__all__ = ["allreduce_hook", "reduce_scatter_hook", "codec_hook", "CodecHookState"]
+__all__ = ["allreduce_hook", "reduce_scatter_hook", "codec_hook", "CodecHookState", "other_codec"]
 
 _EXACT = NoneCodec()
 
@@ -57,6 +57,13 @@ class CodecHookState:
     shapes: list[tuple[int, ...]]
     warmup_steps: int = 0
     codec_state: CodecState = field(default_factory=CodecState)
+
+
+def other_codec(saved: dict[str, Any], bucket: Any) -> bool:
+    """Whether the codec state ``saved`` (a :meth:`Session.compression_state_dict` entry)
+    was saved by another codec, or other options, than the one ``bucket`` runs (state saved
+    before stop 49 names none: taken as this one's)."""
+    return "codec" in saved and saved["codec"] != repr(bucket.state.codec)
 
 
 def codec_hook(state: CodecHookState, bucket: GradBucket) -> Request:

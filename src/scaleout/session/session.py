@@ -18,7 +18,8 @@ from scaleout.scheduler import (PlanItem, ProgressEngine, SchedulerConfig, make_
                                 plan_and_policy)
 from scaleout.session.activation import ActivationSpec
 from scaleout.session.bucket import CommHook, GradBucket, scheduler_as_run
-from scaleout.session.hooks import CodecHookState, allreduce_hook, codec_hook, reduce_scatter_hook
+from scaleout.session.hooks import (CodecHookState, allreduce_hook, codec_hook, other_codec,
+                                    reduce_scatter_hook)
 from scaleout.session.operation import Operation
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
 from scaleout.session.statistics import Statistics
@@ -291,16 +292,20 @@ class Session:
         return {b.name: b for b in self.buckets if isinstance(b.state, CodecHookState)}
 
     def compression_state_dict(self) -> dict[str, Any]:
-        """Every compressed bucket's codec state (error-feedback residuals, ...), by bucket
-        name (:meth:`compressed_buckets`)."""
-        return {name: {"states": {name: bucket.state.codec_state.state_dict()}}
+        """Every compressed bucket's codec state (error-feedback residuals, ...) and its
+        codec (``repr``: the codec's options), by bucket name (:meth:`compressed_buckets`)."""
+        return {name: {"states": {name: bucket.state.codec_state.state_dict()},
+                       "codec": repr(bucket.state.codec)}
                 for name, bucket in self.compressed_buckets().items()}
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`compression_state_dict` returned.
 
         Raises:
-            ValueError: the state names parameter sets this session does not compress.
+            ValueError: the state names parameter sets this session does not compress, or
+                was saved by another codec (another codec's residuals, momentum or PowerSGD
+                factors would be taken for this one's; state saved before stop 49 names no
+                codec and loads).
         """
         compressed = self.compressed_buckets()
         unknown = sorted(set(state) - set(compressed))
@@ -311,6 +316,10 @@ class Session:
             if not isinstance(entry, dict) or name not in entry.get("states", {}):
                 raise ValueError(f"compression state of bucket {name!r} must be "
                                  f"{{'states': {{{name!r}: codec state}}}}")
+            if other_codec(entry, compressed[name]):
+                raise ValueError(f"the compression state of bucket {name!r} was saved by "
+                                 f"{entry['codec']}, and this session compresses it with "
+                                 f"{compressed[name].state.codec!r}")
             compressed[name].state.codec_state.load_state_dict(entry["states"][name])
 
     def close(self, *, reuse: bool = False) -> None:

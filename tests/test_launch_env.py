@@ -136,3 +136,12 @@ def test_an_attached_job_reads_its_launch_as_init_does() -> None:
     bad = attached_launch({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "x",
                            "SCALEOUT_TESTBED_HOST": "0"}, 0, 2)
     assert (bad.source, bad.testbed_host, bad.one_machine) == ("attached", True, True)
+
+
+def test_attach_refuses_a_check_mode_at_once() -> None:
+    """Before stop 49 ``attach(check_consistency="bogus")`` was taken, and refused only by
+    ``create_distribution``; now at the call, before it looks at torch.distributed."""
+    from scaleout.core.env import attach
+
+    with pytest.raises(ValueError, match="check_consistency .* must be one of .*'bogus'"):
+        attach(check_consistency="bogus")

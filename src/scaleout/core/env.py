@@ -184,15 +184,19 @@ def attached_launch(environ: Mapping[str, str], rank: int, world_size: int) -> L
                       testbed_host=TESTBED_HOST_VAR in environ)
 
 
-def attach(*, check_consistency: bool = False) -> Environment:
+def attach(*, check_consistency: bool | str = False) -> Environment:
     """An Environment over torch.distributed's already initialised default process group.
 
     For code (such as a PyTorch front end) given no Environment: it joins the job that
-    ``torch.distributed.init_process_group`` or :func:`init` set up.
+    ``torch.distributed.init_process_group`` or :func:`init` set up. ``check_consistency``
+    as :func:`init`'s (default off; ``None``: ``SCALEOUT_CHECK``, else ``"first"``).
 
     Raises:
         NotInitializedError: torch.distributed is not initialised.
+        ValueError: ``check_consistency`` is not a mode (before stop 49: at
+            ``create_distribution``).
     """
+    check_consistency = _check_mode(check_consistency, os.environ)
     if not tdist.is_initialized():
         raise NotInitializedError("torch.distributed is not initialised: call scaleout.init() "
                                   "first (or pass a Distribution)")

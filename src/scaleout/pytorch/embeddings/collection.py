@@ -153,6 +153,7 @@ class EmbeddingCollection(Lookahead):
         self.dtype, self.device = dtype, torch.device("cpu")  # the tables' (see _apply)
         self._rows = torch.tensor([t.rows for t in tables], dtype=torch.int64)
         self._first_rows = torch.cumsum(self._rows, 0) - self._rows  # t's ids in one id space
+        self._rows_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (_exchange)
         self.max_batch, self.ids_with_gradients = max_batch, ids_with_gradients
         self._held = [self.plan.tables_of(r) for r in range(self.comm.size)]  # by every rank
         self._capacity = None if max_batch is None else id_capacity(
@@ -259,8 +260,14 @@ class EmbeddingCollection(Lookahead):
     def _exchange(self, ids: torch.Tensor) -> IdsExchange:
         """A new exchange of ``ids`` (checked: an id past its table would land in the next
         one's rows in the exchange's single id space)."""
-        check_rows(ids, self._rows.to(ids.device))
-        return IdsExchange(ids.long(), self._held, self._first_rows.to(ids.device), self.comm,
+        # (copied to the ids' device once: on a GPU every copy from the host is followed by
+        # a stream synchronisation, two per forward before this cache)
+        if ids.device not in self._rows_on:
+            self._rows_on[ids.device] = (self._rows.to(ids.device),
+                                         self._first_rows.to(ids.device))
+        rows, first_rows = self._rows_on[ids.device]
+        check_rows(ids, rows)
+        return IdsExchange(ids.long(), self._held, first_rows, self.comm,
                            self.exchange_recorder, self._capacity)
 
     def _look_up(self, ids: torch.Tensor, asked: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaleout.session.hooks import other_codec
+from scaleout.session.hooks import codec_identity, other_codec
 
 __all__ = ["CheckpointSurface", "fit_compression_state"]
 
@@ -42,7 +42,8 @@ def fit_compression_state(session: Any, state: dict[str, Any]) -> dict[str, Any]
         warnings.warn(
             f"the checkpoint's codec state of {len(other)} bucket(s) is reset ({other[0]}, "
             f"...): it was saved by {state[other[0]]['codec']}, and this session compresses "
-            f"that bucket with {have[other[0]].state.codec!r}", UserWarning, stacklevel=3)
+            f"that bucket with {codec_identity(have[other[0]].state.codec)}", UserWarning,
+            stacklevel=3)
     return {name: entry for name, entry in state.items() if name in have and name not in other}
 
 

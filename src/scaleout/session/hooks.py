@@ -7,6 +7,7 @@ Each is ``hook(state, bucket) -> Request`` with the result averaged over the buc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,8 @@ from scaleout.core.collectives import ReduceOp
 from scaleout.core.request import Request
 from scaleout.session.bucket import GradBucket
 
-__all__ = ["allreduce_hook", "reduce_scatter_hook", "codec_hook", "CodecHookState", "other_codec"]
+__all__ = ["allreduce_hook", "reduce_scatter_hook", "codec_hook", "CodecHookState", "codec_identity",
+           "other_codec"]
 
 _EXACT = NoneCodec()
 
@@ -59,11 +61,20 @@ class CodecHookState:
     codec_state: CodecState = field(default_factory=CodecState)
 
 
+def codec_identity(codec: Codec) -> str:
+    """What a checkpoint records of the codec that made a bucket's state: its ``repr`` (class
+    and options) for a dataclass codec, as every built-in one is, else its class's name (a
+    ``repr`` with an address would differ in every process)."""
+    if dataclasses.is_dataclass(codec):
+        return repr(codec)
+    return f"{type(codec).__module__}.{type(codec).__qualname__}"
+
+
 def other_codec(saved: dict[str, Any], bucket: Any) -> bool:
     """Whether the codec state ``saved`` (a :meth:`Session.compression_state_dict` entry)
     was saved by another codec, or other options, than the one ``bucket`` runs (state saved
     before stop 49 names none: taken as this one's)."""
-    return "codec" in saved and saved["codec"] != repr(bucket.state.codec)
+    return "codec" in saved and saved["codec"] != codec_identity(bucket.state.codec)
 
 
 def codec_hook(state: CodecHookState, bucket: GradBucket) -> Request:

@@ -18,8 +18,8 @@ from scaleout.scheduler import (PlanItem, ProgressEngine, SchedulerConfig, make_
                                 plan_and_policy)
 from scaleout.session.activation import ActivationSpec
 from scaleout.session.bucket import CommHook, GradBucket, scheduler_as_run
-from scaleout.session.hooks import (CodecHookState, allreduce_hook, codec_hook, other_codec,
-                                    reduce_scatter_hook)
+from scaleout.session.hooks import (CodecHookState, allreduce_hook, codec_hook, codec_identity,
+                                    other_codec, reduce_scatter_hook)
 from scaleout.session.operation import Operation
 from scaleout.session.parameter_set import ParameterSet, ParameterSetSpec
 from scaleout.session.statistics import Statistics
@@ -292,10 +292,11 @@ class Session:
         return {b.name: b for b in self.buckets if isinstance(b.state, CodecHookState)}
 
     def compression_state_dict(self) -> dict[str, Any]:
-        """Every compressed bucket's codec state (error-feedback residuals, ...) and its
-        codec (``repr``: the codec's options), by bucket name (:meth:`compressed_buckets`)."""
+        """Every compressed bucket's codec state (error-feedback residuals, ...) and its codec
+        (:func:`~scaleout.session.hooks.codec_identity`), by bucket name
+        (:meth:`compressed_buckets`)."""
         return {name: {"states": {name: bucket.state.codec_state.state_dict()},
-                       "codec": repr(bucket.state.codec)}
+                       "codec": codec_identity(bucket.state.codec)}
                 for name, bucket in self.compressed_buckets().items()}
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,7 +320,7 @@ class Session:
             if other_codec(entry, compressed[name]):
                 raise ValueError(f"the compression state of bucket {name!r} was saved by "
                                  f"{entry['codec']}, and this session compresses it with "
-                                 f"{compressed[name].state.codec!r}")
+                                 f"{codec_identity(compressed[name].state.codec)}")
             compressed[name].state.codec_state.load_state_dict(entry["states"][name])
 
     def close(self, *, reuse: bool = False) -> None:

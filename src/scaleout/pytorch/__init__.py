@@ -25,7 +25,9 @@ from scaleout.pytorch.spatial import (
 )
 from scaleout.pytorch.tensor_parallel import (
     ColumnParallelLinear,
+    ModelParallelRNG,
     RowParallelLinear,
+    SplitRegionDropout,
     VocabParallelEmbedding,
     full_state_dict,
     load_full_state_dict,
@@ -40,4 +42,5 @@ __all__ = [
     "FusedSGD", "FusedRowWiseAdagrad",
     "ShardingPlan", "TableSpec", "plan_tables", "prefetching", "ROW_WISE", "COLUMN_WISE", "SpatialConv",
     "SpatialGlobalAvgPool", "SpatialBatchNorm", "SpatialPool", "split_rows", "spatial_parallel",
+    "ModelParallelRNG", "SplitRegionDropout",
 ]

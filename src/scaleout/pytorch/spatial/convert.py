@@ -18,6 +18,7 @@ from scaleout.pytorch.spatial.watch import (
     resizing_mixes_rows,
     watch_first_forward,
 )
+from scaleout.pytorch.split_regions import fork_dropouts, split_dropouts
 
 __all__ = ["spatial_parallel"]
 
@@ -74,6 +75,20 @@ def _global_pool(module: nn.Module) -> bool:
     return all(s == 1 for s in (size if isinstance(size, tuple) else (size,)))
 
 
+def _split_rows_dropouts(module: nn.Module) -> list[str]:
+    """The ``nn.Dropout`` modules the forward calls on split rows: on what is computed from a
+    spatial layer's output (a conv, batch norm or fixed pool, before or after conversion),
+    up to a global pool."""
+    starts, ends = set(), set()
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Conv2d, nn.Conv3d, nn.BatchNorm2d, nn.BatchNorm3d, FIXED_POOLS,
+                              SpatialConv, SpatialBatchNorm, SpatialPool)):
+            starts.add(name)
+        elif _global_pool(child) or isinstance(child, SpatialGlobalAvgPool):
+            ends.add(name)
+    return split_dropouts(module, starts, ends, caller="spatial_parallel") if starts else []
+
+
 def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module:
     """Replace, in place, every ``nn.Conv2d``/``Conv3d`` by a :class:`SpatialConv`, every
     ``nn.BatchNorm2d``/``3d`` by a :class:`SpatialBatchNorm`, every global
@@ -88,7 +103,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     global pool). Calls in a forward that mix the split rows (``x.mean((2, 3))``,
     ``F.adaptive_avg_pool2d``, ``F.interpolate`` other than nearest by a whole factor,
     ``F.pad`` of dim 2, ...) are a ValueError at the first forward (``spatial/watch.py``;
-    not under ``SCALEOUT_CHECK=0``).
+    not under ``SCALEOUT_CHECK=0``). An ``nn.Dropout`` the forward calls on split rows (after
+    a spatial layer, before the global pool) becomes a
+    :class:`~scaleout.pytorch.SplitRegionDropout`, which draws a mask of its own on each
+    model rank (a channel dropout, ``Dropout2d``, drops whole channels alike on every rank).
 
     Args:
         module: the plain model (changed in place and returned).
@@ -142,8 +160,10 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
             f"spatial_parallel leaves {', '.join(unknown)} as it is: its parameters' gradients "
             "are right only where its input is whole on every model rank (after a global "
             "pool); on a block of rows each rank would hold its block's share", stacklevel=2)
+    dropouts = _split_rows_dropouts(module) if comm.size > 1 else []
     for parent, child_name, new in replacements:
         setattr(parent, child_name, new)
+    fork_dropouts(module, dropouts, distribution)
     if comm.size > 1 and comm.check_consistency != "off":
         watch_first_forward(module)  # row-mixing calls written in a forward: a ValueError
     return module

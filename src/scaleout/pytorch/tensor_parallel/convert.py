@@ -19,6 +19,7 @@ from scaleout.pytorch.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from scaleout.pytorch.split_regions import fork_dropouts, tensor_parallel_dropouts
 
 __all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
            "STYLES"]
@@ -187,7 +188,11 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     parallel, or whose fused ``[q; k; v]`` projection is planned ``"qkv"``, gets its head
     counts (``num_heads``, ``n_heads``, ``num_key_value_heads``, ...) divided by the model
     degree: its forward must reshape with them (or with ``-1`` heads), and split a fused
-    projection's output in three equal parts (each rank's ``[q_r; k_r; v_r]``).
+    projection's output in three equal parts (each rank's ``[q_r; k_r; v_r]``). An
+    ``nn.Dropout`` its forward calls between a column layer and its row layer becomes a
+    :class:`~scaleout.pytorch.SplitRegionDropout`, which draws a mask of its own on each
+    model rank (``split_regions.py``; ``F.dropout`` in a forward: run it under
+    ``ModelParallelRNG(distribution).fork()``).
 
     Args:
         module: the plain model (changed in place and returned).
@@ -206,6 +211,7 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
             module's, a column layer has no row layer in its module, a fused projection
             (``qkv``, ``c_attn``, ...) is planned ``"column"``, or a column layer's module
             has a head count but no layer named q/k/v (nothing is converted then).
+        TypeError: ``module`` or ``distribution`` of the wrong type.
 
     Example (2 ranks, grid 1 x 2):
         >>> net = tensor_parallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
@@ -263,10 +269,12 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     attention = _attentions(plan, modules, comm.size)
     for name, parent in attention.items():  # every check passes before anything changes
         _attention_heads(parent, name, comm.size, apply=False)
+    dropouts = tensor_parallel_dropouts(module, plan) if comm.size > 1 else []
     for parent, child, new in replacements:
         setattr(parent, child, new)
     for name, parent in attention.items():
         _attention_heads(parent, name, comm.size, apply=True)
+    fork_dropouts(module, dropouts, distribution)
     return module
 
 

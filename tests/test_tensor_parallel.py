@@ -339,6 +339,43 @@ def test_attention_is_split_only_with_a_head_count() -> None:
         assert plan_tensor_parallel(llama) == {
             "wq": "column", "wk": "column", "wv": "column", "wo": "row"}
     assert plan_tensor_parallel(_Heads()) == {}  # whether a/b are its attention: not told
+    assert plan_tensor_parallel(FusedAttention()) == {"qkv": "qkv", "proj": "row"}
+
+
+def body_gpt_default_plan() -> tuple[dict[str, str], list[int], float]:
+    """The transformer workload's GPT under the default plan: its fused qkv projection
+    stayed replicated before stop 49 (its forward split the output by the whole width)."""
+    from scaleout.workloads.transformer import GPT, TransformerConfig
+
+    env = scaleout.init(timeout=30)
+    dist = env.create_distribution(1, 2)
+    config = TransformerConfig(vocab_size=32, seq_len=6, d_model=16, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    plain = GPT(config).double()
+    torch.manual_seed(0)
+    net = GPT(config).double()
+    plan = plan_tensor_parallel(net)
+    tensor_parallel(net, dist)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, net)]
+    for step in range(2):
+        ids = torch.randint(0, 32, (3, 6), generator=torch.Generator().manual_seed(step))
+        for module, opt in zip((plain, net), opts):
+            F.cross_entropy(module(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    state = full_state_dict(net)
+    worst = max((state[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    heads = [block.attn.n_heads for block in net.blocks]
+    env.finalize()
+    return {k: v for k, v in plan.items() if ".attn." in k}, heads, worst
+
+
+def test_the_gpt_workloads_attention_is_split_by_the_default_plan() -> None:
+    for plan, heads, worst in run_ranks(2, body_gpt_default_plan, timeout=60):
+        assert plan == {f"blocks.{i}.attn.{name}": style for i in range(2)
+                        for name, style in (("qkv", "qkv"), ("proj", "row"))}, plan
+        assert heads == [2, 2]
+        assert worst < 1e-12, worst
 
 
 #: explicit plans on attentions the default plan's names did not cover (before, the heads of

@@ -72,12 +72,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, seq, self.n_heads, width // self.n_heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        # (three equal parts and the head count: under tensor_parallel's "qkv" plan the
+        # projection gives each rank its [q_r; k_r; v_r] and n_heads is this rank's heads)
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=2))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):

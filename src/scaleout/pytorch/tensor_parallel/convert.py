@@ -57,8 +57,11 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
       any other module's forward traced with ``torch.fx``), except in a module with a head
       count and no q/k/v-named child (:func:`tensor_parallel` cannot tell its attention's
       projections there); an unpaired layer stays replicated (with a warning where the
-      forward could not be traced). A fused ``[q; k; v]`` projection needs a plan
-      (``"qkv"``).
+      forward could not be traced); a fused ``[q; k; v]`` projection (``qkv``, ``c_attn``,
+      ``query_key_value``, ``in_proj``, ``wqkv``, ``qkv_proj``) beside an output projection,
+      in a module with a head count, is ``"qkv"`` (since stop 49; it stayed replicated): its
+      forward must split the projection's output in three equal parts (``chunk(3)``) and
+      reshape with the head count or ``-1`` heads.
     With ``embeddings``, every ``nn.Embedding`` becomes a VocabParallelEmbedding.
 
     Returns:
@@ -71,17 +74,20 @@ def plan_tensor_parallel(module: nn.Module, *, embeddings: bool = False) -> dict
         linears = _linears(parent)
         names = {n for n, _ in linears}
         qkv = [next((n for n in group if n in names), None) for group in _QKV]
+        fused = next((n for n in sorted(names) if n.lower() in _FUSED), None)
         out = next((n for n in _OUT if n in names), None)
-        if all(qkv) and out is not None:
+        if (all(qkv) or fused is not None) and out is not None:
+            inputs = [n for n in qkv if n is not None] if all(qkv) else [fused]
             if _heads_of(parent) is None:  # splitting q/k/v needs whole heads per rank
                 warnings.warn(f"tensor_parallel: {prefix or '<root>'} ({type(parent).__name__}) "
                               f"has q/k/v and output projections but no head count (an int "
                               f"attribute {', '.join(_HEADS)}), so they stay replicated; "
                               "pass plan= to split them", stacklevel=2)
             else:
-                plan.update({full(n): "column" for n in qkv if n is not None})
+                style = "column" if all(qkv) else "qkv"
+                plan.update({full(n): style for n in inputs})
                 plan[full(out)] = "row"
-            linears = [(n, m) for n, m in linears if n not in {*qkv, out}]
+            linears = [(n, m) for n, m in linears if n not in {*inputs, out}]
         if _unknown_attention(parent):
             linears = []
         i = 0

@@ -132,3 +132,27 @@ def test_buffers_that_agree_stay_as_they_are() -> None:
     for moved, running in results:
         assert moved == [], moved
         assert torch.equal(running, results[0][1])  # the statistics: averaged, equal
+
+
+def body_meta() -> None:
+    from scaleout.pytorch import spatial_parallel, tensor_parallel
+
+    env = scaleout.init(timeout=20)
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"DataParallel: 0.weight is on the meta device; it "
+                                         r"broadcasts the model from one rank"):
+        DataParallel(net)
+    grid = env.create_distribution(1, 2)
+    with pytest.raises(ValueError, match="tensor_parallel: 0.weight is on the meta device"):
+        tensor_parallel(net, grid)
+    with pytest.raises(ValueError, match="spatial_parallel: 0.weight is on the meta device"):
+        spatial_parallel(net, grid)
+    env.finalize()
+
+
+def test_a_model_on_the_meta_device_is_refused() -> None:
+    """Before stop 49 the broadcast of meta tensors passed, and a model materialised after
+    wrapping (``to_empty``) failed at its first forward with torch's "Cannot copy out of meta
+    tensor; no data!", or at DistributedOptimizer, naming neither the cause nor the fix."""
+    run_ranks(2, body_meta, timeout=60)

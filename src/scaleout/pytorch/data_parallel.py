@@ -33,7 +33,8 @@ from scaleout.pytorch.lookup_ids import LookupRows
 from scaleout.pytorch.lookup_reads import (exact_builtin, find_lookup_reads, ran_embeddings,
                                             rows_wanted)
 from scaleout.pytorch.modules import (Layer, agreed_order, broadcast_tensors, find_layers,
-                                      refuse_thawed, register_layers, set_bucket_parameters)
+                                      refuse_meta, refuse_thawed, register_layers,
+                                      set_bucket_parameters)
 from scaleout.pytorch.placement import is_local, placement_of, registration
 from scaleout.pytorch.reads import find_early_reads
 from scaleout.pytorch.replicas import ReplicaCheck, replica_interval
@@ -103,6 +104,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        refuse_meta(module, "DataParallel")
         if distribution is None:
             distribution = attach().create_distribution()
         if not isinstance(distribution, Distribution):

@@ -92,6 +92,18 @@ def find_layers(module: nn.Module) -> list[Layer]:
     return layers
 
 
+def refuse_meta(module: nn.Module, caller: str) -> None:
+    """Raise ValueError naming the first parameter or buffer of ``module`` on the meta device:
+    ``caller`` broadcasts the model from one rank when it is built, and a meta tensor has no
+    values (the broadcast passed, and a model materialised afterwards with ``to_empty``
+    failed later with torch's "Cannot copy out of meta tensor", naming no fix)."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(f"{caller}: {name} is on the meta device; it broadcasts the "
+                             f"model from one rank when it is built, so materialise the model "
+                             f"first (module.to_empty(device=...) and initialise it)")
+
+
 def refuse_thawed(module: nn.Module, frozen: list[nn.Parameter]) -> None:
     """Raise when a parameter frozen when DataParallel was built (``frozen``: left out of
     its layers) requires grad now.

@@ -8,7 +8,7 @@ from torch import nn
 
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
-from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.modules import broadcast_tensors, refuse_meta
 from scaleout.pytorch.placement import placement_of
 from scaleout.pytorch.spatial.conv import SpatialConv
 from scaleout.pytorch.spatial.norm import SpatialBatchNorm, SpatialGlobalAvgPool
@@ -127,6 +127,7 @@ def spatial_parallel(module: nn.Module, distribution: Distribution) -> nn.Module
     """
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (placed tensors, a tensor-parallel layer's shards, are left alone)
+        refuse_meta(module, "spatial_parallel")
         broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
                                  *module.buffers()])
     replacements: list[tuple[nn.Module, str, nn.Module]] = []

@@ -11,7 +11,7 @@ from torch import nn
 from scaleout.core import collectives
 from scaleout.core.distribution import Distribution
 from scaleout.core.grid import GroupType
-from scaleout.pytorch.modules import broadcast_tensors
+from scaleout.pytorch.modules import broadcast_tensors, refuse_meta
 from scaleout.pytorch.placement import Kind, placement_of
 from scaleout.pytorch.tensor_parallel.pairing import elementwise_between
 from scaleout.pytorch.tensor_parallel.layers import (
@@ -233,6 +233,7 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     plan = dict(plan_tensor_parallel(module, embeddings=embeddings) if plan is None else plan)
     comm = distribution.communicator(GroupType.MODEL)
     if comm.size > 1:  # (already-placed tensors, shards or local tables, are left alone)
+        refuse_meta(module, "tensor_parallel")
         broadcast_tensors(comm, [*(p for p in module.parameters() if placement_of(p) is None),
                                  *module.buffers()])
     modules = dict(module.named_modules())

@@ -65,3 +65,35 @@ def test_counts_are_per_group_label() -> None:
     published[8]["calls"]["test[7, 8]"] = [2, "bcast"]
     assert progress.lagging("test[7, 8]", 7, published.get) is None
     assert progress.lagging("test[9]", 7, published.get) is None
+
+
+def body_busy_rank_in_training() -> str:
+    from torch import nn
+
+    from scaleout.pytorch import DataParallel, DistributedOptimizer
+
+    env = scaleout.init(timeout=3)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = DataParallel(net, env.create_distribution())
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model, mode="sync")
+    for step in range(3):
+        if env.rank == 0 and step == 2:  # (rank 0, the store's host: as above)
+            time.sleep(6)
+            return "busy"
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+        except scaleout.CommunicationTimeout as err:
+            return str(err)
+        opt.step()
+        opt.zero_grad()
+    return "no error"
+
+
+def test_a_gradient_wait_names_the_rank_that_never_came() -> None:
+    """Before stop 49 a bucket's wait was labelled by its lane's number ("lane 0"), not by
+    its communicator's label, so a timed-out gradient wait named no lagging rank."""
+    said = run_ranks(2, body_busy_rank_in_training, timeout=60)
+    assert said[0] == "busy"
+    assert "gradient communication of" in said[1] and "on group data-lane0[0, 1]" in said[1]
+    assert "rank 0 is alive but not at this call" in said[1], said[1]

@@ -47,13 +47,17 @@ class Job(Request):
         exclusive: its requests may take several rounds; while one is in flight nothing
             else is sent on the lane, so every rank's sequence of collectives stays the same.
         rank, timeout: for errors, and the default wait.
+        group: the label of the communicator its chunks run on (default ``lane <lane>``):
+            a timed-out wait names the ranks that have not reached that communicator's
+            call (before stop 49 the lane's number named none of them).
     """
 
     def __init__(self, *, name: str, lane: int, order: int,
                  chunks: Sequence[tuple[int, ChunkStart]], finish: Callable[[], None],
-                 exclusive: bool = False, rank: int = 0, timeout: float = 300.0) -> None:
-        super().__init__(rank=rank, group=f"lane {lane}", operation=f"gradient communication of {name}",
-                         timeout=timeout)
+                 exclusive: bool = False, rank: int = 0, timeout: float = 300.0,
+                 group: str | None = None) -> None:
+        super().__init__(rank=rank, group=group or f"lane {lane}",
+                         operation=f"gradient communication of {name}", timeout=timeout)
         self.name = name
         self.lane = lane
         self.order = order

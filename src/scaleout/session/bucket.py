@@ -113,7 +113,7 @@ class GradBucket:
                          lambda _comm, k=k, b=begin, e=end: self._start(k, b, e))
                         for k, (begin, end) in enumerate(spans)],
                        finish=self._finish, exclusive=exclusive, rank=comm.global_rank,
-                       timeout=comm.timeout)
+                       timeout=comm.timeout, group=comm.label)
         self.engine: ProgressEngine | None = None
 
     # -- what DDP's GradBucket offers (torch comm hooks use these) ------------------------

@@ -156,3 +156,22 @@ def test_a_model_on_the_meta_device_is_refused() -> None:
     wrapping (``to_empty``) failed at its first forward with torch's "Cannot copy out of meta
     tensor; no data!", or at DistributedOptimizer, naming neither the cause nor the fix."""
     run_ranks(2, body_meta, timeout=60)
+
+
+def body_glob() -> None:
+    env = scaleout.init(timeout=20)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"compression: the pattern\(s\) '0', 'fc\.\*' name no "
+                                         r"trainable parameter .* its parameters: 0\.weight, "
+                                         r"0\.bias, 2\.weight, 2\.bias"):
+        DataParallel(net, compression={"0": "blockquant", "2.*": "cast:bf16",
+                                       "fc.*": "sign"})
+    model = DataParallel(net, compression={"0.*": "blockquant", "*.bias": "none"})
+    assert model.compression is not None
+    env.finalize()
+
+
+def test_a_compression_pattern_that_names_no_parameter_is_refused() -> None:
+    """Before stop 49 ``{"encoder": "blockquant"}`` (a module's name without ``.*``) or a typo
+    compressed nothing, with every byte on the wire, silently."""
+    run_ranks(2, body_glob, timeout=60)

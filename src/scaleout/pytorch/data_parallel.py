@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaleout.compression import CompressionConfig, as_config
+from scaleout.compression import CompressionConfig
 from scaleout.core.consistency import verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage, floating_buffers
+from scaleout.pytorch.compression_options import model_compression
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
 from scaleout.pytorch.dp_forward import ForwardHooks
@@ -128,11 +129,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         self.env = distribution.env
         self._scheduler = scheduler or SchedulerConfig()
         self.distributed_update = distributed_update
-        self._compression = None if compression is None else as_config(compression)  # errors now
-        if distributed_update and self._compression is not None and self._compression.lossy:
-            raise ValueError("compression= with distributed_update=True is not supported: the "
-                             "sharded update reduce-scatters each gradient and the codecs "
-                             "exchange whole buckets; use one or the other")
+        self._compression = model_compression(compression, module,  # errors now
+                                              distributed_update=distributed_update)
         self.comm = distribution.communicator(GroupType.DATA)
         self._tuner = tuner_for(tune, compression=compression,
                                 distributed_update=distributed_update, ranks=self.comm.size)

@@ -86,7 +86,9 @@ class TableBackward(nn.Module):
         updated once its own gradient is accumulated. The tables' ``.grad`` stay ``None``.
         Each backward updates (no accumulation over micro-batches); with
         :meth:`defer_backward`, when the gradients land. Call it on every rank of the data
-        group (a rank holding no table has nothing to update).
+        group (a rank holding no table has nothing to update). Not with a
+        ``torch.amp.GradScaler``: the rule steps with the scaled gradient, before the scaler
+        could unscale it or skip the step (docs/hybrid.md).
 
         Args:
             rule: :class:`~scaleout.pytorch.embeddings.fused.FusedSGD` or

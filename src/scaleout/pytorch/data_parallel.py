@@ -157,6 +157,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         self.updates = LazyUpdates(distributed_update=self.distributed_update)
         self._session: Session | None = None
         self._forward_order: list[Layer] = []
+        self._watching = True  # forwards are watched for early reads until a training one
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._pending_compression_state: dict[str, Any] = {}
         self._trace, self._trace_file = ((TraceRecorder(self.env.rank),
@@ -250,7 +251,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         if self._alone is not None:
             return self.module(*args, **kwargs)
         self._before_forward(args)
-        if self._session is None:
+        if self._watching:
             output = self._first_forward(args, kwargs)
         else:
             output = self.module(*args, **kwargs)
@@ -282,8 +283,9 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
 
     @torch.compiler.disable  # (a compiled module runs its first forward eagerly)
     def _first_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The first forward, watched for parameters read before their own module runs
-        (``scaleout.pytorch.reads``): the module that reads one completes its update first."""
+        """Forwards up to a training one (an evaluation first hid its reads), watched for
+        parameters read before their own module runs (``scaleout.pytorch.reads``)."""
+        self._watching = not (torch.is_grad_enabled() and self.module.training)
         output, early = find_early_reads(self.module, self._layers,
                                          lambda: self.module(*args, **kwargs))
         for reader, layers in early:

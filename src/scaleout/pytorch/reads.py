@@ -12,8 +12,9 @@ module that keep the stack of running modules; a read of a layer's parameter whi
 layer's module is not on the stack names the innermost running module, whose pre-hook then
 completes the layer's update first. Reads of metadata (shape, dtype, ``size()``) do not count.
 
-Only the first forward is watched (after it, the hooks cost nothing): a model whose first
-forward does not read a parameter where a later one does is not covered (docs/scheduling.md).
+DataParallel watches its forwards up to the first training one (grad enabled, training mode;
+after it, the hooks cost nothing): a model whose first training forward does not read a
+parameter where a later one does is not covered (docs/scheduling.md).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from scaleout.core.checks import check_tensor
 from scaleout.core.communicator import Communicator, all_gather_single
 from scaleout.core.errors import ScaleoutError
 
-__all__ = ["CallCheck", "exchange_device", "verify_plan", "verify_counts", "text_tensor",
-           "tensor_text"]
+__all__ = ["CallCheck", "exchange_device", "control_tensor", "verify_plan", "verify_counts",
+           "text_tensor", "tensor_text"]
 
 
 _DESCRIPTION_BYTES = 480
@@ -84,6 +84,13 @@ def exchange_device(group: Any = None) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def control_tensor(comm: Communicator, values: Sequence[Any],
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` (counts, lengths, flags) as a tensor where a collective on ``comm`` can
+    carry it (:func:`exchange_device`: the GPU on a group that only NCCL serves)."""
+    return torch.tensor(values, dtype=dtype, device=exchange_device(comm.group))
 
 
 class CallCheck:

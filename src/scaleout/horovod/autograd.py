@@ -68,7 +68,8 @@ class AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         averaged = _reduce(grad, None, Average, 1.0, 1.0, ctx.process_set)
-        counts = synchronize(allgather_async(torch.tensor([ctx.rows]), None, ctx.process_set))
+        counts = synchronize(allgather_async(torch.tensor([ctx.rows], device=grad.device), None,
+                                             ctx.process_set))
         me = ctx.process_set.rank()
         offset = int(counts[:me].sum())
         return averaged.narrow(0, offset, ctx.rows), None, None

@@ -17,6 +17,7 @@ from scaleout.core import collectives as coll
 from scaleout.core.checks import check_counts, check_tensor
 from scaleout.core.collectives import Communicator
 from scaleout.core.collectives import ReduceOp as CoreOp
+from scaleout.core.consistency import control_tensor
 from scaleout.horovod.allreduce import copy_of, multiply, require_tensor
 from scaleout.horovod.context import runtime
 from scaleout.horovod.handles import Pending, submit
@@ -126,7 +127,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
         if refused is None else (None, None)
     exchange_signature(comm, kind, name, tensor, rows_may_differ=True,
                        refused=refused or refused_splits)
-    received = coll.alltoall(comm, torch.tensor(send_counts, dtype=torch.int64)).wait()
+    received = coll.alltoall(comm, control_tensor(comm, send_counts)).wait()
     recv_counts = [int(n) for n in received.tolist()]
     request = coll.alltoallv(comm, tensor.detach(), send_counts, recv_counts)
 

@@ -15,13 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
 from scaleout.core.checks import check_seconds
 from scaleout.core.collectives import Communicator
-from scaleout.core.consistency import verify_plan
+from scaleout.core.consistency import control_tensor, verify_plan
 from scaleout.core.distribution import Distribution
 from scaleout.core.env import DEFAULT_TIMEOUT, Environment, attach
 from scaleout.core.env import init as core_init
@@ -117,7 +116,7 @@ def _timeout(environ: Mapping[str, str], timeout: float | None) -> float:
 
 def _node_layout(comm: Communicator, local_rank: int, key: int) -> tuple[int, int, int, int, bool]:
     """(local_rank, local_size, cross_rank, cross_size, homogeneous) from every rank's node."""
-    mine = torch.tensor([[key, local_rank]], dtype=torch.int64)
+    mine = control_tensor(comm, [[key, local_rank]])
     table = coll.allgather(comm, mine).wait().tolist()
     keys = [row[0] for row in table]
     local_size = keys.count(key)

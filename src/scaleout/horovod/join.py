@@ -16,6 +16,7 @@ import torch
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
 from scaleout.core.collectives import ReduceOp as CoreOp
+from scaleout.core.consistency import control_tensor
 from scaleout.core.request import Request
 from scaleout.horovod.context import runtime
 from scaleout.horovod.ops import Adasum, Max, Min, Product, ReduceOp
@@ -31,14 +32,16 @@ def gather_rows(comm: Communicator, tensor: torch.Tensor, counts: list[int]) -> 
     return coll.allgatherv(comm, tensor, counts)
 
 
-def neutral(op: ReduceOp, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor that leaves a reduction by ``op`` unchanged."""
+def neutral(op: ReduceOp, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device | None = None) -> torch.Tensor:
+    """The tensor that leaves a reduction by ``op`` unchanged (made on ``device``)."""
     if op is Product:
-        return torch.ones(shape, dtype=dtype)
+        return torch.ones(shape, dtype=dtype, device=device)
     if op in (Min, Max):
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        return torch.full(shape, info.max if op is Min else info.min, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.full(shape, info.max if op is Min else info.min, dtype=dtype,
+                          device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _stand_in(comm: Communicator, call: Signature, counts: list[int], device: torch.device) -> None:
@@ -47,7 +50,7 @@ def _stand_in(comm: Communicator, call: Signature, counts: list[int], device: to
         gather_rows(comm, empty, counts).wait()
         return
     op = ReduceOp(call.op)
-    tensor = neutral(op, call.shape, call.wire).to(device)
+    tensor = neutral(op, call.shape, call.wire, device)
     if op in (Product, Adasum):
         coll.allgather(comm, tensor.unsqueeze(0) if tensor.dim() else tensor.reshape(1)).wait()
     else:
@@ -83,7 +86,7 @@ def join(device: int = -1) -> int:
         call, counts = seen
         if call is not None:
             _stand_in(comm, call, counts, place)
-    stamps = coll.allgather(comm, torch.tensor([joined_at], dtype=torch.float64)).wait()
+    stamps = coll.allgather(comm, control_tensor(comm, [joined_at], torch.float64)).wait()
     # The ranks that stood in for the others' unnamed calls did not count them, so the
     # counters behind automatic names (``allreduce.noname.<n>``) now differ between ranks.
     # Every rank leaves the join at this same point, so each restarts every count from 0:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from scaleout.core import collectives as coll
+from scaleout.core.consistency import control_tensor
 from scaleout.horovod.context import runtime
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 from scaleout.horovod.signature import attempt, exchange_signature
@@ -91,7 +92,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         except TypeError as err:
             failure = err
     # the length, or -1 when the root cannot send: then every rank raises, none waits
-    length = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.int64)
+    length = control_tensor(comm, [payload.numel() if payload is not None else -1])
     coll.bcast(comm, length, root).wait()
     if failure is not None:
         raise failure
@@ -100,8 +101,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                         "(see the error there)")
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    payload = payload.to(length.device)  # (where the group carries it: NCCL's GPU)
     coll.bcast(comm, payload, root).wait()
-    return obj if is_root else decode_object(payload)
+    return obj if is_root else decode_object(payload.cpu())
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -130,7 +132,7 @@ def allgather_object(obj: Any, name: str | None = None,
     except TypeError as err:
         failure = err
     # every length, -1 for a rank that cannot send: then every rank raises, none waits
-    mine = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.int64)
+    mine = control_tensor(comm, [payload.numel() if payload is not None else -1])
     counts = [int(n) for n in coll.allgather(comm, mine).wait().tolist()]
     if failure is not None:
         raise failure
@@ -139,5 +141,5 @@ def allgather_object(obj: Any, name: str | None = None,
         raise TypeError(f"allgather_object: ranks {failed} could not send their objects "
                         "(see the errors there)")
     assert payload is not None
-    gathered = coll.allgatherv(comm, payload, counts).wait()
+    gathered = coll.allgatherv(comm, payload.to(mine.device), counts).wait().cpu()
     return [decode_object(part) for part in gathered.split(counts)]

@@ -24,6 +24,7 @@ import torch
 
 from scaleout.core import collectives as coll
 from scaleout.core.collectives import Communicator
+from scaleout.core.consistency import control_tensor
 from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerFailedError
 from scaleout.horovod.errors import TensorMismatchError
 
@@ -147,7 +148,7 @@ def attempt(check: Callable[[], Any]) -> tuple[Any, Exception | None]:
 
 def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[list[int]]:
     try:
-        return coll.allgather(comm, torch.tensor([row], dtype=torch.int64)).wait().tolist()
+        return coll.allgather(comm, control_tensor(comm, [row])).wait().tolist()
     except CommunicationError as err:  # say which call of the user's it was, once
         if isinstance(err, CommunicationTimeout):
             reason = (f"the other ranks did not reach this call within {comm.timeout:g} s (one "

@@ -174,7 +174,6 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         self._rows_default = False  # ...by default when this says: lookup_reads.rows_wanted)
         self._shares: EarlyShares | None = None
         self._lookup_rows: LookupRows | None = None  # each forward's rows, for the exchange
-        self._sent_version: dict[int, int] = {}  # .grad's version when it left
         if self._model_comm.size > 1:
             broadcast_tensors(self._model_comm, [
                 *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])

@@ -7,9 +7,10 @@ micro-batch's backward does not.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``module``,
 ``_session``, ``_alone``, ``_compression``, ``_tuner``, ``_comm_hook``, ``_set_of``,
-``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_sent_version``, ``_stopwatch``,
-``_lookup_rows``,
-``updates``, ``replicas``, ``distributed_update`` and ``env``).
+``_forward_order``, ``_used``, ``_no_sync``, ``_shares``, ``_stopwatch``, ``_lookup_rows``,
+``updates``, ``replicas``, ``distributed_update`` and ``env``). What left as each gradient
+is recorded in ``updates.sent``, for what ``step()`` finds done to ``.grad`` after
+(:mod:`scaleout.pytorch.grad_edits`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from scaleout.pytorch.modules import Layer
 from scaleout.session.bucket import CommHook
 
 __all__ = ["BackwardSide"]
@@ -51,17 +51,6 @@ class BackwardSide:
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = (state, hook)
 
-    def grads_changed_since_sent(self, layers: list[Layer]) -> list[str]:
-        """Names of ``layers``' parameters whose ``.grad`` changed after it was sent."""
-        outside = self.updates.outside  # (their .grad is replaced by the average: no change)
-        changed = [p for layer in layers for p in layer.params
-                   if p.grad is not None and id(p) in self._sent_version and id(p) not in outside
-                   and p.grad._version != self._sent_version[id(p)]]
-        if not changed:  # (every step in overlap mode: no walk over the module's names)
-            return []
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [names.get(id(p), "?") for p in changed]
-
     def _on_grad(self, param: nn.Parameter) -> None:
         self._used[id(param)] = True
         if self._no_sync:
@@ -73,8 +62,8 @@ class BackwardSide:
         self._stopwatch.lap(self._session.statistics, layer.name, phase="backward")
         if self._lookup_rows:  # (whether only its lookups wrote the gradient the hint is of)
             self._lookup_rows.settle(param)
-        self._sender(ps)(param.grad)
-        self._sent_version[id(param)] = param.grad._version
+        self._sender(ps)(param.grad, param)
+        self.updates.sent.record(param, param.grad)
 
     def _on_share(self, param: nn.Parameter) -> None:
         """A gradient (or a tied parameter's early share) of ``param`` left: it was used, and
@@ -116,14 +105,18 @@ class BackwardSide:
         if self._backward_queued:
             self._end_backward()
 
-    def _sender(self, ps: Any) -> Callable[[torch.Tensor], None]:
-        def send(gradient: torch.Tensor) -> None:
-            if ps.gradient_pending:
+    def _sender(self, ps: Any) -> Callable[..., None]:
+        def send(gradient: torch.Tensor, param: nn.Parameter | None = None) -> None:
+            # (the last backward's, each .grad of it dropped by hand since: dropped, as torch;
+            # ``param``'s own .grad is this backward's already, told apart by the others)
+            if ps.gradient_pending and not self.updates.discarded_by_hand(param):
                 raise RuntimeError(
                     f"rank {self.env.rank}: gradient of {ps.name} produced again while the last "
                     "one is still on its way to the update (two backward passes without "
                     "optimizer.step() between them?); to accumulate micro-batches, run all but "
-                    "the last in model.no_sync(), or use DistributedOptimizer(..., mode='sync')")
+                    "the last in model.no_sync(), or use DistributedOptimizer(..., mode='sync'); "
+                    "to drop the last backward's gradients, call the DistributedOptimizer's "
+                    "zero_grad() before this backward")
             ps.start_gradient_comm(gradient)
         return send
 
@@ -132,11 +125,8 @@ class BackwardSide:
         accumulated in ``no_sync()`` micro-batches, zeros left by ``zero_grad(set_to_none=
         False)``), as DDP sends an unused parameter's defined gradient; else zeros."""
         grad = param.grad
-        if grad is None:
-            ps.start_gradient_comm(self._zeros(ps))
-        else:
-            ps.start_gradient_comm(grad)
-            self._sent_version[id(param)] = grad._version
+        ps.start_gradient_comm(self._zeros(ps) if grad is None else grad)
+        self.updates.sent.record(param, grad)
 
     @staticmethod
     def _zeros(ps: Any) -> torch.Tensor:

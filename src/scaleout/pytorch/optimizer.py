@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,14 +11,12 @@ import torch
 from torch import nn
 
 from scaleout.compression.advice import warn_unsuited
-from scaleout.core import collectives
-from scaleout.core.collectives import Communicator
 from scaleout.core.grid import GroupType
+from scaleout.pytorch.clipping import clip_global_norm
 from scaleout.pytorch.data_parallel import DataParallel
 from scaleout.pytorch.modules import Layer
 from scaleout.pytorch.outside_steps import watch_outside_steps
-from scaleout.pytorch.placement import is_sharded
-from scaleout.pytorch.sharded_update import ShardedUpdate
+from scaleout.pytorch.sharded_update import ShardedUpdate, group_options
 
 __all__ = ["DistributedOptimizer", "MODES", "optimizer_state_bytes"]
 
@@ -39,40 +36,6 @@ def _check_params(model: DataParallel, params: Any) -> None:
         if param.requires_grad and param.numel() and id(param) not in trained:
             raise ValueError("the optimizer holds a parameter that is not a trainable "
                              "parameter of the DataParallel model")
-
-
-def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
-                     model_comm: Communicator) -> None:
-    """``clip_grad_norm_`` over the whole model: a shard's gradient (a tensor-parallel layer's
-    slice) counts once in the norm through a sum over the model group; a replicated
-    parameter's, the same on every rank of it, once as it is. Every rank of the model group
-    then scales by the same factor (a per-rank norm clipped each by its own and let the
-    replicated parameters drift apart)."""
-    if model_comm.size == 1:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
-    sharded: list[torch.Tensor] = []
-    whole: list[torch.Tensor] = []
-    for param in params:
-        if param.grad is not None:
-            (sharded if is_sharded(param) else whole).append(param.grad)
-    grads = sharded + whole
-    if not grads:
-        return
-    device = grads[0].device
-
-    def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for grad in tensors:
-            total += grad.detach().double().pow(2).sum()
-        return total
-
-    parts = squares(sharded).reshape(1)
-    collectives.allreduce(model_comm, parts).wait()
-    norm = (parts[0] + squares(whole)).sqrt()
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ rule
-    for grad in grads:
-        grad.mul_(factor.to(grad.dtype))
 
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -107,9 +70,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer: docs/scheduling.md).
         max_grad_norm: clip the averaged gradients to this global norm (over every layer)
             before the update, like ``clip_grad_norm_`` after DDP's backward; in overlap mode
-            that step then waits for all gradients (the norm needs them all). Clipping
-            ``.grad`` yourself works in sync mode only (in overlap mode the gradients have
-            left; scaleout warns once if ``.grad`` changes after it was sent).
+            that step then waits for all gradients (the norm needs them all); with the
+            sharded update, the owned slices by the whole gradient's norm (one scalar
+            all-reduce per step). Clipping ``.grad`` yourself works in sync mode without the
+            sharded update only (in overlap mode the gradients have left: scaleout warns once
+            if ``.grad`` changes after it was sent; with the sharded update ``.grad`` is this
+            rank's own gradient, not the average: an edit is refused).
+
+    Between ``backward()`` and ``step()``, as in torch: ``zero_grad()`` drops that backward's
+    gradients (the step then steps without them, the next backward starts afresh), and
+    ``p.grad = None`` leaves ``p`` out of the step (refused where some rank did not use ``p``:
+    it has no ``.grad`` to drop; since stop 49: both were ignored in overlap mode and with the
+    sharded update).
+
+    Overlap mode updates the weights in the next forward: a weight read right after
+    ``step()`` still holds its old values (an EMA of it lags a step), and one changed in place
+    before the update that ``step()`` requested has landed (a WGAN's clamp, loading into the
+    bare module) is refused with a ``RuntimeError`` when the update lands (since stop 49;
+    before, the change was lost or the update landed on it): call ``model.synchronize()``
+    after ``step()`` first, or use ``mode="sync"``. Change weights through the parameter
+    under ``torch.no_grad()``, not ``p.data``: its own version counter hides the change.
 
     With ``DataParallel(distributed_update=True)`` the update is sharded: this rank keeps
     optimizer state only for its owned slice of every parameter (about 1/N of it), updates
@@ -117,13 +97,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     (:mod:`scaleout.pytorch.sharded_update`). The averaged gradients exist only as those
     slices (a weight's ``.grad`` is ``None`` once ``step()`` or a synchronisation took it),
     and ``optimizer`` must be one of torch's elementwise optimizers
-    (``sharded_update.ELEMENTWISE``). Weights changed in place between steps (clipped, loaded
-    into the bare module) are read again before the next step.
+    (``sharded_update.ELEMENTWISE``). Weights changed in place after their new values landed
+    (after ``model.synchronize()`` in overlap mode; any time between steps in sync mode) are
+    read into the shards again before the next step (by their ``_version``: a change made
+    through ``p.data`` is not seen). ``GradScaler`` is refused with it, as in
+    overlap mode.
 
     Raises:
         ValueError: an optimizer whose ``step()`` needs a closure outside ``mode="sync"`` or
             with the sharded update; the sharded update with an optimizer that is not
-            elementwise, or with ``max_grad_norm``.
+            elementwise; a ``GradScaler`` step in overlap mode or with the sharded update.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel, *,
@@ -139,9 +122,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
                 raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got "
                                  f"{max_grad_norm!r}")
-            if model.distributed_update:
-                raise ValueError("max_grad_norm with DataParallel(distributed_update=True) is "
-                                 "not supported: the shards would need a global norm of their own")
         if needs_closure(optimizer) and (mode != "sync" or model.distributed_update):
             raise ValueError(
                 f"{type(optimizer).__name__}.step() needs a closure (it evaluates the loss and "
@@ -156,11 +136,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warn_unsuited(model.compression, optimizer)
         self.mode = mode
         self.max_grad_norm = max_grad_norm
-        self._warned_late_change = False
         self.model = model
         self.sharded = model.distributed_update
         self._user_optimizer = optimizer
-        self._sharded_update = ShardedUpdate(optimizer, model) if self.sharded else None
+        self._sharded_update = (ShardedUpdate(optimizer, model, max_grad_norm) if self.sharded
+                                else None)
         self.inner = optimizer if self._sharded_update is None else self._sharded_update.optimizer
         super().__init__([torch.zeros(1, requires_grad=True)], {})
         self.param_groups = self.inner.param_groups  # schedulers edit the real groups
@@ -208,6 +188,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Request this iteration's update (applied lazily in overlap mode)."""
         self._refuse_grad_scaler()
+        # a scheduler attached to the wrapped optimizer sees its step (torch's flag: it warns
+        # "lr_scheduler.step() before optimizer.step()" otherwise), stepped later or never
+        self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.mode == "sync" and self._sharded_update is None:
             return self._sync_step(closure)
         loss = None
@@ -223,16 +206,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return loss
         self._apply_requested()
         pending = self.model.updates.pending()
-        if pending:
-            self._warn_if_grads_changed(pending)
         if self.max_grad_norm is not None:  # (it waits for every gradient: the norm needs all)
             self._clip()
             self.inner.step()
         elif not pending:
             self.inner.step()
         else:
-            self._snapshot = [{k: v for k, v in g.items() if k != "params"}
-                              for g in self.param_groups]
+            self._snapshot = group_options(self.inner)  # (a tensor lr changes in place)
             outside = self.model.updates.outside
             self._consumed = {id(p): p for layer in pending for p in layer.params
                               if p.grad is not None and id(p) not in outside}
@@ -273,19 +253,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if id(param) in self._consumed and param.grad is None:
                 param.grad = grad.view_as(param).clone()
 
-    def _warn_if_grads_changed(self, pending: list[Layer]) -> None:
-        """Warn once when ``.grad`` was changed after it left (clipping it does nothing then)."""
-        if self._warned_late_change:
-            return
-        changed = self.model.grads_changed_since_sent(pending)
-        if changed:
-            self._warned_late_change = True
-            warnings.warn(
-                f"the .grad of {changed[0]} (and {len(changed) - 1} more) was changed after its "
-                "communication started, so the change has no effect in overlap mode; clip with "
-                "DistributedOptimizer(..., max_grad_norm=...) or use mode='sync'",
-                RuntimeWarning, stacklevel=3)
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, after the pending updates (requested with the groups as they were).
 
@@ -308,23 +275,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """True in overlap mode, so that a ``GradScaler`` hands ``step()`` its scale (and
-        ``step()`` refuses it: see :meth:`_refuse_grad_scaler`); sync mode takes torch's path."""
-        return self.mode == "overlap"
+        """True in overlap mode and with the sharded update, so that a ``GradScaler`` hands
+        ``step()`` its scale (and ``step()`` refuses it: see :meth:`_refuse_grad_scaler`);
+        sync mode without it takes torch's path."""
+        return self.mode == "overlap" or self.sharded
 
     def _refuse_grad_scaler(self) -> None:
         if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):
             raise ValueError(
-                "GradScaler needs DistributedOptimizer(..., mode='sync'): in overlap mode each "
-                "scaled gradient has left before the scaler can unscale it or look for infs, and "
-                "every rank would decide on its own gradients whether to skip the step")
+                "GradScaler needs DistributedOptimizer(..., mode='sync') on a DataParallel "
+                f"without distributed_update; got mode={self.mode!r}, distributed_update="
+                f"{self.sharded}: in overlap mode each scaled gradient has left before the "
+                "scaler can unscale it or look for infs, and with the sharded update each rank "
+                "holds only its slices of the averaged gradients, so every rank would decide on "
+                "its own gradients whether to skip the step (the replicas part, or the job hangs)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: this optimizer's parameters only (and their shards' gradients, with
         the sharded update). With ``set_to_none=False`` in overlap mode or with the sharded
         update, the gradients ``step()`` consumed come back as zeros, as a plain optimizer
         leaves them: a parameter no rank uses next still has a (zero) gradient, so momentum
-        and weight decay move it."""
+        and weight decay move it. Between backward and step (in overlap mode or with the
+        sharded update, where that backward's gradients are still in flight) it drops them,
+        as torch discards them: it waits for their exchange, the next ``step()`` steps
+        without them and the next backward starts afresh."""
+        self.model.updates.discard()
         for param in self._held():
             if param.grad is not None:
                 if set_to_none:

@@ -18,9 +18,17 @@ A shard's ``.grad`` plays the part of the weight's ``.grad``: the averaged slice
 it until ``zero_grad()``, so a second ``step()`` applies it again, and a synchronisation between
 backward and step (which receives the slices early) changes nothing. In overlap mode, where
 ``step()`` consumes ``.grad``, the next backward's slices replace what a step consumed, as
-without the sharded update. A weight changed in place
-after the update wrote it (clipped, loaded into the bare module) is read into its shard again
-before the next step: its ``_version`` says so.
+without the sharded update. The weight's own ``.grad`` holds this rank's local gradient
+until the slices are received: set to ``None`` there, the parameter is left out of the step
+(its shard's ``.grad`` dropped, as torch drops the accumulated ``.grad``); changed in place or
+replaced (clipped by hand), it is refused (:mod:`scaleout.pytorch.grad_edits`): clip with
+``max_grad_norm`` instead, which scales the slices by the global norm (one scalar all-reduce
+over the data group; :func:`~scaleout.pytorch.clipping.clip_owned_slices`).
+
+A weight changed in place after the update wrote it (clipped, loaded into the bare module:
+after ``model.synchronize()`` in overlap mode, where the gathered values land in the next
+forward) is read into its shard again before the next step: its ``_version`` says so. One
+changed between ``step()`` and the gathered values landing is refused.
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from scaleout.core.grid import GroupType
+from scaleout.pytorch.clipping import clip_owned_slices
 from scaleout.pytorch.modules import Layer
 from scaleout.session.parameter_set import owned_range
 
 if TYPE_CHECKING:
     from scaleout.pytorch.data_parallel import DataParallel
 
-__all__ = ["ELEMENTWISE", "ShardedUpdate", "check_elementwise"]
+__all__ = ["ELEMENTWISE", "ShardedUpdate", "check_elementwise", "group_options"]
 
 #: torch's optimizers whose update is elementwise: stepping flat slices gives their numbers
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -59,8 +69,9 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
             f"distributed_update=False")
 
 
-def _options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each group's options (tensors copied: a scheduler may change them in place)."""
+def group_options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's options (tensors copied: a scheduler may change them in place, e.g. a
+    tensor ``lr``)."""
     return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()
              if k != "params"} for g in optimizer.param_groups]
 
@@ -82,11 +93,15 @@ class ShardedUpdate:
         optimizer: the user's optimizer (one of :data:`ELEMENTWISE`); its groups' options
             reach the copy at each step (a scheduler attached to it).
         model: the DataParallel model, built with ``distributed_update=True``.
+        max_grad_norm: clip the averaged gradient to this global norm before each step
+            (:func:`~scaleout.pytorch.clipping.clip_owned_slices`); ``None``: no clipping.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallel,
+                 max_grad_norm: float | None = None) -> None:
         check_elementwise(optimizer)
         self.model = model
+        self.max_grad_norm = max_grad_norm
         self.user = optimizer
         self.shards: dict[int, nn.Parameter] = {}
         groups = []
@@ -94,7 +109,7 @@ class ShardedUpdate:
             options = {k: v for k, v in group.items() if k != "params"}
             groups.append({**options, "params": [self._shard_of(p) for p in group["params"]]})
         self.optimizer = type(optimizer)(groups)  # every group carries all its options
-        self._user_options = _options(optimizer)  # what the user's groups said
+        self._user_options = group_options(optimizer)  # what the user's groups said
         self._spent: set[int] = set()  # shards whose .grad an overlap-mode step consumed
 
     def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
@@ -122,8 +137,13 @@ class ShardedUpdate:
     def receive(self, layers: Sequence[Layer]) -> list[nn.Parameter]:
         """Wait for ``layers``' averaged gradients and add their owned slices to the shards'
         ``.grad`` (nothing for a parameter no rank used); the weights' local ``.grad`` is
-        consumed. Returns the weights of the optimizer's that had one."""
-        used = self.model.updates.used_globally()
+        consumed. A weight whose ``.grad`` was set to ``None`` since it left is left out:
+        its shard's ``.grad`` is dropped (an edit of it is refused: ``LazyUpdates.take_edits``).
+        Returns the weights of the optimizer's that had one."""
+        updates = self.model.updates
+        dropped = updates.take_edits([p for layer in layers for p in layer.params
+                                      if id(p) in self.shards])
+        used = updates.used_globally()
         consumed = []
         for layer in layers:
             for param, ps in zip(layer.params, layer.sets):
@@ -132,18 +152,26 @@ class ShardedUpdate:
                 if shard is not None:
                     if param.grad is not None:
                         consumed.append(param)
-                    if id(shard) in self._spent:  # (consumed by the last step: replaced)
+                    if id(shard) in self._spent or id(param) in dropped:  # (replaced; dropped)
                         self._spent.discard(id(shard))
                         shard.grad = None
-                    if used.get(id(param), True):  # (no rank used it: nothing to add)
+                    if used.get(id(param), True) and id(param) not in dropped:
                         shard.grad = owned.clone() if shard.grad is None else shard.grad.add_(owned)
                 param.grad = None
         return consumed
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """The shards' ``.grad`` cleared or zeroed (then fresh: nothing consumed any more)."""
+        """The shards' ``.grad`` cleared or zeroed (then fresh: nothing consumed any more);
+        zeroed, a weight left with a (zero) ``.grad`` has a zero shard gradient too (its
+        backward's slices dropped in flight: ``LazyUpdates.discard``), stepped as torch
+        steps a zero gradient."""
         self.optimizer.zero_grad(set_to_none)
         self._spent = set()
+        if not set_to_none:
+            for param in self.held():
+                shard = self.shards[id(param)]
+                if param.grad is not None and shard.grad is None:
+                    shard.grad = torch.zeros_like(shard)
 
     def step(self, pending: Sequence[Layer], consume: bool) -> list[nn.Parameter]:
         """Step the shards and start gathering every layer's new values: first the last
@@ -157,6 +185,10 @@ class ShardedUpdate:
             updates.complete(layer)
         self.read(updates.changed_in_place(self.held()))
         consumed = self.receive(pending)
+        if self.max_grad_norm is not None:
+            clip_owned_slices([(p, self.shards[id(p)]) for p in self.held()],
+                              self.max_grad_norm, self.model.comm,
+                              self.model.distribution.communicator(GroupType.MODEL))
         self.optimizer.step()
         self._spent = {id(shard) for shard in self.shards.values()} if consume else set()
         for layer in updates.forward_order:
@@ -166,6 +198,7 @@ class ShardedUpdate:
                 ps.start_increment_comm(self.owned_values(param) if shard is None
                                         else shard.detach())
             layer.increments_pending = True
+            updates.stepped(layer.params)  # (changed before its values land: refused)
         return consumed
 
     def _follow_user_groups(self) -> None:
@@ -178,4 +211,4 @@ class ShardedUpdate:
                 if key != "params" and (key not in seen or not _same(value, seen[key])):
                     inner[key] = value
             user.update({k: v for k, v in inner.items() if k != "params"})
-        self._user_options = _options(self.user)
+        self._user_options = group_options(self.user)

@@ -9,6 +9,12 @@ arrived: one optimizer step instead of one per layer). With the sharded update t
 keeps its owned slices of the weights and of the averaged gradients; the gathered new weights
 are written back here, and an in-place change made to a weight after that is noticed by its
 ``_version`` (:meth:`LazyUpdates.changed_in_place`).
+
+What was done to ``.grad`` between backward and the step that consumes the gradients in flight
+(:mod:`scaleout.pytorch.grad_edits`): ``.grad = None`` leaves the parameter out of the step, as
+torch does; an edit is refused; ``zero_grad()``
+drops them (:meth:`LazyUpdates.discard`). A weight changed in place between ``step()`` and
+the update it requested is refused (the update would land on the old values, or overwrite it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from scaleout.pytorch.grad_edits import GradEdits, SentGradients
 from scaleout.pytorch.modules import Layer
 from scaleout.session import ParameterSet
 from scaleout.session.trace import TraceRecorder
@@ -44,7 +51,7 @@ class Updater(Protocol):
         slices of them for the next ``step()`` (the whole averaged gradient exists nowhere)."""
 
 
-class LazyUpdates:
+class LazyUpdates(GradEdits):
     """Pending gradients and updates of a DataParallel model's layers.
 
     Args:
@@ -61,6 +68,11 @@ class LazyUpdates:
         self._globally_used: dict[int, bool] = {}
         self._trace: TraceRecorder | None = None
         self._written: dict[int, int] = {}  # a weight's _version when it matched the shards
+        self._at_step: dict[int, int] = {}  # a weight's _version when step() requested its update
+        self._skipped: set[int] = set()  # ids left out of the requested update (.grad = None)
+        self._shares: torch.Tensor | None = None  # the last usage flags: who had a gradient
+        #: what left as each parameter's gradient in the last exchange (DataParallel records)
+        self.sent = SentGradients()
         self.all_used_here = False  # this rank used every parameter in the last backward
         #: ids of trainable parameters the updater does not hold: they get DDP's semantics
         #: (their averaged gradient in ``.grad`` when backward returns, for another optimizer)
@@ -104,7 +116,7 @@ class LazyUpdates:
         flags decide, on the host, which parameters the optimizer skips).
         """
         if self._usage is not None and self._usage.gradient_pending:
-            shares = self._usage.wait_gradient_comm()
+            shares = self._shares = self._usage.wait_gradient_comm()
             if self.all_used_here:
                 self._globally_used = {id(p): True for p in self._params}
             else:
@@ -129,11 +141,14 @@ class LazyUpdates:
         return [p for p in params if p._version != self._written.get(id(p))]
 
     def request(self, layers: Sequence[Layer]) -> None:
-        """Apply these layers' updates once their gradients arrive (overlap mode)."""
+        """Apply these layers' updates once their gradients arrive (overlap mode); those
+        whose ``.grad`` was set to ``None`` since it left are left out (:meth:`take_edits`)."""
+        held = [p for layer in layers for p in layer.params if id(p) not in self.outside]
+        self._skipped |= self.take_edits(held)
+        for param in held:
+            param.grad = None  # the averaged gradient arrives with the update
+        self.stepped(held)
         for layer in layers:
-            for param in layer.params:
-                if id(param) not in self.outside:
-                    param.grad = None  # the averaged gradient arrives with the update
             layer.update_requested = True
 
     def gradients_to_grad(self) -> None:
@@ -162,11 +177,12 @@ class LazyUpdates:
         pending = [(param, layer, i) for layer in self.forward_order
                    for i, (param, ps) in enumerate(zip(layer.params, layer.sets))
                    if ps.gradient_pending and which(param)]
+        dropped = self.take_edits([p for p, _, _ in pending if id(p) not in self.outside])
         arrived = [averaged(layer, i) for _, layer, i in pending]
         used = self.used_globally()  # after the gradients: waits count against their layers
         applied = applied_flags([param for param, _, _ in pending], arrived, used)
         for (param, _, _), averaged_grad, flag in zip(pending, arrived, applied):
-            if not flag:
+            if not flag or id(param) in dropped:
                 param.grad = None
             elif param.grad is None:
                 param.grad = averaged_grad.view_as(param).clone()
@@ -178,6 +194,7 @@ class LazyUpdates:
         if layer.update_requested:
             self._apply(layer)
         if layer.increments_pending:
+            self._refuse_changed(layer.params)
             layer.increments_pending = False
             with torch.no_grad():
                 for param, ps in zip(layer.params, layer.sets):
@@ -240,9 +257,14 @@ class LazyUpdates:
             layers.append(later)
         if not params:
             return []
+        self._refuse_changed(params)
         used = self.used_globally()  # after the gradients: waits count against their layers
+        flags = applied_flags(params, grads, used)
+        if self._skipped:  # (.grad = None between backward and step: left out, as in torch)
+            flags = [flag and id(p) not in self._skipped for p, flag in zip(params, flags)]
+            self._skipped.difference_update(id(p) for p in params)
         began = time.perf_counter()
-        self.updater.apply_update(params, grads, applied_flags(params, grads, used))
+        self.updater.apply_update(params, grads, flags)
         if self._trace is not None:
             self._trace.span("compute", "update " + "+".join(l.name for l in layers), began,
                              time.perf_counter(), phase="update")

@@ -215,7 +215,11 @@ def update_buffer(state: CodecState, name: str, new: torch.Tensor, *, scratch: s
     (zero if there was none), unless ``masked`` says that is done already.
 
     When ``new`` is the scratch buffer ``scratch``, the previous buffer's storage becomes
-    that scratch buffer (double buffering: no allocation per step).
+    that scratch buffer (double buffering: no allocation per step). Codecs replace their
+    buffers this way, at the end of an exchange's encoding, and never write into the one
+    replaced: its values stay intact until the state's next exchange (a
+    :class:`~scaleout.compression.momentum.MomentumCodec` puts them back after a step that
+    must leave the state as it was).
     """
     old = state.buffers.get(name)
     if not masked:

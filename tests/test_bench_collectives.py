@@ -28,6 +28,10 @@ def test_smoke_writes_paired_rounds(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert row["busbw_GBps"] == pytest.approx(
             row["algbw_GBps"] * bus_factor(row["op"], 2), rel=1e-9)
     assert "ours/torch" in capsys.readouterr().out
+    # what reproducing it takes: the command, when, the machine, the code, the environment
+    assert report["command"][:3] == ["scaleout", "bench", "collectives"] and report["date"]
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
+    assert "git" in report["source"] and isinstance(report["scaleout_env"], dict)
 
 
 def test_bus_factors_follow_nccl_tests() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from scaleout.bench.train import TrainBenchConfig, trace_folder
+from scaleout.bench.train_setup import LEAD_IN
 from scaleout.cli.main import main
 from scaleout.sim.trace import read_trace
 
@@ -39,7 +40,8 @@ def test_bench_train_records_every_scaleout_runs_traces(
     for rank in (0, 1):
         data = json.loads((folder / f"trace.{rank}.json").read_text())
         assert data["rank"] == rank and data["workload"] == "digits-mlp"
-        assert data["batch_size"] == 32 and data["iterations"] == 4  # warmup + timed
+        assert data["batch_size"] == 32 and data["iterations"] == 1 + LEAD_IN + 3  # warmup,
+        # the lead-in and the timed ones
         assert {e["lane"] for e in data["events"]} >= {"compute", "comm"}
         assert sum(layer["grad_bytes"] for layer in data["layers"]) > 0
         workload = read_trace(folder / f"trace.{rank}.json")  # the simulator's reader

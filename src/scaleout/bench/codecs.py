@@ -8,7 +8,15 @@ after ``warmup`` untimed ones (CUDA events on a GPU, ``perf_counter`` on the CPU
 * ``encode_decode_s``: ``codec.encode`` then ``codec.decode`` (state kept across runs, as
   in training: error feedback, warm starts, reused buffers);
 * ``exchange_s``: the codec's whole exchange (:func:`~scaleout.compression.compressed_allreduce`,
-  every round) at world size 1 on a torch.distributed process group;
+  every round) on a process group of two ranks, this process and a peer over loopback
+  (:mod:`scaleout.bench.codecs_pair`: a world-size-1 group moves nothing, and scaleout's
+  cast codec returns early there; ``exchange_ranks`` says which ran, ``exchange_alone`` why
+  one), each timed run started with both ranks together; the peer's tensor is drawn from
+  the next seed, as another rank's gradient;
+* ``payload_bytes``, ``wire_bytes``, ``dense_bytes``, ``compression_ratio``, ``wire_ratio``:
+  the exchange's bytes as its request counts them (:class:`~scaleout.compression.exchange.
+  ExchangeStats`; the wire ratio is a dense ring all-reduce's bytes over the exchange's, on
+  its group: ``None`` at world size 1, where nothing is sent);
 * ``torch_s``: torch's hook for the same job on the same process group and tensor, where
   torch has one: ``fp16_compress_hook`` for ``cast:fp16``, ``powerSGD_hook`` (same rank,
   error feedback and warm start on, compressing from the first timed run) for ``powersgd``;
@@ -19,7 +27,7 @@ after ``warmup`` untimed ones (CUDA events on a GPU, ``perf_counter`` on the CPU
   (timed before and after the codecs, the faster kept); every time is also given as a
   multiple of it (``*_x_copy``).
 
-A codec that fails is reported with its error; the others go on.
+A codec that fails on either rank is reported with its error; the others go on.
 
 Example:
     >>> report = run_codec_bench(CodecBenchConfig(device="cpu", sizes=(4096,), repeats=2))
@@ -29,19 +37,19 @@ Example:
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 
+from scaleout.bench.codecs_pair import Group, describe, exchange_group, join_as_peer, peer_device
 from scaleout.core.checks import check_cuda_asked
 from scaleout.core.collectives import Communicator
 from scaleout.compression import CodecState, compressed_allreduce, make_codec
@@ -63,7 +71,8 @@ class CodecBenchConfig:
         codecs: codec specs.
         repeats: timed runs per measurement (the median is reported).
         warmup: untimed runs before them.
-        seed: the tensors' seed.
+        seed: the tensors' seed (the peer rank's: the next one).
+        ranks: ranks of the exchange's group: 2 (a peer process; 1 with a single GPU) or 1.
 
     Raises:
         ValueError: a bad device, size or count, an unknown codec, or CUDA unavailable.
@@ -75,6 +84,7 @@ class CodecBenchConfig:
     repeats: int = 5
     warmup: int = 2
     seed: int = 0
+    ranks: int = 2
 
     def __post_init__(self) -> None:
         try:
@@ -90,6 +100,8 @@ class CodecBenchConfig:
             raise ValueError("codecs: expected at least one codec spec")
         for spec in self.codecs:
             make_codec(spec)  # raises ValueError naming the valid codecs
+        if self.ranks not in (1, 2):
+            raise ValueError(f"ranks: expected 1 or 2, got {self.ranks!r}")
         for name, low in (("repeats", 1), ("warmup", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -116,7 +128,8 @@ class _Timer:
         self._cuda = device.type == "cuda"
         self._repeats, self._warmup = repeats, warmup
 
-    def __call__(self, run: Callable[[], object], setup: Callable[[], object] | None = None) -> float:
+    def __call__(self, run: Callable[[], object],
+                 setup: Callable[[], object] | None = None) -> float:
         times = []
         for index in range(self._warmup + self._repeats):
             if setup is not None:
@@ -185,51 +198,69 @@ def _torch_hook(spec: str) -> tuple[str, Callable[[_Bucket], Any]] | None:
     return None
 
 
-@contextmanager
-def _process_group(device: torch.device) -> Iterator[None]:
-    """A world-size-1 process group (gloo for CPU tensors, NCCL for CUDA), unless one exists."""
-    if tdist.is_initialized():
-        yield
-        return
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1,
-                             timeout=timedelta(seconds=120))
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
-
-
-def _measure(spec: str, x: torch.Tensor, timer: _Timer) -> dict[str, Any]:
-    """One codec on one tensor: encode + decode, its exchange, and torch's hook if any."""
+def _measure(spec: str, x: torch.Tensor, timer: _Timer, group: Group) -> dict[str, Any]:
+    """One codec on one tensor: encode + decode (rank 0), its exchange and torch's hook if
+    any (every rank). Raises what failed on this rank, :class:`PeerFailed` on the other."""
     codec = make_codec(spec)
     row: dict[str, Any] = {"codec": spec}
     state = CodecState()
-    row["encode_decode_s"] = timer(lambda: codec.decode(*codec.encode(x, state)))
+
+    def local() -> None:
+        if group.lead:
+            row["encode_decode_s"] = timer(lambda: codec.decode(*codec.encode(x, state)))
+            if x.is_cuda:
+                row["host_syncs"] = _host_syncs(lambda: codec.decode(*codec.encode(x, state)))
+
+    group.phase(local)
     work, ex_state, comm = torch.empty_like(x), CodecState(), Communicator.of_group(name="bench")
-    row["exchange_s"] = timer(
-        lambda: compressed_allreduce(codec, work, ex_state, comm, group=None).wait(),
-        setup=lambda: work.copy_(x))
-    if x.is_cuda:  # one more step of each, counting the times the host waited for the GPU
-        row["host_syncs"] = _host_syncs(lambda: codec.decode(*codec.encode(x, state)))
-        work.copy_(x)
-        row["exchange_host_syncs"] = _host_syncs(
-            lambda: compressed_allreduce(codec, work, ex_state, comm, group=None).wait())
+    last: list[Any] = []
+
+    def exchange() -> None:
+        request = compressed_allreduce(codec, work, ex_state, comm, group=None)
+        request.wait()
+        last[:] = [request]
+
+    def exchanges() -> None:
+        row["exchange_s"] = timer(exchange, setup=lambda: (work.copy_(x), group.meet()))
+        row.update(_bytes(last[0].stats))
+        if x.is_cuda:  # one more, counting the times the host waited for the GPU
+            work.copy_(x)
+            row["exchange_host_syncs"] = _host_syncs(exchange)
+
+    group.phase(exchanges)
     hook = _torch_hook(spec)
     if hook is not None:
-        name, call = hook
-        buffer = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
-        bucket = _Bucket(buffer, [tuple(x.shape)])
-        row["torch_hook"] = name
-        for _ in range(2):  # past powerSGD_hook's start_powerSGD_iter, whatever the warm-up
-            buffer.copy_(x.reshape(-1))
-            call(bucket).wait()
-        row["torch_s"] = timer(lambda: call(bucket).wait(), setup=lambda: buffer.copy_(x.reshape(-1)))
+        group.phase(lambda: _time_hook(hook, x, timer, group, row))
         row["ours_over_torch"] = row["exchange_s"] / row["torch_s"]
-        if x.is_cuda:
-            buffer.copy_(x.reshape(-1))
-            row["torch_host_syncs"] = _host_syncs(lambda: call(bucket).wait())
     return row
+
+
+def _bytes(stats: Any) -> dict[str, Any]:
+    """An exchange's bytes (its request's ``stats``), ratios ``None`` where infinite."""
+    def finite(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
+    return {"payload_bytes": stats.payload_bytes, "wire_bytes": stats.wire_bytes,
+            "dense_bytes": stats.dense_bytes,
+            "compression_ratio": finite(stats.compression_ratio),
+            "wire_ratio": finite(stats.wire_ratio) if stats.wire_bytes else None}
+
+
+def _time_hook(hook: tuple[str, Callable[[_Bucket], Any]], x: torch.Tensor, timer: _Timer,
+               group: Group, row: dict[str, Any]) -> None:
+    """torch's hook on ``x``: its time (and host syncs on CUDA) into ``row``."""
+    name, call = hook
+    buffer = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    bucket = _Bucket(buffer, [tuple(x.shape)])
+    row["torch_hook"] = name
+    for _ in range(2):  # past powerSGD_hook's start_powerSGD_iter, whatever the warm-up
+        buffer.copy_(x.reshape(-1))
+        call(bucket).wait()
+    row["torch_s"] = timer(lambda: call(bucket).wait(),
+                           setup=lambda: (buffer.copy_(x.reshape(-1)), group.meet()))
+    if x.is_cuda:
+        buffer.copy_(x.reshape(-1))
+        row["torch_host_syncs"] = _host_syncs(lambda: call(bucket).wait())
 
 
 def _host_syncs(run: Callable[[], object]) -> int:
@@ -262,36 +293,50 @@ def run_codec_bench(config: CodecBenchConfig,
         progress: called with a line after every measurement (e.g. ``print``).
 
     Returns:
-        ``{"config": ..., "device_name": ..., "torch": ..., "results": [row, ...]}``; a
-        row holds ``codec``, ``numel``, ``shape``, ``copy_s`` and the figures, or ``error``.
+        ``{"config": ..., "device_name": ..., "torch": ..., "exchange_ranks": ...,
+        "results": [row, ...]}``; a row holds ``codec``, ``numel``, ``shape``, ``copy_s``
+        and the figures, or ``error``.
+
+    Raises:
+        RuntimeError: the peer rank failed.
     """
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    timer = _Timer(device, config.repeats, config.warmup)
-    gen = torch.Generator().manual_seed(config.seed)
-    results = []
-    with _process_group(device):
-        for numel in config.sizes:
-            shape = matrix_shape(numel)
-            x = torch.randn(shape, generator=gen).to(device)
-            target = torch.empty_like(x)
-            copy_s = timer(lambda: target.copy_(x))
-            rows = []
-            for spec in config.codecs:
-                try:
-                    rows.append(_measure(spec, x, timer))
-                except Exception as err:  # noqa: BLE001 - reported in its row, the rest go on
-                    rows.append({"codec": spec, "error": f"{type(err).__name__}: {err}"})
-                if progress is not None:
-                    progress(_progress_line(rows[-1], numel))
-            # the copy again, after the codecs: the faster of the two is nearer the limit
-            copy_s = min(copy_s, timer(lambda: target.copy_(x)))
-            results += [_with_copy(row, numel, shape, copy_s) for row in rows]
-            x = target = torch.empty(0)  # (this size's tensors freed before the next's)
+    peer = ["-m", "scaleout.bench.codecs", "--config", json.dumps(asdict(config)),
+            "--device", str(peer_device(device)), "--threads", str(torch.get_num_threads())]
+    with exchange_group(device, config.ranks, peer) as group:
+        results = run_rank(config, group, progress)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"config": asdict(config), "device": str(device), "device_name": name,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), **describe(group),
+            "results": results}
+
+
+def run_rank(config: CodecBenchConfig, group: Group,
+             progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every rank's part of :func:`run_codec_bench`: the rows (rank 0's are the results)."""
+    timer = _Timer(group.device, config.repeats, config.warmup)
+    gen = torch.Generator().manual_seed(config.seed + group.rank)
+    results = []
+    for numel in config.sizes:
+        shape = matrix_shape(numel)
+        x = torch.randn(shape, generator=gen).to(group.device)
+        target = torch.empty_like(x)
+        copy_s = timer(lambda: target.copy_(x)) if group.lead else 0.0
+        rows = []
+        for spec in config.codecs:
+            try:
+                rows.append(_measure(spec, x, timer, group))
+            except Exception as err:  # noqa: BLE001 - reported in its row, the rest go on
+                rows.append({"codec": spec, "error": f"{type(err).__name__}: {err}"})
+            if progress is not None:
+                progress(_progress_line(rows[-1], numel))
+        if group.lead:  # the copy again, after the codecs: the faster is nearer the limit
+            copy_s = min(copy_s, timer(lambda: target.copy_(x)))
+            results += [_with_copy(row, numel, shape, copy_s) for row in rows]
+        x = target = torch.empty(0)  # (this size's tensors freed before the next's)
+    return results
 
 
 def _progress_line(row: dict[str, Any], numel: int) -> str:
@@ -299,3 +344,31 @@ def _progress_line(row: dict[str, Any], numel: int) -> str:
         return f"{row['codec']:>18} {numel:>10}  failed: {row['error']}"
     return (f"{row['codec']:>18} {numel:>10}  encode+decode {row['encode_decode_s'] * 1e3:8.3f} ms, "
             f"exchange {row['exchange_s'] * 1e3:8.3f} ms")
+
+
+def _peer_main(argv: list[str] | None = None) -> None:
+    """The peer rank (:mod:`scaleout.bench.codecs_pair`): the same program, nothing reported."""
+    parser = argparse.ArgumentParser(description="peer rank of `scaleout bench codecs`")
+    parser.add_argument("--config", required=True, help="CodecBenchConfig as JSON")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    fields = json.loads(args.config)
+    config = CodecBenchConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in fields.items()})
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    import torch.distributed as tdist
+
+    group = join_as_peer(device, args.port)
+    try:
+        run_rank(config, group)
+    finally:
+        tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _peer_main()

@@ -33,6 +33,7 @@ from scaleout.bench.train_config import AUTO_WARMUP, TrainBenchConfig, split_var
 from scaleout.bench.train_failures import BenchFailed, failure_reason
 from scaleout.bench.train_progress import ProgressBar
 from scaleout.bench.train_warm import WarmRanks
+from scaleout.bench.train_setup import steps_per_round
 from scaleout.bench.train_worker import PROGRESS_MARK
 from scaleout.launch.launcher import LINGERED_SAY, LaunchConfig, RankWrapper, free_port, launch
 
@@ -275,7 +276,7 @@ def run_benchmark(config: TrainBenchConfig, *, progress: bool = True) -> dict[st
     said: set[str] = set()  # scaleout's warnings already shown
     try:
         with _placement(config) as place, tempfile.TemporaryDirectory() as tmp:
-            if config.warm and config.rounds > 1 and config.trace is None:
+            if config.warm_ranks:
                 warm = _start_warm(config, names, place, tmp, bar, runs, failed, said)
             for r in range(config.rounds):
                 for order, name in enumerate(rotation(names, r)):
@@ -324,7 +325,7 @@ LEAVE_S = 30.0
 def _round_timeout(config: TrainBenchConfig) -> float:
     """The longest one configuration's round may take with warm ranks: each of its
     iterations is bounded by the ranks' collective timeout, plus set-up."""
-    return config.timeout_s * (config.warmup + config.iters + 2)
+    return config.timeout_s * (steps_per_round(config.warmup, config.iters) + 2)
 
 
 def _start_warm(config: TrainBenchConfig, names: tuple[str, ...], place: Placement,

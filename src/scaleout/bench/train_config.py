@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from scaleout.bench.train_peers import AUTO, PEERS, is_configuration
-from scaleout.bench.train_setup import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, tune_windows
+from scaleout.bench.train_peers import AUTO, PEERS, POWERSGD_START, is_configuration
+from scaleout.bench.train_setup import AUTO_WARMUP, AUTO_WARMUP_DEFAULT, LEAD_IN, tune_windows
 from scaleout.core.checks import check_cuda_asked
 from scaleout.launch.allocator import DEFAULT_ALLOCATOR, check_allocator
 from scaleout.pytorch.optimizer import MODES
@@ -28,7 +28,10 @@ class TrainBenchConfig:
             :data:`scaleout.bench.train_peers.PEERS` (the ``hybrid`` ones DLRM's only).
         rounds: interleaved rounds; every configuration runs once per round.
         iters: timed iterations per run.
-        warmup: untimed iterations before them.
+        warmup: untimed iterations before them (then one lead-in iteration, timed and
+            recorded but not counted: :data:`~scaleout.bench.train_setup.LEAD_IN`);
+            ``ddp-powersgd`` needs at least :data:`~scaleout.bench.train_peers.POWERSGD_START`
+            (torch's hook runs plain allreduce before that iteration; the command raises it).
         batch: samples per rank (``None``: the workload's default).
         compression: scaleout variants to measure, one per codec spec (``"cast:bf16"``);
             ``"none"`` is exact gradients. Each variant is its own configuration,
@@ -57,7 +60,8 @@ class TrainBenchConfig:
             ``trace/<configuration>/round<r>/trace.<rank>.json`` (``None``: no traces).
         warm: keep each configuration's ranks alive from round to round
             (:mod:`scaleout.bench.train_warm`) instead of fresh ranks every round. Used when
-            there are several rounds and no ``trace`` (a trace is per process and round).
+            there are several rounds and no ``trace`` (a trace is per process and round):
+            :attr:`warm_ranks`.
         allocator: every configuration's ranks get the same host allocator settings,
             ``"keep"`` or ``"system"`` (``scaleout run --allocator``;
             :mod:`scaleout.launch.allocator`).
@@ -130,6 +134,11 @@ class TrainBenchConfig:
                              f"choice, its runner-up and the choice again each run one to "
                              f"settle and one, two and one timed, one runs what was kept), got "
                              f"{self.warmup}")
+        if "ddp-powersgd" in self.peers and self.warmup < POWERSGD_START:
+            raise ValueError(f"peers: ddp-powersgd compresses from iteration {POWERSGD_START} "
+                             f"(torch's start_powerSGD_iter; plain allreduce before it), so "
+                             f"with warmup {self.warmup} it would time uncompressed "
+                             f"iterations: give warmup >= {POWERSGD_START}")
         for spec in self.compression:
             if spec not in AUTO:
                 make_codec(spec)  # raises ValueError naming the valid codecs
@@ -162,10 +171,19 @@ class TrainBenchConfig:
 
         return self.batch if self.batch is not None else get_workload(self.workload).default_batch_size
 
+    @property
+    def warm_ranks(self) -> bool:
+        """Whether the ranks stay warm from round to round: ``warm`` asked, several rounds,
+        no ``trace``."""
+        return self.warm and self.rounds > 1 and self.trace is None
+
     def as_dict(self) -> dict[str, object]:
-        """A JSON-ready dict of the fields, with ``batch`` resolved."""
+        """A JSON-ready dict of the fields as they ran: ``batch`` resolved, ``warm`` whether
+        the ranks stayed warm (``warm_asked``: the field), ``rate`` ``None`` without a
+        testbed (loopback shapes nothing), and ``lead_in``."""
         return {**asdict(self), "peers": list(self.peers), "compression": list(self.compression),
-                "batch": self.batch_per_rank}
+                "batch": self.batch_per_rank, "warm": self.warm_ranks, "warm_asked": self.warm,
+                "rate": self.rate if self.testbed else None, "lead_in": LEAD_IN}
 
 
 def variant_name(spec: str) -> str:

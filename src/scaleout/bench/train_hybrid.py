@@ -35,7 +35,7 @@ from scaleout.bench.train_setup import (
     statistics_of,
 )
 
-__all__ = ["IDS", "Pair", "build_hybrid", "build_hybrid_lockstep"]
+__all__ = ["IDS", "Pair", "build_hybrid", "build_hybrid_lockstep", "whole_parameters"]
 
 
 class Pair(torch.optim.Optimizer):
@@ -100,6 +100,15 @@ def _shard_tables(net: nn.Module, dist: Any, ranks: int, budget_bytes: int | Non
     return plan
 
 
+def whole_parameters(net: nn.Module) -> dict[str, torch.Tensor]:
+    """DLRM's parameters with its sharded tables gathered whole on every rank (a collective
+    of the data group: every rank calls it), named as in the unsharded model
+    (``embeddings.<t>.weight``)."""
+    dense = {n: p for n, p in net.named_parameters() if not n.startswith("embeddings.")}
+    tables = {f"embeddings.{k}": v for k, v in net.embeddings.full_state().items()}
+    return {**dense, **tables}
+
+
 #: How a batch's ids reach the tables' holders, by ``build_hybrid``'s ``ids``.
 IDS = {"with gradients": "counts and ids with the rows' gradients of the backward before",
        "one round": "counts and ids in one round", "two rounds": "counts, then ids"}
@@ -145,7 +154,8 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     statistics, reset = statistics_of(model)  # gradients and activation exchanges
     if not prefetch:
         return Setup(model=model, optimizer=Pair(dense_opt, table_opt), settle=model.synchronize,
-                     reset=reset, statistics=statistics, close=close, details=details)
+                     reset=reset, statistics=statistics, close=close, details=details,
+                     parameters=lambda: whole_parameters(net))
     # the next batch's rows leave as soon as the tables are updated (start_lookup): at the end
     # of backward when they are updated in it, else after their step
     if fused:
@@ -154,7 +164,8 @@ def build_hybrid(options: SetupOptions, prefetch: bool = True, defer: bool = Fal
     return Setup(model=model, optimizer=Pair(dense_opt, table_opt, after),
                  settle=model.synchronize, reset=reset,
                  statistics=statistics, close=close, details=details,
-                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse))
+                 prefetch=lambda inputs: net.embeddings.prefetch(inputs.sparse),
+                 parameters=lambda: whole_parameters(net))
 
 
 def build_hybrid_lockstep(options: SetupOptions) -> Setup:

@@ -14,15 +14,21 @@ Configurations:
 * ``scaleout-sharded`` — the same with ``distributed_update=True`` (MLSL's distributed
   update: gradients reduce-scattered, each rank updates its slice, the increments
   all-gathered; exact gradients whatever ``--compression`` says): the peer of ``zero``.
-* ``ddp`` — torch ``DistributedDataParallel`` with its default buckets (25 MB, first 1 MB).
+* ``ddp`` — torch ``DistributedDataParallel`` with its default buckets (25 MiB, first 1 MiB).
 * ``ddp-fp16`` — DDP with the ``fp16_compress_hook`` communication hook.
 * ``ddp-powersgd`` — DDP with ``powerSGD_hook`` (rank :data:`POWERSGD_RANK`, compression
   from iteration :data:`POWERSGD_START`, error feedback and warm start on: torch's defaults;
   over gloo one bucket at a time, :mod:`scaleout.bench.ddp_hooks`).
 * ``zero`` — DDP with torch's ``ZeroRedundancyOptimizer`` (optimizer state sharded).
 * ``ddp-tuned`` / ``ddp-tuned:MB`` — DDP as a careful user tunes it:
-  ``gradient_as_bucket_view=True``, ``static_graph=True`` and ``bucket_cap_mb`` MB
-  (default :data:`TUNED_BUCKET_MB`; sweep it with several ``ddp-tuned:MB`` peers in one run).
+  ``gradient_as_bucket_view=True``, ``static_graph=True``, and torch's default buckets
+  (``bucket_cap_mb=None``: 25 MiB, the first 1 MiB) or ``bucket_cap_mb=MB`` (which in torch
+  2.13 also makes the first bucket MB; sweep it with several ``ddp-tuned:MB`` peers in one
+  run).
+
+Every DDP set-up records, after each round, the buckets as DDP rebuilt them after its first
+iterations (``details["buckets_mib"]``, in the order they are reduced; ``buckets_rebuilt``
+false while they are still the ones built at construction).
 * ``lockstep``, ``lockstep-traffic`` — the machine's ceilings, not trainers
   (:mod:`scaleout.bench.train_ceilings`).
 * ``hybrid`` — DLRM only: the embedding tables sharded across the ranks
@@ -63,7 +69,8 @@ from scaleout.bench.train_setup import (LR, MOMENTUM, Setup, SetupOptions, nothi
                                        param_groups, sgd, statistics_of, tune_windows)
 
 __all__ = ["AUTO", "PEERS", "CONFIGURATIONS", "POWERSGD_RANK", "POWERSGD_START", "TUNED_BUCKET_MB",
-           "SetupOptions", "Setup", "build_setup", "is_configuration", "param_groups"]
+           "SetupOptions", "Setup", "build_setup", "ddp_buckets", "is_configuration",
+           "param_groups"]
 
 #: Peers a user may name with ``--vs``.
 PEERS = ("ddp", "ddp-tuned", "ddp-fp16", "ddp-powersgd", "zero", "scaleout-sharded", "hybrid",
@@ -82,8 +89,9 @@ POWERSGD_START = 2
 #: (``bench train --compression auto``; ``auto-exact``: scheduling only).
 AUTO: Mapping[str, bool] = MappingProxyType({"auto": True, "auto-exact": False})
 
-#: ``ddp-tuned``'s bucket size when none is named (torch's default; ``ddp-tuned:MB`` sweeps).
-TUNED_BUCKET_MB = 25
+#: ``ddp-tuned``'s bucket size when none is named: ``None``, torch's default layout (25 MiB,
+#: the first bucket 1 MiB); naming 25 would make the first bucket 25 MiB too.
+TUNED_BUCKET_MB = None
 
 def _single(options: SetupOptions) -> Setup:
     model = options.build_model()
@@ -128,7 +136,7 @@ def _scaleout(options: SetupOptions, sharded: bool = False) -> Setup:
 
 
 def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
-         tuned_mb: int | None = None) -> Setup:
+         tuned: bool = False, tuned_mb: int | None = None) -> Setup:
     from torch.nn.parallel import DistributedDataParallel
 
     device = options.torch_device()
@@ -136,15 +144,11 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
     tdist.init_process_group(backend, init_method="env://",
                              timeout=timedelta(seconds=options.timeout_s))
     device_ids = [device.index] if device.type == "cuda" else None
-    if tuned_mb is None:
-        model = DistributedDataParallel(options.build_model(), device_ids=device_ids)
-    else:
-        model = DistributedDataParallel(options.build_model(), device_ids=device_ids,
-                                        bucket_cap_mb=tuned_mb, gradient_as_bucket_view=True,
-                                        static_graph=True)
-    details: dict[str, Any] = {"bucket_cap_mb": tuned_mb or 25, "hook": hook, "backend": backend,
-                               "gradient_as_bucket_view": tuned_mb is not None,
-                               "static_graph": tuned_mb is not None}
+    model = DistributedDataParallel(options.build_model(), device_ids=device_ids,
+                                    bucket_cap_mb=tuned_mb, gradient_as_bucket_view=tuned,
+                                    static_graph=tuned)
+    details: dict[str, Any] = {"bucket_cap_mb": tuned_mb, "hook": hook, "backend": backend,
+                               "gradient_as_bucket_view": tuned, "static_graph": tuned}
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -174,7 +178,22 @@ def _ddp(options: SetupOptions, hook: str | None = None, zero: bool = False,
     else:
         optimizer = sgd(param_groups(model.module))
     return Setup(model=model, optimizer=optimizer, settle=nothing, reset=nothing,
-                 statistics=None, close=tdist.destroy_process_group, details=details)
+                 statistics=None, close=tdist.destroy_process_group, details=details,
+                 after_round=lambda: details.update(ddp_buckets(model)))
+
+
+def ddp_buckets(model: Any) -> dict[str, Any]:
+    """DDP's buckets as it reduces them: ``buckets_mib`` (in reduction order, after DDP's
+    rebuild once it has seen an iteration; with ``static_graph`` after its second) and
+    ``buckets_rebuilt``, from DDP's logging data."""
+    try:  # (a private torch API: without it, the sizes are unknown, the run goes on)
+        data = model._get_ddp_logging_data()
+    except (AttributeError, RuntimeError):
+        return {"buckets_mib": None, "buckets_rebuilt": None}
+    rebuilt = data.get("rebuilt_bucket_sizes")
+    sizes = rebuilt if rebuilt else data.get("bucket_sizes", "")
+    return {"buckets_mib": [round(int(b) / 2**20, 2) for b in str(sizes).split(",") if b.strip()],
+            "buckets_rebuilt": bool(rebuilt)}
 
 
 def _backend(device: torch.device) -> str:
@@ -206,7 +225,7 @@ _BUILDERS: dict[str, Callable[[SetupOptions], Setup]] = {
     "scaleout": _scaleout,
     "scaleout-sharded": lambda o: _scaleout(o, sharded=True),
     "ddp": _ddp,
-    "ddp-tuned": lambda o: _ddp(o, tuned_mb=TUNED_BUCKET_MB),
+    "ddp-tuned": lambda o: _ddp(o, tuned=True, tuned_mb=TUNED_BUCKET_MB),
     "ddp-fp16": lambda o: _ddp(o, hook="fp16"),
     "ddp-powersgd": lambda o: _ddp(o, hook="powersgd"),
     "zero": lambda o: _ddp(o, zero=True),
@@ -251,7 +270,7 @@ def build_setup(name: str, options: SetupOptions) -> Setup:
     """
     mb = _tuned_mb(name)
     if mb is not None:
-        return _with_budget(_ddp(options, tuned_mb=mb), options)
+        return _with_budget(_ddp(options, tuned=True, tuned_mb=mb), options)
     try:
         builder = _BUILDERS[name]
     except KeyError:

@@ -10,22 +10,31 @@ From the raw runs of :func:`scaleout.bench.train.run_benchmark`:
   (above 1: scaleout is faster);
 * scaleout's exposed and in-flight communication per iteration and bytes sent per
   iteration, from its :class:`~scaleout.session.Statistics` on rank 0, medians over rounds;
-* the last loss: rank 0's loss of the last timed iteration, the median over rounds.
+* the last loss: rank 0's loss of the last timed iteration, the median over rounds;
+* ``vs best tuned`` (with ``ddp-tuned`` peers): scaleout's throughput over that of the
+  fastest of ``ddp`` and every ``ddp-tuned[:MB]`` of the run (the lowest median iteration
+  time), the median of per-round ratios;
+* whether each configuration trained what it should (:mod:`scaleout.bench.train_checks`):
+  ``WRONG:`` lines, and configurations faster than their ceiling as suspect.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import shlex
 import statistics
 import sys
 from collections.abc import Sequence
 
+from scaleout.bench.provenance import machine_facts, scaleout_env, source_facts
+from scaleout.bench.train_checks import EXACT_TOLERANCE, check_rounds, suspects
 from scaleout.table import format_table
 
-__all__ = ["summarize", "build_report", "format_report", "plot_report", "machine_facts"]
+__all__ = ["summarize", "build_report", "format_report", "plot_report", "machine_facts",
+           "best_tuned", "wrong_lines"]
+
+#: The column of scaleout's ratio to the fastest of ``ddp`` and the ``ddp-tuned`` peers.
+BEST_TUNED = "best tuned"
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -62,6 +71,7 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
         thr = run["batch_per_rank"] * run["ranks"] / run["median_iter_s"]
         by_round.setdefault(run["round"], {})[run["config"]] = {**run, "throughput": thr}
     rounds = [by_round[r] for r in sorted(by_round)]
+    checks = check_rounds(raw["runs"])
     summary: dict[str, dict[str, object]] = {}
     for name in names:
         present = [rnd for rnd in rounds if name in rnd]
@@ -92,8 +102,28 @@ def summarize(raw: dict) -> dict[str, dict[str, object]]:
         entry["details"] = details[0] if details else {}
         if name in failures:
             entry["failed"] = failures[name]
+        if name in checks:
+            entry["check"] = checks[name]
         summary[name] = entry
+    best = best_tuned(summary, peers)
+    for name, entry in summary.items():
+        if best is not None and name.startswith("scaleout"):
+            ratios = [rnd[name]["throughput"] / rnd[best]["throughput"]
+                      for rnd in rounds if name in rnd and best in rnd]
+            entry["over_best_tuned"] = {"peer": best, "ratio": _median(ratios),
+                                        "per_round": ratios}
     return summary
+
+
+def best_tuned(summary: dict[str, dict[str, object]], peers: Sequence[str]) -> str | None:
+    """The fastest (lowest median iteration time) of ``ddp`` and every ``ddp-tuned[:MB]``
+    among ``peers``, when a ``ddp-tuned`` one ran; else ``None``."""
+    if not any(p.startswith("ddp-tuned") for p in peers):
+        return None
+    timed = [(summary[p]["iter_ms"], p) for p in peers
+             if (p == "ddp" or p.startswith("ddp-tuned")) and p in summary
+             and summary[p]["iter_ms"] is not None]
+    return min(timed)[1] if timed else None
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -102,21 +132,6 @@ def _short(text: str, width: int = 60) -> str:
 
 def _variant(spec: str) -> str:
     return "scaleout" if spec == "none" else f"scaleout+{spec}"
-
-
-def machine_facts() -> dict[str, object]:
-    """Facts that matter when reading the numbers later: cores, load, versions."""
-    import torch
-
-    facts: dict[str, object] = {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine(),
-        "python": platform.python_version(), "torch": torch.__version__,
-    }
-    if hasattr(os, "sched_getaffinity"):
-        facts["cpus_usable"] = len(os.sched_getaffinity(0))
-    if hasattr(os, "getloadavg"):
-        facts["loadavg"] = list(os.getloadavg())
-    return facts
 
 
 def build_report(raw: dict, *, argv: Sequence[str] | None = None,
@@ -135,13 +150,44 @@ def build_report(raw: dict, *, argv: Sequence[str] | None = None,
     machine = machine_facts()
     if machine_before is not None and "loadavg" in machine_before:
         machine["loadavg_before"] = machine_before["loadavg"]
+    summary = summarize(raw)
     return {
         "command": " ".join(shlex.quote(a) for a in argv), "argv": argv,
         "date": started.isoformat(timespec="seconds"), "machine": machine,
+        "source": source_facts(), "scaleout_env": scaleout_env(),
         "settings": raw["config"], "network": raw["network"],
         "warm_ranks": raw.get("warm_ranks", False),
-        "summary": summarize(raw), "runs": raw["runs"],
+        "summary": summary, "checks": {"wrong": wrong_lines(summary),
+                                       "suspect": suspects(summary),
+                                       "exact_tolerance": EXACT_TOLERANCE},
+        "runs": raw["runs"],
     }
+
+
+def wrong_lines(summary: dict[str, dict[str, object]]) -> list[str]:
+    """``"NAME: what differed"`` for every configuration that trained wrong."""
+    return [f"{name}: {why}" for name, entry in summary.items()
+            for why in (entry.get("check") or {}).get("wrong", ())]
+
+
+def _check_notes(summary: dict[str, dict[str, object]]) -> list[str]:
+    """What the parameter checks found: which configurations hold one model on every rank,
+    the exact ones' largest distance to the reference, each lossy one's distance."""
+    checked = {n: e["check"] for n, e in summary.items() if e.get("check")}
+    if not checked:
+        return []
+    right = {n: c for n, c in checked.items() if not c["wrong"]}
+    reference = next((c["reference"] for c in checked.values() if c["reference"]), None)
+    exact = [n for n, c in right.items() if c["exact"] and n != reference]
+    lossy = [f"{n} {c['distance']:.3g}" for n, c in right.items()
+             if not c["exact"] and c["distance"] is not None]
+    worst = max((right[n]["distance"] or 0.0 for n in exact), default=0.0)
+    line = (f"checked: {len(right)} of {len(checked)} trainers right (parameters digested after "
+            "every round: the same on every rank"
+            + (f"; {', '.join(exact)} the same as {reference}'s, up to {worst:.2g} of the "
+               f"movement, tolerance {EXACT_TOLERANCE:g}" if exact and reference else "")
+            + (f"; lossy, distance to {reference}'s: {', '.join(lossy)}" if lossy else "") + ")")
+    return [line]
 
 
 def format_report(report: dict) -> str:
@@ -149,14 +195,17 @@ def format_report(report: dict) -> str:
     s, net, summary = report["settings"], report["network"], report["summary"]
     header = (f"{s['workload']} on {s.get('device', 'cpu')}, {s['ranks']} ranks x {s['batch']} samples, "
               f"{_count(s['rounds'], 'round')} x {_count(s['iters'], 'timed iteration')} "
-              f"({s['warmup']} warm-up), {_count(s['threads'], 'thread')} per rank, "
+              f"({s['warmup']} warm-up, {s.get('lead_in', 0)} lead-in not counted), "
+              f"{_count(s['threads'], 'thread')} per rank, "
               f"{'warm ranks' if report.get('warm_ranks') else 'fresh ranks every round'}\n"
               f"network: {net['description']}")
     peers = list(s["peers"])
+    best = best_tuned(summary, peers)
+    columns = [*peers, *([BEST_TUNED] if best is not None else [])]
     rows, failed = [], []
     for name, e in summary.items():
         if e.get("failed") and e["throughput"] is None:
-            rows.append([name, f"FAILED: {_short(e['failed'])}", *([""] * (7 + len(peers)))])
+            rows.append([name, f"FAILED: {_short(e['failed'])}", *([""] * (7 + len(columns)))])
             failed.append(f"{name} FAILED: {e['failed']}")
             continue
         if e.get("failed"):
@@ -168,11 +217,12 @@ def format_report(report: dict) -> str:
             name if name != "single" else "single (1 rank)", _fmt(e["throughput"], ".1f"), spread,
             _fmt(e["iter_ms"], ".1f"), _fmt(e["efficiency"], ".0%"),
             *(_fmt(e["over_peers"].get(p), ".3f") for p in peers),
+            *([_fmt((e.get("over_best_tuned") or {}).get("ratio"), ".3f")] if best else []),
             _fmt(e.get("exposed_ms_per_iter"), ".1f"), _fmt(e.get("comm_ms_per_iter"), ".1f"),
             _fmt(None if mb is None else mb / 1e6, ".2f"), _fmt(e.get("final_loss"), ".5f"),
         ])
     headers = ["configuration", "samples/s", "min..max", "iter ms", "efficiency",
-               *(f"vs {p}" for p in peers), "exposed ms/it", "comm ms/it", "MB/it", "last loss"]
+               *(f"vs {p}" for p in columns), "exposed ms/it", "comm ms/it", "MB/it", "last loss"]
     so = next((e["details"] for n, e in summary.items() if n.startswith("scaleout")), {}) or {}
     notes = [
         f"efficiency = samples/s / ({s['ranks']} x single's, same round); vs PEER = median "
@@ -195,7 +245,13 @@ def format_report(report: dict) -> str:
         if tuned:  # what the self-tuning variant chose in the first round, on rank 0
             notes.append(f"{name} tuned itself (first round):\n      "
                          + tuned["summary"].replace("\n", "\n      "))
+    if best is not None:
+        notes.append(f"vs best tuned: against {best}, the fastest of ddp and the ddp-tuned "
+                     "peers (lowest median iteration time)")
+    notes += _check_notes(summary)
     notes += failed
+    notes += [f"SUSPECT: {line}" for line in report.get("checks", {}).get("suspect", ())]
+    notes += [f"WRONG: {line}" for line in report.get("checks", {}).get("wrong", ())]
     if not net.get("testbed"):
         notes.append("NO TESTBED: ranks talk over loopback with no rate limit; these numbers "
                      "say little about a real network")

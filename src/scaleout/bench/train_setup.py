@@ -14,8 +14,20 @@ from torch import nn
 from scaleout.pytorch.tune_check import check_iterations
 from scaleout.workloads import Workload
 
-__all__ = ["AUTO_WARMUP", "AUTO_WARMUP_DEFAULT", "LR", "MOMENTUM", "Setup", "SetupOptions",
-           "nothing", "param_groups", "sgd", "statistics_of", "tune_windows"]
+__all__ = ["AUTO_WARMUP", "AUTO_WARMUP_DEFAULT", "LEAD_IN", "LR", "MOMENTUM", "Setup",
+           "SetupOptions", "nothing", "param_groups", "sgd", "statistics_of", "steps_per_round",
+           "tune_windows"]
+
+#: Timed iterations before ``--iters`` whose times are kept in the JSON but left out of the
+#: figures: the first after the settle that ends the warm-up has nothing earlier to wait for
+#: (:mod:`scaleout.bench.train_worker`).
+LEAD_IN = 1
+
+
+def steps_per_round(warmup: int, iters: int) -> int:
+    """Training steps one round takes: the warm-up, the lead-in and the counted iterations."""
+    return warmup + LEAD_IN + iters
+
 
 #: The SGD every configuration trains with.
 LR = 0.01
@@ -108,9 +120,17 @@ class Setup:
         statistics: scaleout's per-iteration figures, or ``None`` for peers.
         close: release threads and process groups.
         details: facts about the set-up for the report (hook options, bucket sizes).
-        prefetch: called with the next iteration's inputs before each iteration but the
-            last, and with the first iteration's inputs before it (``hybrid``: starts the
-            exchange of a batch's ids, which its forward then takes), or ``None``.
+        prefetch: called with the next iteration's inputs before every iteration (the
+            batches cycle, and the last iteration of a round prefetches the first of the
+            next, or one that the closing settle drains), and with the very first
+            iteration's inputs before it (``hybrid``: starts the exchange of a batch's ids,
+            which its forward then takes), or ``None``.
+        parameters: the model's parameters whole, named as in the workload's model, on
+            every rank (every rank calls it at once: ``hybrid`` gathers its tables), or
+            ``None``: the model's own, its DDP or DataParallel wrapper taken off
+            (:mod:`scaleout.bench.train_digest`).
+        after_round: called once a round's timed iterations are settled, to bring
+            ``details`` up to date (DDP: its buckets as rebuilt), or ``None``.
     """
 
     model: nn.Module
@@ -121,6 +141,8 @@ class Setup:
     close: Callable[[], None]
     details: dict[str, Any]
     prefetch: Callable[[Any], None] | None = None
+    parameters: Callable[[], dict[str, torch.Tensor]] | None = None
+    after_round: Callable[[], None] | None = None
 
 
 def param_groups(net: nn.Module) -> list[dict[str, Any]]:

@@ -2,10 +2,21 @@
 
 Launched by :func:`scaleout.bench.train.run_benchmark` (``python -m
 scaleout.bench.train_worker --config ddp ...``), as warm ranks (below) or as fresh processes
-for every configuration run. Each rank builds the model from the same seed, runs ``--warmup`` untimed iterations, settles pending
-communication, meets the other ranks once (a barrier), then runs ``--iters`` iterations of
-forward, backward, ``step()`` and ``zero_grad()``, timing each on its own with no barrier
-in the loop. Rank 0 writes the iteration times (and scaleout's statistics) to ``--json``.
+for every configuration run. Each rank builds the model from the same seed, runs ``--warmup``
+untimed iterations, settles pending communication, meets the other ranks once (a barrier),
+then runs :data:`LEAD_IN` + ``--iters`` iterations of forward, backward, ``step()`` and
+``zero_grad()``, timing each on its own with no barrier in the loop, and settles again.
+The lead-in iteration is timed and kept in the JSON but left out of the median: after
+the settle it has no earlier update or communication to wait for (in overlap mode, scaleout's
+iterations wait for the one before; ``hybrid``'s forward takes rows already looked up), so
+it ran a median 0.55x the others' time for scaleout over 2,806 stored runs; every reported
+iteration follows one that ran like it, in every configuration alike. Then every rank digests
+its parameters (:mod:`scaleout.bench.train_digest`), and rank 0 writes the iteration times,
+the digests (and scaleout's statistics) to ``--json``.
+
+Batches cycle by the model's step, counted over every round, so that every configuration
+takes the same batches in the same order, and a batch prefetched at the end of a round
+(``hybrid``) is the one the next round starts with.
 
 While it runs, rank 0 prints ``@@progress DONE TOTAL`` after every iteration; the runner
 turns these lines into its progress bar.
@@ -29,7 +40,9 @@ import time
 
 import torch
 
+from scaleout.bench.train_digest import ParameterDigest, gather_digests
 from scaleout.bench.train_peers import CONFIGURATIONS, SetupOptions, build_setup, is_configuration
+from scaleout.bench.train_setup import LEAD_IN, steps_per_round
 from scaleout.workloads import batch_to, get_workload
 
 __all__ = ["PROGRESS_MARK", "DISTINCT_BATCHES", "GO_POLL_S", "go_file", "main", "ready_file",
@@ -110,30 +123,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _timed_round(args: argparse.Namespace, setup: object, iteration: object,
-                 distributed: bool) -> dict[str, object]:
-    """Warm-up, settle, meet, then the timed iterations; what was measured."""
-    total = args.warmup + args.iters
-    for step in range(args.warmup):
-        iteration(step)
+                 distributed: bool, first: int, digest: ParameterDigest) -> dict[str, object]:
+    """Warm-up, settle, meet, the lead-in and the timed iterations, settle; what was
+    measured, and the parameters' digests. ``first`` is the model's step at the round's
+    start."""
+    total = steps_per_round(args.warmup, args.iters)
+    for done in range(args.warmup):
+        iteration(first + done, done, total)
     setup.settle()
     tuning = getattr(setup.model, "tuning", None)  # what a self-tuning model chose
     if tuning is not None:
         setup.details["tuning"] = {**tuning.as_dict(), "summary": tuning.summary()}
-    setup.reset()
-    if distributed:
+    setup.reset()  # (the statistics count the lead-in too: an iteration's communication
+    if distributed:  # completes in the next one, the last one's in the settle below)
         torch.distributed.barrier()
     times = []
     loop_start = time.perf_counter()
-    for step in range(args.warmup, total):
+    for done in range(args.warmup, total):
         start = time.perf_counter()
-        iteration(step)
+        iteration(first + done, done, total)
         times.append(time.perf_counter() - start)
     setup.settle()  # overlap mode: the last iteration's communication
+    loop_s = time.perf_counter() - loop_start
+    if setup.after_round is not None:
+        setup.after_round()
     return {
-        "iter_s": times, "median_iter_s": statistics.median(times),
-        "loop_s": time.perf_counter() - loop_start, "loop_start": loop_start,
+        "iter_s": times, "lead_in": LEAD_IN, "median_iter_s": statistics.median(times[LEAD_IN:]),
+        "loop_s": loop_s, "loop_start": loop_start,
         "details": setup.details,
         "scaleout_stats": setup.statistics() if setup.statistics is not None else None,
+        "steps": first + total, "digests": gather_digests(digest, distributed),
     }
 
 
@@ -169,20 +188,21 @@ def main(argv: list[str] | None = None) -> object:
         _wait_for_turn(args.go, 0, args.go_timeout)
     started = time.perf_counter()
     setup = build_setup(args.config, options)
+    digest = ParameterDigest(setup)  # (the parameters as they start)
+    total = steps_per_round(args.warmup, args.iters)
     batches = [batch_to(workload.make_batch(args.batch * world, step, args.seed, rank=rank,
                                        world_size=world), device)
-               for step in range(min(DISTINCT_BATCHES, args.warmup + args.iters))]
-    total = args.warmup + args.iters
+               for step in range(min(DISTINCT_BATCHES, total))]
 
     last_loss: list[torch.Tensor] = []
 
-    def iteration(step: int) -> None:
+    def iteration(step: int, done: int, total: int) -> None:
+        """The model's step ``step`` (batches cycle by it), the round's ``done``-th."""
         inputs, targets = batches[step % len(batches)]
-        if setup.prefetch is not None:  # (hybrid: the next batch's ids travel during this one)
-            if step == 0:
+        if setup.prefetch is not None:  # (hybrid: the next batch's ids travel during this one;
+            if step == 0:                # the last iteration's too, drained by the settle)
                 setup.prefetch(inputs)
-            if step + 1 < total:
-                setup.prefetch(batches[(step + 1) % len(batches)][0])
+            setup.prefetch(batches[(step + 1) % len(batches)][0])
         loss = workload.loss_fn(setup.model(inputs), targets)
         loss.backward()
         last_loss[:] = [loss.detach()]  # read once at the end: no host sync per iteration
@@ -191,13 +211,14 @@ def main(argv: list[str] | None = None) -> object:
         if cuda:  # the iteration's time includes its kernels, not only their launches
             torch.cuda.synchronize(device)
         if rank == 0:
-            print(f"{PROGRESS_MARK} {step + 1} {total}", flush=True)
+            print(f"{PROGRESS_MARK} {done + 1} {total}", flush=True)
 
     for round_index in range(args.rounds):
         if round_index:
             _wait_for_turn(args.go, round_index, args.go_timeout)
             started = time.perf_counter()
-        result = _timed_round(args, setup, iteration, distributed)
+        result = _timed_round(args, setup, iteration, distributed, round_index * total,
+                              digest)
         result["setup_and_warmup_s"] = result.pop("loop_start") - started
         result.update(config=args.config, ranks=world, batch_per_rank=args.batch,
                       threads=args.threads, device=str(device), round=round_index,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import os
@@ -88,6 +89,7 @@ def handle_collectives(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"scaleout bench: error: {err}", file=sys.stderr)
         return 2
+    started = datetime.datetime.now(datetime.timezone.utc)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json")
         target = ["-m", "scaleout.bench.collectives", "--ops", args.ops, "--sizes", args.sizes,
@@ -98,6 +100,10 @@ def handle_collectives(args: argparse.Namespace) -> int:
             return code
         with open(path) as handle:
             results = json.load(handle)
+    from scaleout.bench.provenance import run_facts
+
+    results = {"command": getattr(args, "command_line", ["scaleout", *sys.argv[1:]]),
+               "date": started.isoformat(timespec="seconds"), **run_facts(), **results}
     print(f"\n{results['ranks']} ranks, backend {results['backend']}, buffers on "
           f"{results.get('device', 'cpu')}; ours/torch is the median "
           "of per-round time ratios (1.000 = no overhead)")

@@ -16,11 +16,14 @@ EXAMPLE = """examples:
 
 Sizes count fp32 values (25M = 26,214,400), viewed as the most nearly square matrix.
 'x copy' is a time over that of one device-to-device copy of the same fp32 bytes (the
-memory-bandwidth limit); 'exchange' is the codec's whole exchange at world size 1 on a
-process group, 'torch' torch's hook on the same tensor and group (fp16_compress_hook for
-cast:fp16, powerSGD_hook for powersgd); 'host syncs' (CUDA) counts the times one encode +
-decode / one exchange made the host wait for the GPU. On the CPU, CUDA is hidden from this process
-(torch's PowerSGD hook would call torch.cuda.synchronize() on CPU tensors).
+memory-bandwidth limit); 'exchange' is the codec's whole exchange on a process group of two
+ranks (this process and a peer it starts, over loopback: gloo, or NCCL with the peer on
+another GPU; one rank with --ranks 1 or a single GPU, which the header says), 'wire' a
+dense all-reduce's wire bytes over the exchange's, 'torch' torch's hook on the same tensor
+and group (fp16_compress_hook for cast:fp16, powerSGD_hook for powersgd); 'host syncs'
+(CUDA) counts the times one encode + decode / one exchange made the host wait for the GPU.
+On the CPU, CUDA is hidden from this process and its peer (torch's PowerSGD hook would call
+torch.cuda.synchronize() on CPU tensors).
 """
 
 
@@ -30,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "codecs", help="codec encode+decode time vs a copy, beside torch's DDP hooks",
-        description="Time every gradient codec (encode + decode, and its whole exchange at "
-                    "world size 1) on one device, as multiples of a device-to-device copy of "
+        description="Time every gradient codec (encode + decode, and its whole exchange on "
+                    "two ranks) on one device, as multiples of a device-to-device copy of "
                     "the same bytes, beside torch's fp16 and PowerSGD hooks.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -43,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs, median (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--ranks", type=int, default=2, choices=(1, 2),
+                        help="ranks of the exchange's process group (default 2: a peer "
+                             "process over loopback; 1 moves nothing)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write results as JSON")
     parser.set_defaults(func=handler)
 
@@ -77,16 +83,18 @@ def codecs_table(report: dict) -> str:
     rows = []
     for r in report["results"]:
         if "error" in r:
-            rows.append([r["codec"], str(r["numel"]), "failed: " + r["error"][:60], "", "", "", "",
-                         "", "", ""])
+            rows.append([r["codec"], str(r["numel"]), "failed: " + r["error"][:60],
+                         *([""] * 8)])
             continue
+        wire = r.get("wire_ratio")
         rows.append([r["codec"], str(r["numel"]), ms(r["encode_decode_s"]),
                      times(r["encode_decode_x_copy"]), ms(r["exchange_s"]), times(r["exchange_x_copy"]),
+                     "-" if wire is None else f"{wire:.1f}x",
                      r.get("torch_hook", "-"), ms(r.get("torch_s")),
                      "-" if "ours_over_torch" not in r else f"{r['ours_over_torch']:.2f}",
                      f"{r['host_syncs']}/{r['exchange_host_syncs']}" if "host_syncs" in r else "-"])
-    headers = ["codec", "values", "enc+dec ms", "x copy", "exchange ms", "x copy", "torch hook",
-               "torch ms", "ours/torch", "host syncs"]
+    headers = ["codec", "values", "enc+dec ms", "x copy", "exchange ms", "x copy", "wire",
+               "torch hook", "torch ms", "ours/torch", "host syncs"]
     return format_table(headers, rows)
 
 
@@ -120,9 +128,12 @@ def handler(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import datetime
+
     import torch
 
     from scaleout.bench.codecs import CodecBenchConfig, run_codec_bench
+    from scaleout.bench.provenance import run_facts
     from scaleout.bench.stats import parse_sizes
 
     try:
@@ -132,14 +143,20 @@ def _run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         config = CodecBenchConfig(device=args.device, sizes=tuple(parse_sizes(args.sizes)),
                                   codecs=split_codecs(args.codecs), repeats=args.repeats,
-                                  warmup=args.warmup)
+                                  warmup=args.warmup, ranks=getattr(args, "ranks", 2))
     except ValueError as err:
         print(f"scaleout bench codecs: error: {err}", file=sys.stderr)
         return 2
+    started = datetime.datetime.now(datetime.timezone.utc)
     report = run_codec_bench(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     report["command"] = getattr(args, "command_line", ["scaleout", *sys.argv[1:]])
+    report.update(date=started.isoformat(timespec="seconds"), **run_facts())
+    alone = report["exchange_alone"]
+    where = (f"exchanges on {report['exchange_ranks']} ranks ({report['exchange_backend']})"
+             if alone is None else f"exchanges at WORLD SIZE 1 ({alone}): nothing moves, and a "
+             "codec may skip work training does")
     print(f"\n{report['device_name']} ({report['device']}), torch {report['torch']}, "
-          f"{report['threads']} CPU threads; medians of {config.repeats} runs")
+          f"{report['threads']} CPU threads; medians of {config.repeats} runs; {where}")
     print(codecs_table(report))
     if args.json:
         with open(args.json, "w") as handle:

@@ -48,6 +48,10 @@ fresh ranks every round):
 The testbed (one network namespace per rank, links shaped to --rate) needs root, ip and
 tc; --no-testbed runs over loopback instead, with no rate limit. A configuration that
 fails is reported with its reason and not run again; the others go on (exit code 1).
+Each round times one lead-in iteration more than --iters, recorded but not counted.
+After every round each rank digests its parameters: a trainer whose ranks disagree, or
+an exact one (scaleout, ddp, ddp-tuned, zero, scaleout-sharded, hybrid) that differs
+from ddp, is reported in a WRONG: line (exit code 1); lossy ones get their distance.
 """
 
 
@@ -99,7 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed iterations before them (default 2; 16 with "
                              "--compression auto, which tunes and checks its choice during "
-                             "them; 10, the least it takes)")
+                             "them; 10, the least it takes; at least 2 with ddp-powersgd); "
+                             "then one lead-in iteration, timed but not counted")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank (default: the workload's)")
     parser.add_argument("--compression", action="append", default=None, metavar="SPEC",
@@ -193,14 +198,21 @@ def _error(message: str) -> int:
     return 2
 
 
-def _warmup(args: argparse.Namespace) -> int:
+def _warmup(args: argparse.Namespace, peers: tuple[str, ...]) -> int:
     """``--warmup``, or its default: 2, or :data:`AUTO_WARMUP_DEFAULT` when a variant tunes
-    itself (``auto``)."""
-    if args.warmup is not None:
-        return args.warmup
+    itself (``auto``); raised to ``POWERSGD_START`` (and said on stderr) with
+    ``ddp-powersgd``, whose iterations before that are plain allreduce."""
     from scaleout.bench.train_config import AUTO_WARMUP_DEFAULT
+    from scaleout.bench.train_peers import POWERSGD_START
 
-    return AUTO_WARMUP_DEFAULT if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+    if args.warmup is None:
+        return AUTO_WARMUP_DEFAULT if {"auto", "auto-exact"} & set(args.compression or ()) else 2
+    if "ddp-powersgd" in peers and 0 <= args.warmup < POWERSGD_START:
+        print(f"scaleout bench train: --warmup {args.warmup} raised to {POWERSGD_START}: "
+              f"ddp-powersgd compresses from iteration {POWERSGD_START} (plain allreduce "
+              "before), and every configuration takes the same warm-up", file=sys.stderr)
+        return POWERSGD_START
+    return args.warmup
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -218,7 +230,7 @@ def handler(args: argparse.Namespace) -> int:
         config = TrainBenchConfig(
             workload=args.workload, ranks=args.ranks, rate=cluster_rate(args), peers=peers,
             memory_budget=budget,
-            rounds=args.rounds, iters=args.iters, warmup=_warmup(args), batch=args.batch,
+            rounds=args.rounds, iters=args.iters, warmup=_warmup(args, peers), batch=args.batch,
             compression=tuple(args.compression or ["none"]), policy=args.policy, mode=args.mode,
             threads=args.threads, seed=args.seed, testbed=not args.no_testbed,
             timeout_s=args.timeout, device=args.device, trace=getattr(args, "trace", None),
@@ -262,5 +274,9 @@ def handler(args: argparse.Namespace) -> int:
     if failed:
         print(f"scaleout bench train: {len(failed)} configuration(s) failed: {', '.join(failed)} "
               "(their output is in the JSON's runs)", file=sys.stderr)
-        return 1
-    return 0
+    wrong = [name for name, entry in report["summary"].items()
+             if (entry.get("check") or {}).get("wrong")]
+    if wrong:
+        print(f"scaleout bench train: {len(wrong)} configuration(s) trained wrong: "
+              f"{', '.join(wrong)} (the WRONG lines above; the JSON's checks)", file=sys.stderr)
+    return 1 if failed or wrong else 0

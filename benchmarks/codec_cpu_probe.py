@@ -1,8 +1,9 @@
 """CPU seconds per MB of each codec's whole exchange, on this machine (not a collective run).
 
 ``scaleout.sim.config.CODECS`` charges a codec its CPU work per input byte. This measures it
-the way ``scaleout bench codecs`` times the exchange (``compressed_allreduce`` on a
-world-size-1 gloo group: encode, the codec's rounds, decode; no network), but as the
+the way ``scaleout bench codecs`` timed the exchange until stop 49 (``compressed_allreduce``
+on a world-size-1 gloo group: encode, the codec's rounds, decode; no network; the bench now
+exchanges on two ranks, where cast, for one, does its work: a group of one skips it), but as the
 process's CPU time rather than wall time, so that other load on the machine does not count:
 on a 2-core machine shared with other work the wall time reads ~2x the CPU time, and the
 simulator already shares the cores between compute and this work (processor sharing). One

@@ -102,6 +102,14 @@ def body(name: str) -> float:
                          scheduler=SchedulerConfig(bucket_bytes=1, first_bucket_bytes=1))
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    return train_beside(env, model, opt, ref, ref_opt, name)
+
+
+def train_beside(env: object, model: DataParallel, opt: DistributedOptimizer, ref: nn.Module,
+                 ref_opt: torch.optim.Optimizer, name: str) -> float:
+    """STEPS steps of ``model`` on this rank's batches and of ``ref`` on every rank's; the
+    largest difference of their weights after."""
+    net = model.module
     for step in range(STEPS):
         model(data(name, step, env.rank)).pow(2).mean().backward()
         opt.step()
@@ -170,19 +178,7 @@ def body_evaluation_first() -> float:
         with torch.no_grad():
             module(data("gated", 99, 0))
         module.train()
-    for step in range(STEPS):
-        model(data("gated", step, env.rank)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        for rank in range(env.world_size):
-            (ref(data("gated", step, rank)).pow(2).mean() / env.world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    model.synchronize()
-    worst = max((p - q).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
-    model.close()
-    env.finalize()
-    return worst
+    return train_beside(env, model, opt, ref, ref_opt, "gated")
 
 
 def test_an_evaluation_forward_first_does_not_hide_a_training_read() -> None:

@@ -25,18 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "NODE_TYPES",
-    "COMM_TYPES",
-    "ChakraSchema",
-    "load_schema",
-    "read_et",
-    "write_et",
-    "check_nodes",
-    "attributes",
-    "make_attr",
-    "et_path",
-]
+__all__ = ["NODE_TYPES", "COMM_TYPES", "ChakraSchema", "load_schema", "read_et", "write_et",
+           "check_nodes", "attributes", "make_attr", "et_path"]
 
 NODE_TYPES = (
     "INVALID_NODE",
@@ -60,6 +50,7 @@ COMM_TYPES = (
     "REDUCE_SCATTER_BLOCK",
     "BARRIER",
 )
+_BARRIER = COMM_TYPES.index("BARRIER")
 _SCALARS = (
     ("double", "TYPE_DOUBLE"),
     ("float", "TYPE_FLOAT"),
@@ -260,13 +251,17 @@ def _check_node(node: Any, attrs: dict, schema: ChakraSchema) -> None:
     priority = attrs.get("comm_priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise _bad(node, "comm_priority", "an integer", priority)
+    ctype = attrs.get("comm_type", 0)
     if kind == "COMM_COLL_NODE":
-        ctype = attrs.get("comm_type", 0)
         if (not isinstance(ctype, int) or isinstance(ctype, bool)
                 or ctype not in schema.CollectiveCommType.values()):
             names = ", ".join(f"{i} {name}" for i, name in enumerate(COMM_TYPES))
             raise _bad(node, "comm_type", f"a CollectiveCommType ({names})", ctype)
         _check_seconds_or_bytes(node, attrs, "codec_s", "seconds")
+    # without a size a transfer was priced as 0 s, silently (a barrier moves no payload)
+    if "comm_size" not in attrs and not (kind == "COMM_COLL_NODE" and ctype == _BARRIER):
+        raise ValueError(f"{_node_label(node)}: a {kind} needs comm_size (bytes on the wire), "
+                         "and has none")
 
 
 def _cycle(left: dict[int, Any]) -> str:
@@ -283,8 +278,8 @@ def _cycle(left: dict[int, Any]) -> str:
 def check_nodes(nodes: Sequence[Any], source: str = "") -> None:
     """Check one rank's nodes before they run: at least one node, unique ids, dependencies on
     nodes that exist and no cycle, a known node type, and the attributes that are read sound:
-    ``duration_s`` of a compute node, ``comm_size`` (bytes) and ``comm_priority`` (an integer)
-    of a communication node, ``comm_type`` (a CollectiveCommType) and ``codec_s`` of a
+    ``duration_s`` of a compute node, ``comm_size`` (bytes: required but for a barrier) and
+    ``comm_priority`` (an integer) of a communication node, ``comm_type`` (a CollectiveCommType) and ``codec_s`` of a
     collective; times and sizes finite and >= 0.
 
     Args:

@@ -9,12 +9,16 @@ ring                   reduce-scatter / all-gather: ``(p-1) (h(1) a + n/(p B))``
                        all-reduce twice that; all-to-all ``sum_k h(k) a + (p-1) n/(p B)``
 direct                 one round of ``p-1`` messages of ``n/p``: parallel links on a fully
                        connected dimension (``a + n/(p B)``), one NIC otherwise
-                       (``max h a + (p-1) n/(p B)``); all-reduce = RS + AG
+                       (``max h a + (p-1) n/(p B)``); all-reduce = RS + AG; broadcast the
+                       same round with messages of ``n`` (``a + n/B`` fully connected)
 halving_doubling       Rabenseifner: ``sum_k h(p/2^(k+1)) a + n/2^(k+1) B^-1`` per half,
                        ``2 lg p a + 2 (p-1)/p n/B`` on a switch; a non-power-of-two ``p``
-                       adds one full-size exchange per half (fold-in / fold-out)
+                       adds one full-size exchange per half (fold-in / fold-out); broadcast
+                       binomial ``sum_k h(2^k) a + ceil(lg p) n/B``, all-to-all Bruck
+                       ``sum_k h(2^k) a + ceil(lg p) n/(2B)`` (k < ceil(lg p))
 double_binary_tree     all-reduce ``2 ceil(lg p) h a + 2 n/B`` (NCCL's pipelined trees:
-                       every node sends 2n in all); broadcast ``ceil(lg p) h a + n/B``
+                       every node sends 2n in all); broadcast ``ceil(lg p) h a + n/B``;
+                       other ops run as rings (as NCCL does) and are labelled ``ring``
 =====================  ================================================================
 
 On several dimensions the collective is hierarchical (ASTRA-sim's localBWAware): an
@@ -177,17 +181,18 @@ def phase_time(dim: Dimension, op: str, algorithm: str, nbytes: float) -> tuple[
         factor = 2 if op == "allreduce" else 1
         return factor * depth * dim.hops(1) * a + factor * n / B, factor * n
     if op == "broadcast":
-        if algorithm == "halving_doubling":  # binomial tree
-            depth = math.ceil(math.log2(p))
-            return depth * dim.message_time(n), depth * n
-        if algorithm == "direct":
-            return dim.hops(1) * a + (p - 1) * n / B, (p - 1) * n
+        if algorithm == "halving_doubling":  # binomial tree: step k reaches peers 2^k away
+            depth = (p - 1).bit_length()
+            return sum(dim.message_time(n, 1 << k) for k in range(depth)), depth * n
+        if algorithm == "direct":  # the root sends p-1 copies in one round, as direct does
+            return _direct(dim, n)
         t, s = phase_time(dim, "allgather", "ring", n)  # scatter + ring all-gather
         return 2 * t, 2 * s
     if op == "alltoall":
-        if algorithm == "halving_doubling":  # Bruck
-            steps = math.ceil(math.log2(p))
-            return steps * dim.hops(1) * a + steps * n / 2 / B, steps * n / 2
+        if algorithm == "halving_doubling":  # Bruck: step k sends n/2 to the peer 2^k away
+            steps = (p - 1).bit_length()
+            hops = sum(dim.hops(1 << k) for k in range(steps))
+            return hops * a + steps * n / 2 / B, steps * n / 2
         piece = n / p
         if algorithm == "ring":
             return sum(dim.hops(k) for k in range(1, p)) * a + (p - 1) * piece / B, (p - 1) * piece
@@ -207,6 +212,14 @@ def _direct(dim: Dimension, piece: float) -> tuple[float, float]:
         return dim.latency + piece / dim.bandwidth, sent
     hops = max(dim.hops(k) for k in range(1, p)) if dim.kind == "ring" else dim.hops(1)
     return hops * dim.latency + sent / dim.bandwidth, sent
+
+
+def _ran(op: str, algos: list[str]) -> list[str]:
+    """The algorithms that price ``op``: a tree asked for an op it does not price runs as a
+    ring (NCCL's fallback), and says so (it was reported as ``double_binary_tree``)."""
+    if op in ("allreduce", "broadcast"):
+        return algos
+    return ["ring" if name == "double_binary_tree" else name for name in algos]
 
 
 def _algorithms(algorithm: str | Sequence[str], count: int) -> list[str]:
@@ -291,7 +304,7 @@ def collective_cost(
         clock += t
     return CollectiveCost(
         op=op,
-        algorithm="+".join(dict.fromkeys(algos)),
+        algorithm="+".join(dict.fromkeys(_ran(op, algos))),
         nbytes=float(nbytes),
         npus=topology.npus,
         time=clock,

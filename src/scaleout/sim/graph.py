@@ -15,10 +15,10 @@ one at a time on the compute stream, lowest id first; collective nodes one at a 
 network, highest ``comm_priority`` first, priced by
 :func:`~scaleout.sim.collectives.collective_cost` on the given topology (so a trace recorded
 on 2 ranks is re-priced on 4,096); COMM_SEND / COMM_RECV cost one message on the outermost
-dimension. ``comm_size`` is read as the bytes each rank puts in: the vector for ALL_REDUCE
-and REDUCE_SCATTER, its own piece for ALL_GATHER and GATHER (the result is ``npus`` times
-that), what it sends in all for ALL_TO_ALL, the message for BROADCAST; a BARRIER costs an
-all-reduce of one float.
+dimension of more than one NPU (none on one NPU). ``comm_size`` is read as the bytes each rank
+puts in (required but for a BARRIER): the vector for ALL_REDUCE and REDUCE_SCATTER, its own
+piece for ALL_GATHER and GATHER (the result is ``npus`` times that), what it sends in all for
+ALL_TO_ALL, the message for BROADCAST; a BARRIER costs an all-reduce of one float.
 """
 
 from __future__ import annotations
@@ -131,6 +131,14 @@ def _seconds(node: Any, attrs: dict) -> float:
     return float(attrs.get("duration_s", node.duration_micros * 1e-6))
 
 
+def _point_to_point(topology: Topology, nbytes: float) -> float:
+    """One message on the outermost dimension that has links (more than one NPU); 0 s on one
+    NPU. The last dimension alone priced an ``8x1`` machine's send on a link that does not
+    exist (``with_npus`` leaves size-1 dimensions: ``8x128`` resized to 8 is ``8x1``)."""
+    active = [dim for dim in topology.dims if dim.npus > 1]
+    return active[-1].message_time(nbytes) if active else 0.0
+
+
 def run_graph(
     nodes: Sequence[Any],
     topology: Topology,
@@ -180,7 +188,7 @@ def run_graph(
             )
             return "comm", price.time + float(attrs.get("codec_s", 0.0))
         if kind in ("COMM_SEND_NODE", "COMM_RECV_NODE"):
-            return "comm", topology.dims[-1].message_time(float(attrs.get("comm_size", 0)))
+            return "comm", _point_to_point(topology, float(attrs.get("comm_size", 0)))
         return "compute", _seconds(node, attrs)
 
     def start(resource: str) -> None:

@@ -161,7 +161,8 @@ def _per_dim(values: Sequence | str | float, count: int, what: str) -> list:
     if len(values) == 1:
         values = values * count
     if len(values) != count:
-        raise ValueError(f"expected 1 or {count} {what} (one per dimension), got {len(values)}")
+        want = "1" if count == 1 else f"1 or {count}"  # (not "1 or 1")
+        raise ValueError(f"expected {want} {what} (one per dimension), got {len(values)}")
     return values
 
 

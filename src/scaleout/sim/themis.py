@@ -80,7 +80,7 @@ class PipelineResult:
 
 def _orders(topology: Topology, nbytes: float, chunks: int, scheduler: str) -> list[list[int]]:
     active = [i for i, d in enumerate(topology.dims) if d.npus > 1]
-    if scheduler == "baseline":
+    if scheduler == "baseline" or not active:  # (one NPU: no dimension to order, nothing sent)
         return [list(active) for _ in range(chunks)]
     load = {i: 0.0 for i in active}
     orders = []

@@ -6,7 +6,8 @@ Conventions (stated once, used everywhere):
   as in the rest of scaleout;
 * bandwidths in bits per second are decimal (``100Gbps`` = 100e9 / 8 B/s, the way links
   are sold); in bytes per second ``GB/s`` follows ASTRA-sim's analytical backend
-  (1 GB = 2**30 B);
+  (1 GB = 2**30 B). The prefix's case is free; the ``b`` is not: ``b`` (``Gbps``, ``Gb/s``,
+  ``gbit``) is bits, ``B`` (``GB/s``, ``GBps``) bytes, as in SI and on network cards;
 * times: ``ns``, ``us``, ``ms``, ``s``.
 
 Example:
@@ -40,20 +41,10 @@ _SIZE_UNITS = {
     "tb": 1 << 40,
     "tib": 1 << 40,
 }
-_RATE_UNITS = {
-    "bps": 1 / 8,
-    "kbps": 1e3 / 8,
-    "kbit": 1e3 / 8,
-    "mbps": 1e6 / 8,
-    "mbit": 1e6 / 8,
-    "gbps": 1e9 / 8,
-    "gbit": 1e9 / 8,
-    "tbps": 1e12 / 8,
-    "b/s": 1.0,
-    "kb/s": float(1 << 10),
-    "mb/s": float(1 << 20),
-    "gb/s": float(1 << 30),
-}
+#: Rate prefixes (any case): decimal for bits, binary for bytes (ASTRA-sim's GB/s).
+_RATE_PREFIXES = {"": (1.0, 1.0), "k": (1e3, 2.0**10), "m": (1e6, 2.0**20), "g": (1e9, 2.0**30),
+                  "t": (1e12, 2.0**40)}
+_RATE_FORMS = "bps, b/s or bit (bits), B/s, Bps or iB/s (bytes), after k, M, G or T"
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -81,19 +72,51 @@ def parse_bytes(text: str | int | float) -> int:
     """Bytes from ``"64MB"``, ``"1.5G"``, ``"4096"`` (binary prefixes).
 
     Raises:
-        ValueError: an unknown unit or a negative size.
+        ValueError: an unknown unit, a negative size or one below a byte.
         TypeError: not a string or number.
     """
-    return int(round(_parse(text, _SIZE_UNITS, "size", "64MB")))
+    value = _parse(text, _SIZE_UNITS, "size", "64MB")
+    if 0 < value < 0.5:  # (it rounded to 0 B, and the collective was skipped, silently)
+        raise ValueError(f"size must be at least one byte, got {text!r}")
+    return int(round(value))
+
+
+def _rate_scale(unit: str) -> float | None:
+    """Bytes per second in one ``unit`` (``Gbps``, ``GB/s``...), or None for no rate unit.
+
+    Only the ``b`` tells bits from bytes: folding its case read ``100Gb/s`` (bits, as links
+    are sold) as 100 GiB/s, 8.6x too fast, and ``100GBps`` (bytes) 8x too slow."""
+    prefix = unit[:1].lower() if unit[:1].lower() in "kmgt" and len(unit) > 1 else ""
+    rest = unit[len(prefix):]
+    if prefix and rest[:2] == "iB":  # GiB/s: what GB/s already is here
+        rest = rest[1:]
+    bits, octets = _RATE_PREFIXES[prefix]
+    if rest.lower() in ("bit", "bits", "bit/s", "bits/s") or (
+            rest[:1] == "b" and rest[1:].lower() in ("ps", "/s")):
+        return bits / 8
+    if rest[:1] == "B" and rest[1:].lower() in ("ps", "/s"):
+        return octets
+    return None
 
 
 def parse_bandwidth(text: str | int | float) -> float:
-    """Bytes per second from ``"100Gbps"``, ``"25gbit"``, ``"400GB/s"`` (a number: B/s).
+    """Bytes per second from ``"100Gbps"``, ``"25gbit"``, ``"100Gb/s"`` (bits), ``"400GB/s"``
+    (bytes, 1 GB = 2**30 B); a number is B/s.
 
     Raises:
         ValueError: an unknown unit or a rate that is not > 0.
     """
-    value = _parse(text, _RATE_UNITS, "bandwidth", "100Gbps")
+    if isinstance(text, str):
+        match = re.fullmatch(_NUMBER + r"([A-Za-z/]*)\s*", text)
+        scale = _rate_scale(match.group(2)) if match else None
+        if scale is None:
+            raise ValueError(f"bandwidth must look like '100Gbps' or '400GB/s' ({_RATE_FORMS}), "
+                             f"got {text!r}")
+        value = float(match.group(1)) * scale
+        if not math.isfinite(value):  # (1e400Gbps)
+            raise ValueError(f"bandwidth must be finite, got {text!r}")
+    else:
+        value = _parse(text, {}, "bandwidth", "100Gbps")
     if value <= 0:
         raise ValueError(f"bandwidth must be > 0, got {text!r}")
     return value

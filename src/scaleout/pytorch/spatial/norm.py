@@ -82,8 +82,8 @@ class SpatialBatchNorm(nn.Module):
         return copy_to_model(reduce_from_model(x, self.comm, rec), self.comm, rec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+        if not self.training:  # (the affine weights' gradients still span every rank's rows)
+            return F.batch_norm(x, self.running_mean, self.running_var, *self._affine(),
                                 False, 0.0, self.eps)
         dims = (0, *range(2, x.dim()))
         shape = (1, -1, *(1,) * (x.dim() - 2))
@@ -104,8 +104,16 @@ class SpatialBatchNorm(nn.Module):
             self.num_batches_tracked.add_(1)
         out = centred / torch.sqrt(var.view(shape) + self.eps)
         if self.affine:
-            rec = self.exchange_recorder
-            weight = copy_to_model(self.weight, self.comm, rec)  # partial gradients: summed
-            bias = copy_to_model(self.bias, self.comm, rec)
+            weight, bias = self._affine()
             out = out * weight.view(shape) + bias.view(shape)
         return out
+
+    def _affine(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The affine weight and bias (``None`` without), entered into the model group: each
+        rank's gradient is its rows' share, summed over the group backward (in training and
+        in evaluation mode alike: frozen statistics, trained weights)."""
+        if not self.affine:
+            return None, None
+        rec = self.exchange_recorder
+        return (copy_to_model(self.weight, self.comm, rec),
+                copy_to_model(self.bias, self.comm, rec))

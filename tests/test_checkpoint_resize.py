@@ -154,14 +154,15 @@ def test_what_cannot_be_repartitioned_is_refused(tmp_path: Path) -> None:
     assert checkpoint.load(tmp_path / "local", model, opt) == (1, {})  # same world size: fine
 
 
-def body_tensor_parallel(path: str, grid: tuple[int, int], save_it: bool) -> str:
+def body_tensor_parallel(path: str, grid: tuple[int, int], save_it: bool,
+                         sharded: bool = False) -> str:
     from scaleout.pytorch import tensor_parallel
 
     env = scaleout.init(timeout=30)
     dist = env.create_distribution(*grid)
     torch.manual_seed(0)
     net = tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), dist)
-    model = DataParallel(net, dist)
+    model = DataParallel(net, dist, distributed_update=sharded)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model)
     try:
         if save_it:
@@ -189,6 +190,10 @@ def test_a_tensor_parallel_checkpoint_names_the_grid_it_needs(tmp_path: Path) ->
         for outcome in run_ranks(world, body_tensor_parallel, path, grid, False):
             assert "split over model groups of 2: it loads only on such a grid, not on model " \
                    "groups of 1" in outcome, outcome
+    # the same grid with the sharded update on: it said "loads only at world size 2", at 2
+    for outcome in run_ranks(2, body_tensor_parallel, path, (1, 2), False, True):
+        assert "saved without a sharded update; it loads only with that sharding, not with a " \
+               "sharded update over 1 rank (set distributed_update" in outcome, outcome
 
 
 def test_every_scalar_in_a_sharded_optimizers_state_is_named() -> None:

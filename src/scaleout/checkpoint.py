@@ -265,6 +265,13 @@ def _plan(path: Path, current: Path, saved_world: int, model: nn.Module,
         saved_class = (layout or {}).get("optimizer_class")
         saved_shapes = (layout or {}).get("shapes")
     else:
+        if saved_world == world and layout is not None and not layout["replicated"]:
+            # (only the sharding changed; consolidating said "loads only at world size N",
+            # at that very world size)
+            raise ValueError(f"checkpoint {path} holds tensor-parallel or rank-local "
+                             f"parameters, saved {_sharding(layout['shards'])}; it loads only "
+                             f"with that sharding, not {_sharding(shards[0] if shards else None)}"
+                             f" (set distributed_update as when it was saved)")
         payload = _consolidate(path, current, map_location)
         if shards is not None and shards[0] != world:
             raise ValueError(f"cannot re-partition checkpoint {path} for a sharded update over "
@@ -285,6 +292,11 @@ def _plan(path: Path, current: Path, saved_world: int, model: nn.Module,
     return {"model": model_state, "optimizer": optimizer_state,
             "rng": own["rng"] if own is not None else None,
             "step": int(payload["step"]), "extra": dict(payload["extra"])}
+
+
+def _sharding(shards: int | None) -> str:
+    return "without a sharded update" if shards is None else \
+        f"with a sharded update over {shards} rank{'s' if shards != 1 else ''}"
 
 
 def consolidate(path: str | os.PathLike[str], *,

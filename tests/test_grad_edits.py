@@ -340,3 +340,28 @@ def test_a_scheduler_on_the_wrapped_optimizer_sees_its_step(sharded: bool) -> No
     """torch warned "lr_scheduler.step() before optimizer.step()": the wrapped optimizer's
     step ran later (overlap mode) or never (the sharded update steps a copy)."""
     assert run_ranks(2, body_scheduler_warning, sharded, timeout=60) == [[], []]
+
+
+def body_two_backwards(mode: str, sharded: bool) -> str:
+    env = scaleout.init(timeout=30)
+    torch.manual_seed(0)
+    model = DataParallel(Net(), env.create_distribution(env.world_size, 1),
+                         distributed_update=sharded)
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=mode)
+    try:
+        for _ in range(2):
+            model(torch.randn(4, 6)).sum().backward()
+        outcome = "accumulated"
+    except RuntimeError as err:
+        outcome = str(err)
+    return outcome  # (no close: a gradient is in flight; the harness ends the rank)
+
+
+@pytest.mark.parametrize("mode, sharded, suggests_sync", [
+    ("overlap", False, True), ("overlap", True, True), ("sync", True, False)])
+def test_two_backwards_without_a_step_suggest_what_accumulates(mode: str, sharded: bool,
+                                                               suggests_sync: bool) -> None:
+    # in sync mode with the sharded update the error suggested mode='sync', already in use
+    for outcome in run_ranks(2, body_two_backwards, mode, sharded):
+        assert "produced again" in outcome and "model.no_sync()" in outcome, outcome
+        assert ("mode='sync'" in outcome) == suggests_sync, outcome

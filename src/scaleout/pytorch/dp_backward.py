@@ -110,13 +110,16 @@ class BackwardSide:
             # (the last backward's, each .grad of it dropped by hand since: dropped, as torch;
             # ``param``'s own .grad is this backward's already, told apart by the others)
             if ps.gradient_pending and not self.updates.discarded_by_hand(param):
+                # (sync mode accumulates, but not the sharded update: only its slices exist)
+                other = "" if self.updates.mode == "sync" else \
+                    ", or use DistributedOptimizer(..., mode='sync')"
                 raise RuntimeError(
                     f"rank {self.env.rank}: gradient of {ps.name} produced again while the last "
                     "one is still on its way to the update (two backward passes without "
                     "optimizer.step() between them?); to accumulate micro-batches, run all but "
-                    "the last in model.no_sync(), or use DistributedOptimizer(..., mode='sync'); "
-                    "to drop the last backward's gradients, call the DistributedOptimizer's "
-                    "zero_grad() before this backward")
+                    f"the last in model.no_sync(){other}; to drop the last backward's "
+                    "gradients, call the DistributedOptimizer's zero_grad() before this "
+                    "backward")
             ps.start_gradient_comm(gradient)
         return send
 

@@ -1,7 +1,8 @@
 """How the ranks of a :mod:`scaleout.checkpoint` save or load agree with each other.
 
-Every exchange is a tensor all-gather on the default process group (never a pickle), bounded
-by the group's timeout:
+Every exchange is a tensor all-gather on the default process group (never a pickle), a
+scaleout collective: watched (a peer that fails meanwhile is named) and bounded by the
+Environment's timeout:
 
 - :func:`agree_on_version`: every rank names the same version of the checkpoint (a shared
   file system can show ranks different versions for a while);
@@ -21,7 +22,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as tdist
 
+from scaleout.core.collectives import Communicator, allgather
 from scaleout.core.consistency import exchange_device, tensor_text, text_tensor
+from scaleout.core.env import attach
+from scaleout.core.errors import PeerFailedError
 
 __all__ = ["IncompleteCheckpointError", "agree_on_version", "agreed", "first_exchange"]
 
@@ -46,16 +50,26 @@ def _world() -> int:
 
 
 def _all_gather(mine: torch.Tensor) -> list[torch.Tensor]:
-    every = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
-    tdist.all_gather(every, mine)
-    return every
+    """Every rank's ``mine``: a scaleout all-gather on the job's group, so a peer that dies or
+    freezes meanwhile is named (``PeerFailedError``), a peer in another collective is a
+    mismatch, and the wait is bounded by the Environment's timeout (before: a raw
+    ``tdist.all_gather``, whose errors named no rank, e.g. gloo's ``Connection reset by
+    peer``, and which waited out torch's own timeout on a frozen peer)."""
+    env = attach(check_consistency=None)
+    comm = Communicator(group=tdist.group.WORLD, ranks=tuple(range(env.world_size)),
+                        name="checkpoint", global_rank=env.rank, timeout=env.timeout,
+                        check_consistency=env.check_consistency)
+    return list(allgather(comm, mine.reshape(1, -1)).wait())
 
 
 def first_exchange(operation: str, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` (the operation's first collective); a timeout or a broken connection
-    there says that every rank must call ``checkpoint.<operation>``."""
+    there says that every rank must call ``checkpoint.<operation>`` (a peer known to have
+    failed is named as such instead)."""
     try:
         return fn(*args)
+    except PeerFailedError:
+        raise
     except RuntimeError as err:  # (torch's DistBackendError is one)
         raise RuntimeError(
             f"checkpoint.{operation}: the other ranks did not join its first exchange within the "

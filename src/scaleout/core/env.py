@@ -189,19 +189,25 @@ def attach(*, check_consistency: bool | str = False) -> Environment:
 
     For code (such as a PyTorch front end) given no Environment: it joins the job that
     ``torch.distributed.init_process_group`` or :func:`init` set up. ``check_consistency``
-    as :func:`init`'s (default off; ``None``: ``SCALEOUT_CHECK``, else ``"first"``).
+    as :func:`init`'s (default off; ``None``: :func:`init`'s mode, else ``SCALEOUT_CHECK``,
+    else ``"first"``). The timeout is the one given to :func:`init` (before: always
+    ``DEFAULT_TIMEOUT``, so ``DataParallel(model)`` after ``init(timeout=5)`` waited 300 s
+    on a rank that stopped communicating), else ``DEFAULT_TIMEOUT``.
 
     Raises:
         NotInitializedError: torch.distributed is not initialised.
         ValueError: ``check_consistency`` is not a mode (before stop 49: at
             ``create_distribution``).
     """
+    made = _open[-1] if _open else None  # (init's, not finalized)
+    if check_consistency is None and made is not None:
+        check_consistency = made.check_consistency
     check_consistency = _check_mode(check_consistency, os.environ)
     if not tdist.is_initialized():
         raise NotInitializedError("torch.distributed is not initialised: call scaleout.init() "
                                   "first (or pass a Distribution)")
     info = attached_launch(os.environ, tdist.get_rank(), tdist.get_world_size())
-    timeout = DEFAULT_TIMEOUT
+    timeout = made.timeout if made is not None else DEFAULT_TIMEOUT
     return Environment(info, str(tdist.get_backend()), timeout, check_consistency)
 
 

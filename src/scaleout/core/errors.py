@@ -25,7 +25,14 @@ class CommunicationError(ScaleoutError):
 
 
 class CommunicationTimeout(CommunicationError):
-    """A wait on a collective exceeded its timeout."""
+    """A wait on a collective exceeded its timeout.
+
+    Attributes:
+        why: what is known of the cause (a peer alive but elsewhere, this process stopped),
+            for a front end that words the error its own way.
+    """
+
+    why: str = ""
 
 
 class PeerFailedError(CommunicationError):

@@ -76,12 +76,16 @@ def lagging(group: str, me: int, calls_of: Callable[[int], dict]) -> str | None:
     if mine is None:
         return None
     total, members = mine
-    behind = []
+    behind, astray = [], []
+    with _lock:
+        my_last = _calls[group][1]
     for rank in members:
         if rank != me:
             published = calls_of(rank)
             theirs, last = published.get("calls", {}).get(group, [0, None])
-            if theirs < total:
+            if theirs > total or (theirs == total and last is not None and last != my_last):
+                astray.append((rank, f"rank {rank}: {theirs} (last: {last})"))
+            elif theirs < total:
                 said = f"rank {rank}: {theirs}" + (f" (last: {last})" if last else "")
                 latest = published.get("latest") or [group]
                 if latest[0] != group:
@@ -90,6 +94,14 @@ def lagging(group: str, me: int, calls_of: Callable[[int], dict]) -> str | None:
                 if then == theirs:  # (no call started there since)
                     said += f"; it refused the arguments of its next call on this group: {why}"
                 behind.append((rank, said))
+    if astray and not behind:  # (before: a timeout that named nobody)
+        many = len(astray) > 1
+        return (f"rank{'s' if many else ''} {', '.join(str(rank) for rank, _ in astray)} "
+                f"{'are' if many else 'is'} at another collective on this group: collectives "
+                f"started on it by the last heartbeat: this rank: {total} (last: {my_last}), "
+                f"{', '.join(text for _, text in astray)}; the ranks took different code paths "
+                "(by default a call new to one rank is not checked against one the other made "
+                "before; SCALEOUT_CHECK=1 checks every call)")
     if not behind:
         return None
     many = len(behind) > 1

@@ -129,8 +129,10 @@ class Request(ABC):
     def timed_out(self, deadline: Deadline) -> CommunicationTimeout:
         why = (stalls.why_timed_out(deadline.began, deadline.seconds) or lagging(self.group)
                or "a peer rank may have died, diverged, or called a different operation")
-        return self.error(f"did not complete within {deadline.seconds:g} s ({why})",
-                          CommunicationTimeout)  # type: ignore[return-value]
+        err = self.error(f"did not complete within {deadline.seconds:g} s ({why})",
+                         CommunicationTimeout)
+        err.why = why  # type: ignore[attr-defined]
+        return err  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"

@@ -99,13 +99,14 @@ def runtime() -> Runtime:
     return _state[0]
 
 
-def _timeout(environ: Mapping[str, str], timeout: float | None) -> float:
+def _timeout(environ: Mapping[str, str], timeout: float | None,
+             default: float = DEFAULT_TIMEOUT) -> float:
     if timeout is not None:
         return timeout
     name = next((n for n in ("HOROVOD_GLOO_TIMEOUT_SECONDS", "SCALEOUT_TIMEOUT")
                  if n in environ), None)
     if name is None:
-        return DEFAULT_TIMEOUT
+        return default
     text = environ[name]
     try:
         return check_seconds(float(text), f"environment variable {name}")
@@ -139,12 +140,11 @@ def start(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
     if _state:
         return
     environ = horovod_environ(os.environ)
-    seconds = _timeout(environ, timeout)
     owns = not tdist.is_initialized()
-    env = core_init(backend, seconds, check_consistency=False, environ=environ) if owns \
-        else attach()
-    if not owns:
-        env.timeout = seconds
+    env = core_init(backend, _timeout(environ, timeout), check_consistency=False,
+                    environ=environ) if owns else attach()
+    if not owns:  # (unless told otherwise, the timeout of the scaleout.init it joins)
+        env.timeout = _timeout(environ, timeout, env.timeout)
     distribution = env.create_distribution(env.world_size, 1)
     comm_all = distribution.communicator(GroupType.GLOBAL)
     layout = _node_layout(comm_all, env.local_rank, node_key(environ))

@@ -151,8 +151,9 @@ def _gather(comm: Communicator, row: list[int], kind: str, name: str) -> list[li
         return coll.allgather(comm, control_tensor(comm, [row])).wait().tolist()
     except CommunicationError as err:  # say which call of the user's it was, once
         if isinstance(err, CommunicationTimeout):
-            reason = (f"the other ranks did not reach this call within {comm.timeout:g} s (one "
-                      "may have died, be stuck, or have called another collective)")
+            why = err.why or ("one may have died, be stuck, or have called another "
+                              "collective")  # (before: always this, never the lagging rank)
+            reason = f"the other ranks did not reach this call within {comm.timeout:g} s ({why})"
         else:
             reason = f"failed: {err.__cause__ or err}"
         failed = {"failed_rank": err.failed_rank} if isinstance(err, PeerFailedError) else {}

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
@@ -25,10 +26,12 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import DEFAULT_TIMEOUT, Environment, attach
 from scaleout.core.env import init as core_init
 from scaleout.core.gloo_device import new_group_on_world_device
+from scaleout.core import watchdog
 from scaleout.core.grid import GroupType
 from scaleout.horovod.errors import NotInitialized
 from scaleout.horovod.launch_vars import horovod_environ, node_key
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.signature import exchange_signature
 
 __all__ = [
     "Runtime", "runtime", "start", "shutdown", "is_initialized", "size", "rank", "local_size",
@@ -167,8 +170,16 @@ def _at_exit(rt: Runtime) -> None:
     if not _state or _state[0] is not rt:
         return
     failure = getattr(sys, "last_value", None)
+    if failure is None and watchdog.failure() is not None:  # (caught, then sys.exit: meeting
+        failure = watchdog.failure()  # the peers printed the same failure a second time)
     if failure is None:
-        shutdown()
+        try:
+            shutdown()
+        except Exception as err:  # (raised in an atexit callback, it was printed and the
+            # process ended with code 0, here on a rank that had skipped a collective)
+            print(f"scaleout: rank {rt.env.rank}: hvd.shutdown() at exit failed: {err}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
         return
     for process_set in rt.process_sets.values():
         process_set._detach()
@@ -182,6 +193,12 @@ def shutdown() -> None:
     if not _state:
         return
     rt = _state[0]
+    if rt.comm.size > 1:
+        # Horovod's face checks no call below it (init turns the core's check off): a rank
+        # that skipped a collective met its peer's signature exchange in finalize, unchecked,
+        # and left with exit code 0 while the peer timed out. Now both raise, naming it.
+        exchange_signature(rt.comm, "shutdown", "hvd.shutdown",
+                           control_tensor(rt.comm, [], dtype=torch.float32))
     for hook in list(rt.extras.get("on_shutdown", [])):
         hook(rt)
     for process_set in rt.process_sets.values():

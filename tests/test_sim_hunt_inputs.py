@@ -66,14 +66,9 @@ def _schema():
 
 
 def _node(node_id: int, kind: str, deps=(), **attrs):
-    from scaleout.sim.chakra import make_attr
+    from test_sim_chakra import _n  # (after _schema(): it needs protobuf)
 
-    schema = _schema()
-    node = schema.Node(id=node_id, name=f"n{node_id}", type=schema.NodeType.Value(kind),
-                       data_deps=list(deps), duration_micros=1000)
-    for key, value in attrs.items():
-        node.attr.append(make_attr(key, value))
-    return node
+    return _n(node_id, kind=kind, deps=deps, **attrs)
 
 
 @pytest.mark.parametrize(

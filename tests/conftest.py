@@ -1,5 +1,8 @@
+import contextlib
+import io
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +56,26 @@ def _no_process_group_left_behind(request: pytest.FixtureRequest):
         dist.destroy_process_group()
         pytest.fail(f"{request.node.nodeid} left torch.distributed initialised in the test "
                     "process (call env.finalize())", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def cold_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """``scaleout bench train`` of digits-mlp beside ddp over loopback, 2 rounds of fresh
+    ranks (--cold), every scaleout run traced (--trace FOLDER/traces): its exit code, what it
+    printed, FOLDER (its JSON: FOLDER/out.json). One run for two tests, the cold smoke test
+    of test_bench_train.py and test_sim_bench_trace.py's, rather than one each: each of its
+    6 launches starts ranks (about 3 s here)."""
+    from scaleout.cli.main import main
+
+    folder = tmp_path_factory.mktemp("cold-bench")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.environ.get("PYTHONPATH")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setenv("PYTHONPATH", src if not path else f"{src}{os.pathsep}{path}")
+        patch.delenv("SCALEOUT_TRACE", raising=False)
+        code = main(["bench", "train", "--workload", "digits-mlp", "--ranks", "2", "--rounds", "2",
+                     "--iters", "3", "--warmup", "1", "--vs", "ddp", "--no-progress",
+                     "--no-testbed", "--cold", "--trace", str(folder / "traces"),
+                     "--json", str(folder / "out.json")])
+    return code, printed.getvalue(), folder

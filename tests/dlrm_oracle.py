@@ -1,5 +1,5 @@
 """The sharded-DLRM oracle shared by the embedding tests: a small DLRM, its batches, the
-single-process reference training, and :func:`body_dlrm`, which trains the same model with
+single-process reference training, and :func:`train_dlrm`, which trains the same model with
 sharded tables on a grid (any layout, prefetching, deferral, update in backward) and compares
 it with the reference (float64, rtol 1e-9 / atol 1e-11)."""
 
@@ -80,9 +80,41 @@ def reference(data_parts: int, layout: str) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
-              prefetch: str = "none", defer: str = "no", update: str = "step",
-              ids: str = "two rounds") -> list[int] | int:
+def body_dlrm(*case: object) -> list[int] | int:
+    """:func:`train_dlrm` of ``case`` in a job of its own."""
+    env = scaleout.init(timeout=60)
+    held = train_dlrm(env, *case)  # type: ignore[arg-type]
+    env.finalize()
+    return held
+
+
+def body_dlrm_cases(cases: list[tuple]) -> list[list[int] | int]:
+    """:func:`train_dlrm` of each case in turn, in one job (its start-up costs about as much
+    as a case)."""
+    env = scaleout.init(timeout=60)
+    held = [train_dlrm(env, *case) for case in cases]
+    env.finalize()
+    return held
+
+
+def run_dlrm_cases(cases: list[tuple], timeout: float = 120) -> dict[tuple, list]:
+    """Every case (``train_dlrm``'s arguments after ``env``), those of one world size in one
+    job: by case, what each rank returned."""
+    from harness import run_ranks
+
+    worlds: dict[int, list[tuple]] = {}
+    for case in cases:
+        worlds.setdefault(case[0] * case[1], []).append(case)
+    found = {}
+    for world, some in worlds.items():
+        ranks = run_ranks(world, body_dlrm_cases, some, timeout=timeout)
+        found.update({case: [held[i] for held in ranks] for i, case in enumerate(some)})
+    return found
+
+
+def train_dlrm(env: scaleout.Environment, data_parts: int, model_parts: int, mode: str,
+               layout: str, prefetch: str = "none", defer: str = "no", update: str = "step",
+               ids: str = "two rounds") -> list[int] | int:
     """Train ``STEPS`` steps, compare with :func:`reference`; the tables held here (``defer
     == "late"``: how many weights differ). ``update == "backward"``: the tables are updated
     in backward (no table optimizer). ``ids == "one round"``: the collection is given
@@ -90,7 +122,6 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     a prefetched batch's ids travel with the rows' gradients of the backward before it."""
     max_batch = PER_RANK if ids in ("one round", "with gradients") else None
     riding = ids == "with gradients"
-    env = scaleout.init(timeout=60)
     dist = env.create_distribution(data_parts, model_parts)
     net = WORKLOAD.build_model(0).double()
     specs = [TableSpec(rows=rows, dim=CONFIG.embedding_dim) for rows in CONFIG.table_sizes]
@@ -176,7 +207,6 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
                   for n, v in expected.items())
         net.embeddings.drain()
         model.close()
-        env.finalize()
         return off
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-11,
@@ -191,5 +221,4 @@ def body_dlrm(data_parts: int, model_parts: int, mode: str, layout: str,
     load_full_state_dict(fresh, expected)
     assert all(torch.equal(v, expected[k]) for k, v in full_state_dict(fresh).items())
     model.close()
-    env.finalize()
     return held

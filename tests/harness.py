@@ -19,15 +19,21 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["run_ranks", "free_port", "RankFailure", "cuda_available", "scaleout_run"]
+__all__ = ["run_ranks", "free_port", "RankFailure", "cuda_available", "scaleout_run",
+           "run_command", "others_done"]
+
+#: The folder where each rank of a run_ranks job says it is done (``done.<rank>``).
+DONE_DIR_VAR = "HARNESS_DONE_DIR"
 
 
 class RankFailure(AssertionError):
@@ -63,6 +69,10 @@ def _child(conn: Any, rank: int, world_size: int, port: int, fn: Callable[..., A
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         payload = pickle.dumps(("error", traceback.format_exc()))
         code = 1
+    try:  # (others_done)
+        open(os.path.join(os.environ[DONE_DIR_VAR], f"done.{rank}"), "w").close()
+    except (KeyError, OSError):
+        pass
     try:
         conn.send_bytes(payload)
         conn.close()
@@ -107,6 +117,19 @@ def _start_method() -> str:
     return "fork"
 
 
+def others_done(cap: float = 30.0) -> None:
+    """In a rank of :func:`run_ranks`: wait until every other rank has returned or raised,
+    at most ``cap`` seconds. For a rank that must stay alive outside communication (its
+    heartbeat going, the store up if it hosts it) while the others' waits on it time out:
+    rather than sleeping for longer than their timeout, whatever the machine's load."""
+    folder, rank = os.environ[DONE_DIR_VAR], int(os.environ["RANK"])
+    others = [os.path.join(folder, f"done.{r}") for r in range(int(os.environ["WORLD_SIZE"]))
+              if r != rank]
+    deadline = time.monotonic() + cap
+    while not all(os.path.exists(path) for path in others) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
               env: Mapping[str, str] | None = None, start_method: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` forked ranks and return their results by rank.
@@ -121,11 +144,21 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     """
     ctx = mp.get_context(start_method or _start_method())
     port = free_port()
+    done = tempfile.mkdtemp(prefix="harness-done-")
+    try:
+        return _run(ctx, port, world_size, fn, args, {**(env or {}), DONE_DIR_VAR: done},
+                    timeout)
+    finally:
+        shutil.rmtree(done, ignore_errors=True)
+
+
+def _run(ctx: Any, port: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, ...],
+         env: dict[str, str], timeout: float) -> list[Any]:
     procs, conns = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child,
-                           args=(child, rank, world_size, port, fn, args, dict(env or {}), timeout))
+                           args=(child, rank, world_size, port, fn, args, env, timeout))
         proc.start()
         child.close()
         procs.append(proc)
@@ -183,3 +216,25 @@ def scaleout_run(*args: str, timeout: float = 240.0) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+#: ``scaleout run`` as the command builds it, but for the launch's settle and grace periods:
+#: after a failure the launcher waits ``settle`` seconds for the other ranks to end by
+#: themselves, then ``grace`` between SIGTERM and SIGKILL. A rank that never ends by itself
+#: (stopped, asleep, ignoring SIGTERM) makes a job wait out both (5 s and 3 s by default);
+#: a test of something else need not.
+_RUN_WITH_PERIODS = """
+import dataclasses, sys
+import scaleout.cli.run as run
+from scaleout.cli.main import main
+settle, grace, launch = float(sys.argv[1]), float(sys.argv[2]), run.launch
+run.launch = lambda target, config, **kw: launch(
+    target, dataclasses.replace(config, settle=settle, grace=grace), **kw)
+sys.exit(main(["run", *sys.argv[3:]]))
+"""
+
+
+def run_command(settle: float, grace: float) -> list[str]:
+    """argv of ``python -m scaleout run`` whose launch has the given settle and grace periods
+    (seconds); run's own arguments and the script follow."""
+    return [sys.executable, "-c", _RUN_WITH_PERIODS, str(settle), str(grace)]

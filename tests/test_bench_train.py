@@ -98,16 +98,22 @@ TWO_ROUNDS = [*TINY[:TINY.index("--rounds")], "--rounds", "2", *TINY[TINY.index(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cold", [False, True])
 def test_smoke_without_testbed_warm_or_cold(rank_env: Path, cold: bool,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                            capsys: pytest.CaptureFixture[str],
+                                            request: pytest.FixtureRequest) -> None:
     """Over loopback. Warm (the default): one process set per configuration runs every
-    round, each round measured again; --cold: fresh processes every round."""
-    out = rank_env / "out.json"
-    assert main([*TWO_ROUNDS, "--no-testbed", "--json", str(out),
-                 *(["--cold"] if cold else [])]) == 0
+    round, each round measured again; --cold: fresh processes every round (the run of
+    conftest.py's cold_bench, which test_sim_bench_trace.py reads the traces of)."""
+    if cold:
+        code, text, folder = request.getfixturevalue("cold_bench")
+        out = folder / "out.json"
+    else:
+        out = rank_env / "out.json"
+        code = main([*TWO_ROUNDS, "--no-testbed", "--json", str(out)])
+        text = capsys.readouterr().out
+    assert code == 0
     report = json.loads(out.read_text())
     _check_report(report, testbed=False, rounds=2)
     assert report["warm_ranks"] is not cold
-    text = capsys.readouterr().out
     assert "NO TESTBED" in text and "scaleout: policy default (ran fifo), mode overlap" in text
     assert ("fresh ranks every round" if cold else "warm ranks") in text
     for name in ("single", "scaleout", "ddp"):

@@ -97,7 +97,10 @@ def _start_saver(path: Path, step: int) -> multiprocessing.Process:
 def test_kill_during_save_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     first = _start_saver(path, 1)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while not path.is_symlink() and time.monotonic() < deadline:  # one save committed
+        time.sleep(0.01)
+    time.sleep(0.1)  # (into a later one)
     os.kill(first.pid, signal.SIGKILL)
     first.join()
     for delay in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5):

@@ -37,11 +37,37 @@ def test_help_imports_no_torch(argv: list[str]) -> None:
     assert "usage: scaleout" in out
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["bench", "--help"],
-                                  ["bench", "collectives", "--help"], ["bench", "train", "--help"],
-                                  ["testbed", "--help"], ["testbed", "up", "--help"]])
-def test_help_has_no_rst_markup(argv: list[str]) -> None:
-    out = _run(PROBE.format(argv=argv))
+HELPS = [["--help"], ["run", "--help"], ["bench", "--help"], ["bench", "collectives", "--help"],
+         ["bench", "train", "--help"], ["testbed", "--help"], ["testbed", "up", "--help"]]
+#: Every HELPS command in turn, each output after a line that names it.
+PROBES = """
+import sys
+from scaleout.cli.main import main
+for argv in {argvs!r}:
+    print("@@help " + repr(argv), flush=True)
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+    sys.stdout.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, str]:
+    """repr(argv) -> its help, for every HELPS command, from one process rather than one
+    each (the bench commands' help imports torch: about 3 s a process here)."""
+    out = _run(PROBES.format(argvs=HELPS))
+    parts = re.split(r"^@@help (.*)\n", out, flags=re.M)[1:]  # name, help, name, help, ...
+    found = dict(zip(parts[::2], parts[1::2]))
+    assert list(found) == [repr(argv) for argv in HELPS], out
+    return found
+
+
+@pytest.mark.parametrize("argv", HELPS)
+def test_help_has_no_rst_markup(argv: list[str], helps: dict[str, str]) -> None:
+    out = helps[repr(argv)]
+    assert out.startswith("usage: scaleout"), out  # (the command's own help, whole)
     assert not re.search(r"``|:(func|class|mod|meth):", out), out
 
 
@@ -63,13 +89,13 @@ def test_run_refuses_a_missing_script_once() -> None:
         "scaleout run: error: no such script: /no/such.py"]
 
 
-def test_bench_help_names_every_workload_and_the_auto_warmup() -> None:
+def test_bench_help_names_every_workload_and_the_auto_warmup(helps: dict[str, str]) -> None:
     from scaleout.bench.train_config import AUTO_WARMUP, AUTO_WARMUP_DEFAULT
     from scaleout.cli.bench_train import WORKLOADS_HELP
     from scaleout.workloads.registry import workload_names
 
     assert [w.strip() for w in WORKLOADS_HELP.replace(" or ", ", ").split(",")] == list(
         workload_names())
-    out = _run(PROBE.format(argv=["bench", "train", "--help"]))
+    out = helps[repr(["bench", "train", "--help"])]
     assert f"{AUTO_WARMUP}, the least it takes" in " ".join(out.split())
     assert f"{AUTO_WARMUP_DEFAULT} with --compression auto" in " ".join(out.split())

@@ -86,9 +86,26 @@ def reference(opt_name: str, world: int, batchnorm: bool, micro: int) -> dict[st
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def body_exact(opt_name: str, policy: str, mode: str, batchnorm: bool, micro: int,
-               sharded: bool) -> int:
+def body_exact(*case: object) -> int:
+    """``exact(env, *case)`` in a job of its own."""
     env = scaleout.init(timeout=60)
+    state = exact(env, *case)  # type: ignore[arg-type]
+    env.finalize()
+    return state
+
+
+def body_exact_cases(cases: list[tuple]) -> list[int]:
+    """``exact`` of each case in turn, in one job (its start-up costs more than a case)."""
+    env = scaleout.init(timeout=60)
+    states = [exact(env, *case) for case in cases]
+    env.finalize()
+    return states
+
+
+def exact(env: scaleout.Environment, opt_name: str, policy: str, mode: str, batchnorm: bool,
+          micro: int, sharded: bool) -> int:
+    """Train on this rank's part, check against the single-process reference; the optimizer
+    state's bytes on this rank."""
     world = env.world_size
     torch.manual_seed(env.rank)  # different init per rank: DataParallel broadcasts rank 0's
     net = Net(batchnorm).double()
@@ -128,7 +145,6 @@ def body_exact(opt_name: str, policy: str, mode: str, batchnorm: bool, micro: in
             torch.testing.assert_close(other, flat)
     state = optimizer_state_bytes(opt.inner)
     model.close()
-    env.finalize()
     return state
 
 
@@ -137,29 +153,30 @@ CASES = [(opt, pol, mode) for opt in ("sgd", "adamw") for pol in ("fifo", "prior
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("opt_name,policy,mode", CASES)
-def test_matches_single_process(world: int, opt_name: str, policy: str, mode: str) -> None:
-    run_ranks(world, body_exact, opt_name, policy, mode, True, 1, False, timeout=120)
+def test_matches_single_process(world: int) -> None:  # every case of CASES
+    run_ranks(world, body_exact_cases, [(*case, True, 1, False) for case in CASES],
+              timeout=120)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("policy", ["fifo-2-channels", "priority-3-channels"])
-def test_channels_match_single_process(world: int, policy: str) -> None:
-    run_ranks(world, body_exact, "adamw", policy, "overlap", True, 1, False, timeout=120)
+def test_channels_match_single_process(world: int) -> None:
+    run_ranks(world, body_exact_cases, [("adamw", policy, "overlap", True, 1, False)
+                                        for policy in ("fifo-2-channels", "priority-3-channels")],
+              timeout=120)
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_micro_batch_accumulation(mode: str) -> None:
-    run_ranks(2, body_exact, "sgd", "priority", mode, False, 2, False, timeout=120)
+def test_micro_batch_accumulation() -> None:
+    run_ranks(2, body_exact_cases, [("sgd", "priority", mode, False, 2, False)
+                                    for mode in ("sync", "overlap")], timeout=120)
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_update_matches_and_shrinks_state(world: int, opt_name: str) -> None:
-    sharded = run_ranks(world, body_exact, opt_name, "priority", "overlap", True, 1, True,
-                        timeout=120)
-    full = run_ranks(world, body_exact, opt_name, "priority", "overlap", True, 1, False,
-                     timeout=120)
+    states = run_ranks(world, body_exact_cases, [(opt_name, "priority", "overlap", True, 1,
+                                                  sharded) for sharded in (True, False)],
+                       timeout=120)
+    sharded, full = [state[0] for state in states], [state[1] for state in states]
     # every rank keeps state for about 1/world of the parameters
     for state in sharded:
         assert state <= full[0] / world * 1.2 + 64, (sharded, full)

@@ -31,7 +31,8 @@ def test_elastic_script_survives_a_killed_rank(tmp_path: Path) -> None:
     reference = run_ranks(2, elastic, False, timeout=60,
                           env={"SCALEOUT_STATE_DIR": str(tmp_path / "reference")})
     assert len(set(reference)) == 1
-    env = {**os.environ, "PYTHONPATH": SRC}
+    # (heartbeat limit 2 s, not 15: rank 0 names rank 1 and leaves sooner)
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "2"}
     env.pop("SCALEOUT_STATE_DIR", None)
     killed = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2",
                              "--max-restarts", "1", JOBS, "elastic", "kill"], env=env,

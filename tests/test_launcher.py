@@ -105,13 +105,22 @@ def test_usage_errors(tmp_path: Path) -> None:
         LaunchConfig(nprocs=1, nnodes=2, node_rank=2, master_port=1)
     script = tmp_path / "ok.py"
     script.write_text("print('ran')\n")
-    for name, value, message in (
+    src = str(Path(__file__).parents[1] / "src")
+    runs = [(message, subprocess.Popen(  # (at once: each imports torch to check its setting)
+        [sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
+        env={**os.environ, "PYTHONPATH": src, name: value}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)) for name, value, message in (
             ("SCALEOUT_HEARTBEAT", "abc", "SCALEOUT_HEARTBEAT must be seconds"),
             ("SCALEOUT_CHECK", "maybe", "SCALEOUT_CHECK) must be one of"),
-            ("SCALEOUT_BACKEND", "foo", "unknown backend 'foo' (SCALEOUT_BACKEND)")):
-        result = scaleout_run("-n", "2", str(script), env={name: value})  # (was a traceback
-        assert result.returncode == 2 and message in result.stderr, result.stderr  # per rank)
-        assert "Traceback" not in result.stderr and "ran" not in result.stdout
+            ("SCALEOUT_BACKEND", "foo", "unknown backend 'foo' (SCALEOUT_BACKEND)"))]
+    try:
+        for message, run in runs:
+            stdout, stderr = run.communicate(timeout=60)  # (was a traceback per rank)
+            assert run.returncode == 2 and message in stderr, stderr
+            assert "Traceback" not in stderr and "ran" not in stdout
+    finally:
+        for _, run in runs:
+            run.kill()
     result = scaleout_run("-n", "1", str(script), env={"SCALEOUT_STATE_DIR": "/proc/no/such"})
     assert result.returncode == 2 and result.stderr.startswith(
         "scaleout run: error: SCALEOUT_STATE_DIR = '/proc/no/such' cannot be used"), result.stderr

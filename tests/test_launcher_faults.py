@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_command
+
 SRC = str(Path(__file__).parents[1] / "src")
 
 # Every rank writes its pid, then rank 1 freezes (SIGSTOP) and the others ignore SIGTERM
@@ -28,14 +30,17 @@ FROZEN = """
 """
 
 
-def start_run(tmp_path: Path, nprocs: int, body: str) -> subprocess.Popen[str]:
+def start_run(tmp_path: Path, nprocs: int, body: str, run: list[str] | None = None,
+              **extra: str) -> subprocess.Popen[str]:
+    """``scaleout run -n NPROCS`` of ``body``, or ``run -n NPROCS`` (harness.run_command);
+    ``extra``: environment variables."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": SRC}
+    env = {**os.environ, "PYTHONPATH": SRC, **extra}
     # SIGHUP at its default, as in a terminal, even where this test runs under nohup (a
     # launcher keeps an inherited SIG_IGN: test_launcher_robustness.py's nohup test)
-    return subprocess.Popen([sys.executable, "-m", "scaleout", "run", "-n", str(nprocs),
-                             str(script), str(tmp_path)], env=env, text=True,
+    return subprocess.Popen([*(run or [sys.executable, "-m", "scaleout", "run"]), "-n",
+                             str(nprocs), str(script), str(tmp_path)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
@@ -76,7 +81,8 @@ def wait_gone(pids: list[int], timeout: float) -> float:
 @pytest.mark.parametrize("nprocs", [2, 3])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_to_launcher_stops_every_rank(tmp_path: Path, nprocs: int, sig: int) -> None:
-    run = start_run(tmp_path, nprocs, FROZEN)
+    # (a grace period of 1 s rather than 3: the ranks outlive the SIGTERM either way)
+    run = start_run(tmp_path, nprocs, FROZEN, run=run_command(settle=5.0, grace=1.0))
     pids = rank_pids(tmp_path, nprocs)
     started = time.monotonic()
     run.send_signal(sig)
@@ -84,7 +90,7 @@ def test_signal_to_launcher_stops_every_rank(tmp_path: Path, nprocs: int, sig: i
     assert run.returncode == 128 + sig, output
     assert f"got {signal.Signals(sig).name}; stopped every rank" in output
     wait_gone(pids, 2.0)
-    assert time.monotonic() - started < 8.0  # 3 s grace, then SIGKILL
+    assert time.monotonic() - started < 6.0  # 1 s grace, then SIGKILL
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
@@ -132,7 +138,7 @@ def test_the_rank_that_failed_first_is_blamed(tmp_path: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
             time.sleep(0.01)
-    """)
+    """, SCALEOUT_HEARTBEAT="2")  # (the peers notice within 0.4 s, rather than 1 s at 15)
     output = run.communicate(timeout=40)[0]
     assert run.returncode == 128 + signal.SIGKILL, output
     assert "scaleout run: rank 2 failed first, with signal SIGKILL" in output
@@ -140,7 +146,8 @@ def test_the_rank_that_failed_first_is_blamed(tmp_path: Path) -> None:
 
 def test_what_a_failed_rank_started_does_not_outlive_the_job(tmp_path: Path) -> None:
     # each rank starts a child in its process group; rank 1 then exits with code 3 (its
-    # child used to be left running: only live ranks' groups were signalled)
+    # child used to be left running: only live ranks' groups were signalled). Rank 0 never
+    # ends by itself: stopped after a settle period of 1 s rather than 5.
     run = start_run(tmp_path, 2, """
         import os, subprocess, sys, time
         rank = int(os.environ["RANK"])
@@ -150,7 +157,7 @@ def test_what_a_failed_rank_started_does_not_outlive_the_job(tmp_path: Path) -> 
         if rank == 1:
             raise SystemExit(3)
         time.sleep(120)
-    """)
+    """, run=run_command(settle=1.0, grace=3.0))
     children = rank_pids(tmp_path, 2)
     output = run.communicate(timeout=40)[0]
     assert run.returncode == 3, output

@@ -13,17 +13,18 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness import run_ranks
+from harness import run_command, run_ranks
 
 SRC = str(Path(__file__).parents[1] / "src")
 
 JOBS = str(Path(__file__).parent / "restart_jobs.py")
 
 
-def scaleout_run(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": SRC}
-    return subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def scaleout_run(*args: str, timeout: float = 90, run: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
+    return subprocess.run([*(run or [sys.executable, "-m", "scaleout", "run"]), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def digests(stdout: str) -> list[str]:
@@ -38,8 +39,9 @@ def test_killed_rank_restarts_and_ends_bit_identical(tmp_path: Path) -> None:
 
     reference = run_ranks(2, checkpointed, str(tmp_path / "reference"), -1, timeout=60)
     assert len(set(reference)) == 1
+    # (heartbeat limit 2 s, not 15: rank 0 names rank 1 and leaves sooner)
     killed = scaleout_run("-n", "2", "--max-restarts", "2", JOBS, "checkpointed",
-                          str(tmp_path / "killed"), "7")
+                          str(tmp_path / "killed"), "7", env={"SCALEOUT_HEARTBEAT": "2"})
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "rank 1 failed first, with signal SIGKILL" in killed.stdout
     assert "restart 1 of 2: starting every rank again" in killed.stdout
@@ -64,7 +66,10 @@ def test_spent_budget_fails_naming_the_rank(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(textwrap.dedent(FAILING))
     started = time.monotonic()
-    result = scaleout_run("-n", "2", "--max-restarts", "2", str(script), timeout=60)
+    # rank 0 never ends by itself: each attempt waits out the launcher's settle period before
+    # rank 0 is stopped, here 1 s rather than 5 (harness.run_command)
+    result = scaleout_run("-n", "2", "--max-restarts", "2", str(script), timeout=60,
+                          run=run_command(settle=1.0, grace=1.0))
     assert time.monotonic() - started < 30
     assert result.returncode == 3, result.stdout + result.stderr
     for attempt in range(3):

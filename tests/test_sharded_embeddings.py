@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import scaleout
-from dlrm_oracle import CONFIG, body_dlrm
+from dlrm_oracle import CONFIG, body_dlrm, run_dlrm_cases
 from harness import run_ranks
 from scaleout.pytorch import (
     COLUMN_WISE,
@@ -31,7 +31,8 @@ from scaleout.pytorch import (
 )
 from scaleout.pytorch.embeddings.batched import TableBatch
 
-@pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch", [
+#: (data_parts, model_parts, mode, layout, prefetch)
+HYBRID = [
     (2, 1, "sync", "planned", "none"), (3, 1, "overlap", "planned", "none"),
     (2, 2, "overlap", "planned", "none"), (1, 2, "overlap", "planned", "none"),
     (2, 1, "overlap", "explicit", "none"),
@@ -40,28 +41,29 @@ from scaleout.pytorch.embeddings.batched import TableBatch
     # the ids of the next batch (or two) exchanged while a batch trains: the same weights
     (2, 1, "overlap", "planned", "loader"), (3, 1, "sync", "budget", "two ahead"),
     (2, 2, "overlap", "columns", "loader"), (3, 1, "overlap", "idle", "two ahead"),
-    (3, 1, "overlap", "idle", "loader")])
-def test_hybrid_dlrm_matches_single_process(data_parts: int, model_parts: int, mode: str,
-                                            layout: str, prefetch: str) -> None:
-    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
-                     prefetch, timeout=120)
-    by_data_rank = held[::model_parts]
-    assert set(t for h in by_data_rank for t in h) == set(range(len(CONFIG.table_sizes)))
-    assert layout != "idle" or held[-1] == []
-    for m in range(model_parts):  # every model rank holds the same tables as its column
-        assert held[m::model_parts] == by_data_rank
+    (3, 1, "overlap", "idle", "loader")]
 
 
-@pytest.mark.parametrize("data_parts,model_parts,mode,layout,prefetch", [
-    (2, 1, "overlap", "planned", "loader"), (2, 1, "sync", "planned", "none"),
-    (3, 1, "overlap", "budget", "two ahead"), (2, 2, "overlap", "columns", "loader"),
-    (3, 1, "overlap", "idle", "loader")])
-def test_deferred_backward_matches_single_process(data_parts: int, model_parts: int, mode: str,
-                                                  layout: str, prefetch: str) -> None:
+def test_hybrid_dlrm_matches_single_process() -> None:  # every case of HYBRID
+    for case, held in run_dlrm_cases(HYBRID).items():
+        model_parts, layout = case[1], case[3]
+        by_data_rank = held[::model_parts]
+        tables = set(t for h in by_data_rank for t in h)
+        assert tables == set(range(len(CONFIG.table_sizes))), case
+        assert layout != "idle" or held[-1] == [], case
+        for m in range(model_parts):  # every model rank holds the same tables as its column
+            assert held[m::model_parts] == by_data_rank, case
+
+
+DEFERRED = [(2, 1, "overlap", "planned", "loader"), (2, 1, "sync", "planned", "none"),
+            (3, 1, "overlap", "budget", "two ahead"), (2, 2, "overlap", "columns", "loader"),
+            (3, 1, "overlap", "idle", "loader")]
+
+
+def test_deferred_backward_matches_single_process() -> None:  # every case of DEFERRED
     # the rows' gradients travel while the dense backward runs, land before the tables' step
-    held = run_ranks(data_parts * model_parts, body_dlrm, data_parts, model_parts, mode, layout,
-                     prefetch, "step", timeout=120)
-    assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes)))
+    for case, held in run_dlrm_cases([(*case, "step") for case in DEFERRED]).items():
+        assert set(t for h in held for t in h) == set(range(len(CONFIG.table_sizes))), case
 
 
 def test_deferred_gradients_landing_after_the_step_are_caught() -> None:

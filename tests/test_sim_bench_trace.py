@@ -1,15 +1,15 @@
 """``scaleout bench train --trace DIR``: per-rank traces of every scaleout run, fed to the simulator.
 
-One tiny run over loopback (digits-mlp, 2 ranks, one round of 3 iterations): the scaleout
-configuration's two ranks leave ``trace.<rank>.json`` under ``DIR/scaleout/round0``; the
-configurations that do not train with ``DataParallel`` (single, ddp) leave nothing; the files
-are read back by the simulator (``sim run --trace``) and merged by ``sim chrome``.
+One tiny run over loopback (digits-mlp, 2 ranks, two rounds of fresh ranks of 3 iterations:
+conftest.py's cold_bench, also test_bench_train.py's cold smoke run): the scaleout
+configuration's two ranks leave ``trace.<rank>.json`` under ``DIR/scaleout/round<r>`` every
+round; the configurations that do not train with ``DataParallel`` (single, ddp) leave nothing;
+the files are read back by the simulator (``sim run --trace``) and merged by ``sim chrome``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,38 +19,35 @@ from scaleout.bench.train_setup import LEAD_IN
 from scaleout.cli.main import main
 from scaleout.sim.trace import read_trace
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
 
 @pytest.mark.timeout(240)
 def test_bench_train_records_every_scaleout_runs_traces(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    cold_bench: tuple[int, str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", SRC if not path else f"{SRC}{os.pathsep}{path}")
-    monkeypatch.delenv("SCALEOUT_TRACE", raising=False)
-    traces, out = tmp_path / "traces", tmp_path / "out.json"
-    argv = ["bench", "train", "--workload", "digits-mlp", "--ranks", "2", "--rounds", "1",
-            "--iters", "3", "--warmup", "1", "--vs", "ddp", "--no-progress", "--no-testbed",
-            "--trace", str(traces), "--json", str(out)]
-    assert main(argv) == 0
+    code, _, folder = cold_bench
+    assert code == 0
+    traces = folder / "traces"
     assert sorted(p.name for p in traces.iterdir()) == ["scaleout"]  # single, ddp: no DataParallel
-    folder = traces / "scaleout" / "round0"
-    assert sorted(p.name for p in folder.iterdir()) == ["trace.0.json", "trace.1.json"]
-    for rank in (0, 1):
-        data = json.loads((folder / f"trace.{rank}.json").read_text())
-        assert data["rank"] == rank and data["workload"] == "digits-mlp"
-        assert data["batch_size"] == 32 and data["iterations"] == 1 + LEAD_IN + 3  # warmup,
-        # the lead-in and the timed ones
-        assert {e["lane"] for e in data["events"]} >= {"compute", "comm"}
-        assert sum(layer["grad_bytes"] for layer in data["layers"]) > 0
-        workload = read_trace(folder / f"trace.{rank}.json")  # the simulator's reader
-        assert workload.compute_s > 0
-    runs = {r["config"]: r for r in json.loads(out.read_text())["runs"]}
-    assert runs["scaleout"]["trace_dir"] == str(folder)
-    assert "trace_dir" not in runs["single"] and "trace_dir" not in runs["ddp"]
+    assert sorted(p.name for p in (traces / "scaleout").iterdir()) == ["round0", "round1"]
+    for round_dir in (traces / "scaleout").iterdir():
+        assert sorted(p.name for p in round_dir.iterdir()) == ["trace.0.json", "trace.1.json"]
+        for rank in (0, 1):
+            data = json.loads((round_dir / f"trace.{rank}.json").read_text())
+            assert data["rank"] == rank and data["workload"] == "digits-mlp"
+            assert data["batch_size"] == 32 and data["iterations"] == 1 + LEAD_IN + 3  # warmup,
+            # the lead-in and the timed ones (fresh ranks every round)
+            assert {e["lane"] for e in data["events"]} >= {"compute", "comm"}
+            assert sum(layer["grad_bytes"] for layer in data["layers"]) > 0
+            workload = read_trace(round_dir / f"trace.{rank}.json")  # the simulator's reader
+            assert workload.compute_s > 0
+    runs = json.loads((folder / "out.json").read_text())["runs"]
+    for run in runs:
+        if run["config"] == "scaleout":
+            assert run["trace_dir"] == str(traces / "scaleout" / f"round{run['round']}")
+        else:
+            assert "trace_dir" not in run, run["config"]
     capsys.readouterr()
-    assert main(["sim", "chrome", str(folder)]) == 0
+    assert main(["sim", "chrome", str(traces / "scaleout" / "round0")]) == 0
     assert "2 ranks" in capsys.readouterr().out
 
 

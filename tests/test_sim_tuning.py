@@ -91,13 +91,19 @@ def test_the_choice_does_not_depend_on_the_hash_seed() -> None:
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.join(os.path.dirname(tests), "src"), os.environ.get("PYTHONPATH", "")])}
+    code = CHOOSE_IN_A_FRESH_INTERPRETER.format(tests=tests)
+    runs = [subprocess.Popen([sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": seed},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for seed in ("1", "2", "3")]  # (at once: each is mostly its imports)
     outputs = set()
-    for seed in ("1", "2", "3"):
-        done = subprocess.run([sys.executable, "-c", CHOOSE_IN_A_FRESH_INTERPRETER.format(
-            tests=tests)], env={**env, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
-            timeout=120)
-        assert done.returncode == 0, done.stderr
-        outputs.add(done.stdout)
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=120)
+            assert run.returncode == 0, stderr
+            outputs.add(stdout)
+    finally:
+        for run in runs:
+            run.kill()
     assert len(outputs) == 1, outputs
 
 

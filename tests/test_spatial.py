@@ -77,8 +77,15 @@ def reference(kind: str, data_parts: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in net.named_parameters()}
 
 
-def body(kind: str, data_parts: int, model_parts: int) -> None:
+def body_cases(cases: list[tuple[str, int, int]]) -> None:
+    """``spatial`` of each case in turn, in one job (its start-up costs more than a case)."""
     env = scaleout.init(timeout=60)
+    for case in cases:
+        spatial(env, *case)
+    env.finalize()
+
+
+def spatial(env: scaleout.Environment, kind: str, data_parts: int, model_parts: int) -> None:
     dist = env.create_distribution(data_parts, model_parts)
     net = Net(kind, dist).double()
     x, _ = batch(kind, 0, 2)
@@ -103,16 +110,19 @@ def body(kind: str, data_parts: int, model_parts: int) -> None:
     for name, value in reference(kind, data_parts).items():
         torch.testing.assert_close(dict(net.named_parameters())[name].detach(), value,
                                    rtol=1e-9, atol=1e-11,
-                                   msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
+                                   msg=lambda m, n=name: f"rank {env.rank} {kind} {n}: {m}")
     model.close()
-    env.finalize()
 
 
-@pytest.mark.parametrize("kind,data_parts,model_parts", [
-    ("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2), ("2d-bn", 1, 2),
-    ("2d-bn", 2, 2), ("2d-bn", 1, 3), ("2d-bn", 2, 1)])
-def test_spatial_cnn_matches_single_process(kind: str, data_parts: int, model_parts: int) -> None:
-    run_ranks(data_parts * model_parts, body, kind, data_parts, model_parts, timeout=120)
+#: (kind, data_parts, model_parts)
+CASES = [("2d", 1, 2), ("2d", 2, 2), ("2d", 1, 3), ("3d", 1, 2), ("3d", 2, 2), ("2d-bn", 1, 2),
+         ("2d-bn", 2, 2), ("2d-bn", 1, 3), ("2d-bn", 2, 1)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_spatial_cnn_matches_single_process(world: int) -> None:  # the cases of CASES on world
+    run_ranks(world, body_cases, [case for case in CASES if case[1] * case[2] == world],
+              timeout=120)
 
 
 def test_unsupported_convolution_is_named() -> None:

@@ -73,8 +73,26 @@ def reference(world: int, head_module: bool, micro: int) -> dict[str, torch.Tens
     return {k: v.detach().clone() for k, v in net.named_parameters()}
 
 
-def body(mode: str, head_module: bool, micro: int, options: dict) -> tuple[bool, list[bool]]:
+def body(*case: object) -> tuple[bool, list[bool]]:
+    """``tied(env, *case)`` in a job of its own."""
     env = scaleout.init(timeout=60)
+    result = tied(env, *case)  # type: ignore[arg-type]
+    env.finalize()
+    return result
+
+
+def body_cases(cases: list[tuple]) -> list[tuple[bool, list[bool]]]:
+    """``tied`` of each case in turn, in one job (its start-up costs more than a case)."""
+    env = scaleout.init(timeout=60)
+    results = [tied(env, *case) for case in cases]
+    env.finalize()
+    return results
+
+
+def tied(env: scaleout.Environment, mode: str, head_module: bool, micro: int,
+         options: dict) -> tuple[bool, list[bool]]:
+    """Train, check against the reference; whether the weight was split, and by step
+    whether its early share was on its way when the lookup's arrived."""
     world = env.world_size
     torch.manual_seed(0 if env.rank == 0 else 7)  # DataParallel broadcasts rank 0's weights
     net = TiedLM(head_module).double()
@@ -110,18 +128,18 @@ def body(mode: str, head_module: bool, micro: int, options: dict) -> tuple[bool,
                                    msg=lambda m, n=name: f"rank {env.rank} {n}: {m}")
     split = bool(model.layers[0].early)
     model.close()
-    env.finalize()
     return split, early_first
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-@pytest.mark.parametrize("head_module", [False, True], ids=["functional-head", "module-head"])
-def test_tied_weight_split_matches_single_process(world: int, mode: str,
-                                                  head_module: bool) -> None:
-    for split, early_first in run_ranks(world, body, mode, head_module, 1, {}, timeout=120):
-        assert split  # the tied weight travels in two shares
-        assert early_first == [True] * STEPS  # the head's share left before the lookup's
+def test_tied_weight_split_matches_single_process(world: int) -> None:
+    """Sync and overlap mode, the head a function of the weight or a module, in one job."""
+    cases = [(mode, head_module, 1, {}) for mode in ("sync", "overlap")
+             for head_module in (False, True)]
+    for results in run_ranks(world, body_cases, cases, timeout=120):
+        for case, (split, early_first) in zip(cases, results):
+            assert split, case  # the tied weight travels in two shares
+            assert early_first == [True] * STEPS, case  # the head's share left first
 
 
 def test_tied_weight_split_with_micro_batches() -> None:

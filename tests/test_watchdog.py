@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_command
+
 SRC = str(Path(__file__).parents[1] / "src")
 
 JOB = """
@@ -21,8 +23,9 @@ JOB = """
     if os.environ.get("FAKE_MACHINES"):  # as if every rank ran on its own host: no /proc view
         import scaleout.core.watchdog as wd, scaleout.launch.rendezvous as rv
         wd.machine = rv.machine = lambda: "host-" + os.environ["RANK"]
-    # The launcher gives the others 5 s (LaunchConfig.settle) after the first failure;
-    # ignoring its SIGTERM adds the grace period (3 s, then SIGKILL) to report what they found.
+    # The launcher gives the others 5 s (LaunchConfig.settle; 2 s in a stopped rank's job:
+    # STOPPED_RUN) after the first failure; ignoring its SIGTERM adds the grace period (3 s;
+    # 1 s) to report what they found, before SIGKILL.
     if not os.environ.get("KEEP_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = scaleout.init(timeout=120)  # far longer than the heartbeat limit
@@ -45,9 +48,16 @@ JOB = """
 """
 
 
+#: A stopped rank never exits: its job waits out the launcher's settle and grace periods (5 s,
+#: then 3 s) after the first failure. 2 s and 1 s still leave the survivors 3 s to say who
+#: failed, which each does within a second of the first (0.4-0.6 s apart in runs here).
+STOPPED_RUN = run_command(settle=2.0, grace=1.0)
+
+
 def run_job(tmp_path: Path, nprocs: int, victim: int, how: str, limit: float,
             fake_machines: bool = False, keep_sigterm: bool = False,
             ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run JOB; a stopped victim's with the shorter periods of STOPPED_RUN."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))
     env = {**os.environ, "PYTHONPATH": SRC, "VICTIM": str(victim), "HOW": how,
@@ -57,8 +67,9 @@ def run_job(tmp_path: Path, nprocs: int, victim: int, how: str, limit: float,
     if keep_sigterm:
         env["KEEP_SIGTERM"] = "1"
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", str(nprocs),
-                             str(script)], env=env, capture_output=True, text=True, timeout=90)
+    run = STOPPED_RUN if how == "stop" else [sys.executable, "-m", "scaleout", "run"]
+    result = subprocess.run([*run, "-n", str(nprocs), str(script)], env=env,
+                            capture_output=True, text=True, timeout=90)
     return result, time.monotonic() - started
 
 
@@ -76,7 +87,7 @@ def detections(output: str) -> dict[int, tuple[int, float]]:
 ])
 def test_survivors_name_the_failed_rank(tmp_path: Path, nprocs: int, victim: int,
                                         how: str) -> None:
-    result, _ = run_job(tmp_path, nprocs, victim, how, limit=4.0)
+    result, _ = run_job(tmp_path, nprocs, victim, how, limit=2.0)
     out = result.stdout
     survivors = [r for r in range(nprocs) if r != victim]
     found = detections(out)
@@ -90,7 +101,7 @@ def test_survivors_name_the_failed_rank(tmp_path: Path, nprocs: int, victim: int
     assert all(failed == victim for failed, _ in found.values()), out  # whoever spoke, named it
     for rank in survivors:
         failed, after = found[rank]
-        assert after < 4.0 + 3.0, out  # the heartbeat limit (4 s) + slack, never the 120 s timeout
+        assert after < 2.0 + 3.0, out  # the heartbeat limit (2 s) + slack, never the 120 s timeout
     assert f"scaleout run: rank {victim} failed first" in out, out
     assert result.returncode != 0
 
@@ -98,7 +109,7 @@ def test_survivors_name_the_failed_rank(tmp_path: Path, nprocs: int, victim: int
 def test_every_survivor_names_the_failed_rank_before_it_is_stopped(tmp_path: Path) -> None:
     """Ranks that take the launcher's SIGTERM: the launcher waits (settle) until the
     survivors have said who failed and ended, instead of stopping them at the first exit."""
-    result, _ = run_job(tmp_path, 3, 1, "kill", limit=4.0, keep_sigterm=True)
+    result, _ = run_job(tmp_path, 3, 1, "kill", limit=2.0, keep_sigterm=True)
     out = result.stdout
     found = detections(out)
     assert sorted(found) == [0, 2], out + result.stderr
@@ -108,12 +119,12 @@ def test_every_survivor_names_the_failed_rank_before_it_is_stopped(tmp_path: Pat
 
 def test_heartbeat_names_a_frozen_remote_rank(tmp_path: Path) -> None:
     """Without a /proc view of the peer (another host), the heartbeat alone names it."""
-    result, _ = run_job(tmp_path, 3, 1, "stop", limit=3.0, fake_machines=True)
+    result, _ = run_job(tmp_path, 3, 1, "stop", limit=2.0, fake_machines=True)
     out = result.stdout
     found = detections(out)
     assert sorted(found) == [0, 2], out + result.stderr
     assert all(failed == 1 for failed, _ in found.values()), out
-    assert all(3.0 <= after < 3.0 + 4.0 for _, after in found.values()), out
+    assert all(2.0 <= after < 2.0 + 4.0 for _, after in found.values()), out
     assert "no heartbeat for" in out + result.stderr
     assert "scaleout run: rank 1 failed first" in out
 
@@ -182,7 +193,8 @@ def test_a_rank_a_profiler_samples_is_not_named(tmp_path: Path) -> None:
 def _suspended(script: Path, tmp_path: Path, seconds: float) -> tuple[int, str]:
     """Run ``script`` on 2 ranks (heartbeat limit 1 s); once both have written their pid to
     ``tmp_path/pid.<rank>``, stop the whole job for ``seconds`` and resume it (as Slurm's
-    ``scontrol suspend``/``resume`` do). Its exit status and output."""
+    ``scontrol suspend``/``resume`` do), then create ``tmp_path/resumed``. Its exit status
+    and output."""
     import signal
 
     env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1"}
@@ -198,6 +210,7 @@ def _suspended(script: Path, tmp_path: Path, seconds: float) -> tuple[int, str]:
         time.sleep(seconds)
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+        (tmp_path / "resumed").touch()
         out, _ = job.communicate(timeout=60)
     finally:
         job.kill()
@@ -215,11 +228,16 @@ def test_a_job_suspended_and_resumed_whole_is_not_failing(tmp_path: Path) -> Non
         import os, time, torch, scaleout
         env = scaleout.init(timeout=60)
         d = env.create_distribution()
-        for step in range(400):
+        resumed, seen = os.path.join({str(tmp_path)!r}, "resumed"), None
+        for step in range(100000):
             if step == 20:
                 with open(os.path.join({str(tmp_path)!r}, f"pid.{{env.rank}}"), "w") as f:
                     f.write(str(os.getpid()))
-            d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
+            flag = torch.tensor([float(os.path.exists(resumed))])
+            if d.allreduce(flag, group=scaleout.GroupType.DATA).wait().item() > 0:
+                seen = step if seen is None else seen
+            if seen is not None and step == seen + 150:  # (> 2 s, 2 limits, after the
+                break  # resume; every rank leaves after the same allreduce)
             time.sleep(0.01)
         env.finalize()
         print("done", flush=True)
@@ -267,12 +285,12 @@ def test_finishing_at_different_times_is_not_failing(tmp_path: Path) -> None:
         d = env.create_distribution()
         d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait()
         if env.rank == 0:
-            time.sleep(5)  # > 2 heartbeat limits while rank 1 already waits in finalize
+            time.sleep(3.5)  # > 2 heartbeat limits while rank 1 already waits in finalize
         env.finalize()
         print("done", flush=True)
         os._exit(0)
     """))
-    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "2"}
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1.5"}
     result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "3", str(script)],
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -288,10 +306,10 @@ def test_ending_without_finalize_is_not_failing(tmp_path: Path) -> None:
         d = env.create_distribution()
         d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait()
         if env.rank == 0:
-            time.sleep(5)  # > 2 heartbeat limits after rank 1 has gone
+            time.sleep(3.5)  # > 2 heartbeat limits after rank 1 has gone
         print("done", flush=True)
     """))
-    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "2"}
+    env = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "1.5"}
     result = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", "2", str(script)],
                             env=env, capture_output=True, text=True, timeout=60)
     out = result.stdout + result.stderr

@@ -24,20 +24,25 @@ _LAUNCHER_VARS = ("SCALEOUT_LAUNCHER_PID", "SCALEOUT_LAUNCHER_ID", "SCALEOUT_REP
 
 def launch(tmp_path: Path, body: str, nprocs: int, timeout: float = 60.0,
            **extra: str) -> list[tuple[int, str]]:
-    """Run ``body`` as ``nprocs`` ranks (torchrun's variables); (exit code, output) by rank."""
+    """Run ``body`` as ``nprocs`` ranks (torchrun's variables); (exit code, output) by rank.
+    The ranks' pids are written to ``$PIDS_FILE`` once all are started (see OTHERS_GONE)."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(body))
+    script.write_text(OTHERS_GONE + textwrap.dedent(body))
+    pids = tmp_path / "pids"
     port, token = free_port(), secrets.token_hex(16)
     procs, logs = [], []
     for rank in range(nprocs):
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
         env.update(PYTHONPATH=SRC, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   SCALEOUT_JOB_TOKEN=token, SCALEOUT_HEARTBEAT="10", **extra)
+                   SCALEOUT_JOB_TOKEN=token, **{"SCALEOUT_HEARTBEAT": "10",
+                                                 "PIDS_FILE": str(pids), **extra})
         logs.append(tmp_path / f"rank{rank}.txt")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen([sys.executable, "-u", str(script)], env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
+    (tmp_path / "pids.tmp").write_text(" ".join(str(proc.pid) for proc in procs))
+    (tmp_path / "pids.tmp").replace(pids)
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
@@ -48,6 +53,27 @@ def launch(tmp_path: Path, body: str, nprocs: int, timeout: float = 60.0,
                 proc.kill()
                 proc.wait()
     return [(proc.returncode, log.read_text()) for proc, log in zip(procs, logs)]
+
+
+#: Defines ``others_gone(cap)`` in every body: it returns once every other rank's process has
+#: ended (launch() writes their pids to ``$PIDS_FILE``; a zombie has ended), or after ``cap``
+#: seconds. A rank that must outlive the others' failures waits so, not for a fixed time.
+OTHERS_GONE = """
+def others_gone(cap):
+    import os, time
+    deadline, path = time.monotonic() + cap, os.environ["PIDS_FILE"]
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    others = [int(p) for p in open(path).read().split() if int(p) != os.getpid()]
+    while any(running(pid) for pid in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
 
 
 def detected(output: str) -> tuple[int, float, str] | None:
@@ -164,7 +190,8 @@ def test_finalize_meeting_another_collective_is_a_mismatch(tmp_path: Path, check
     """Rank 1 makes one call more than rank 0, which is in finalize(): a ValueError naming
     both calls on both ranks, with SCALEOUT_CHECK=1, and by default ("first") when that call
     is new (before: both timed out, and rank 1 could abort)."""
-    ranks = launch(tmp_path, FINALIZE, 2, HOW=how, SCALEOUT_CHECK=check)
+    # (heartbeat limit 2 s, not 10: rank 0, the store's host, lingers 1.3 s at exit, not 2.5)
+    ranks = launch(tmp_path, FINALIZE, 2, HOW=how, SCALEOUT_CHECK=check, SCALEOUT_HEARTBEAT="2")
     shape = "(4,)" if how == "extra_known" else "(5,)"
     listing = f"rank 0: finalize(); rank 1: allreduce(float32, shape {shape}, SUM)"
     for rank, (code, out) in enumerate(ranks):
@@ -226,11 +253,12 @@ def test_a_rank_leaves_at_once_after_an_uncaught_timeout(tmp_path: Path) -> None
         d = env.create_distribution()
         d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait()
         if env.rank == 1:
-            time.sleep(6)  # alive (its heartbeat beats), in no collective
+            others_gone(30)  # alive (its heartbeat beats), in no collective, until rank 0 left
             os._exit(0)
         d.allreduce(torch.ones(2), group=scaleout.GroupType.DATA).wait(1.5)
     """
-    (code, out), (other, _) = launch(tmp_path, body, 2)
+    # (heartbeat limit 2 s, still above the 1.5 s wait: rank 0 lingers 1.3 s at exit, not 2.5)
+    (code, out), (other, _) = launch(tmp_path, body, 2, SCALEOUT_HEARTBEAT="2")
     assert code == 1 and other == 0, out
     assert "CommunicationTimeout: rank 0: allreduce on group data[0, 1] did not complete " \
            "within 1.5 s" in out, out
@@ -272,11 +300,12 @@ def test_a_ranks_last_heartbeat_says_it_left(tmp_path: Path) -> None:
         env = scaleout.init(timeout=30)
         d = env.create_distribution()
         d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA).wait()
-        if env.rank == 0:
-            time.sleep(4)  # its watchdog sees rank 1's process gone within a period (1 s)
+        if env.rank == 0:  # its watchdog sees rank 1's process gone within a period (0.4 s)
+            others_gone(30)
+            time.sleep(1.0)
         print("done", flush=True)
     """
-    for code, out in launch(tmp_path, body, 2):
+    for code, out in launch(tmp_path, body, 2, SCALEOUT_HEARTBEAT="2"):
         assert code == 0 and "done" in out and "failed" not in out, out
 
 
@@ -292,9 +321,9 @@ def test_a_teardown_at_exit_that_cannot_end_is_bounded(tmp_path: Path) -> None:
         if env.rank == 0:
             d.allreduce(torch.ones(4), group=scaleout.GroupType.DATA)  # never matched
         else:
-            time.sleep(5)  # alive, in no collective
+            others_gone(30)  # alive, in no collective, until rank 0 left
     """
-    (code, out), _ = launch(tmp_path, body, 2, SCALEOUT_CHECK="0")
+    (code, out), _ = launch(tmp_path, body, 2, SCALEOUT_CHECK="0", SCALEOUT_HEARTBEAT="2")
     assert code == 1 and "Timeout (0:00:01)!" in out and "_leave_at_exit" in out, out
 
 
@@ -327,7 +356,7 @@ def test_ranks_timed_out_by_a_busy_peer_name_it(tmp_path: Path) -> None:
         for _ in range(2):
             d.allreduce(torch.ones(2), group=scaleout.GroupType.GLOBAL).wait()
         if env.rank == 1:
-            time.sleep(8)  # alive (its heartbeat beats), in no collective
+            others_gone(30)  # alive (its heartbeat beats), in no collective, until 0 and 2 left
             os._exit(0)
         d.allreduce(torch.ones(2), group=scaleout.GroupType.GLOBAL).wait()
     """

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from scaleout.core import collectives as coll
+from scaleout.core import watchdog
 from scaleout.core.checks import check_seconds
 from scaleout.core.collectives import Communicator
 from scaleout.core.consistency import control_tensor, verify_plan
@@ -26,7 +27,6 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import DEFAULT_TIMEOUT, Environment, attach
 from scaleout.core.env import init as core_init
 from scaleout.core.gloo_device import new_group_on_world_device
-from scaleout.core import watchdog
 from scaleout.core.grid import GroupType
 from scaleout.horovod.errors import NotInitialized
 from scaleout.horovod.launch_vars import horovod_environ, node_key
@@ -169,9 +169,8 @@ def _at_exit(rt: Runtime) -> None:
     """
     if not _state or _state[0] is not rt:
         return
-    failure = getattr(sys, "last_value", None)
-    if failure is None and watchdog.failure() is not None:  # (caught, then sys.exit: meeting
-        failure = watchdog.failure()  # the peers printed the same failure a second time)
+    # (a peer's failure caught, then sys.exit: meeting the peers printed it a second time)
+    failure = getattr(sys, "last_value", None) or watchdog.failure()
     if failure is None:
         try:
             shutdown()

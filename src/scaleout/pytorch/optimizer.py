@@ -89,7 +89,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     bare module) is refused with a ``RuntimeError`` when the update lands (since stop 49;
     before, the change was lost or the update landed on it): call ``model.synchronize()``
     after ``step()`` first, or use ``mode="sync"``. Change weights through the parameter
-    under ``torch.no_grad()``, not ``p.data``: its own version counter hides the change.
+    under ``torch.no_grad()``, not ``p.data``: its own version counter hides the change from
+    that check (after ``model.synchronize()`` either way works).
 
     With ``DataParallel(distributed_update=True)`` the update is sharded: this rank keeps
     optimizer state only for its owned slice of every parameter (about 1/N of it), updates
@@ -97,11 +98,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     (:mod:`scaleout.pytorch.sharded_update`). The averaged gradients exist only as those
     slices (a weight's ``.grad`` is ``None`` once ``step()`` or a synchronisation took it),
     and ``optimizer`` must be one of torch's elementwise optimizers
-    (``sharded_update.ELEMENTWISE``). Weights changed in place after their new values landed
-    (after ``model.synchronize()`` in overlap mode; any time between steps in sync mode) are
-    read into the shards again before the next step (by their ``_version``: a change made
-    through ``p.data`` is not seen). ``GradScaler`` is refused with it, as in
-    overlap mode.
+    (``sharded_update.ELEMENTWISE``). Each ``step()`` reads this rank's slice of every weight
+    into its shard (since stop 51; before, only weights whose ``_version`` had moved, and a
+    change through ``p.data`` was lost): weights changed after their new values landed (after
+    ``model.synchronize()`` in overlap mode; any time between steps in sync mode), in any way,
+    are what the step starts from. ``GradScaler`` is refused with it, as in overlap mode.
 
     Raises:
         ValueError: an optimizer whose ``step()`` needs a closure outside ``mode="sync"`` or

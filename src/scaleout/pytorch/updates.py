@@ -7,8 +7,8 @@ the layers whose gradients are in flight; each is applied at the latest in that 
 forward pre-hook (together with the following requested layers whose gradients already
 arrived: one optimizer step instead of one per layer). With the sharded update the updater
 keeps its owned slices of the weights and of the averaged gradients; the gathered new weights
-are written back here, and an in-place change made to a weight after that is noticed by its
-``_version`` (:meth:`LazyUpdates.changed_in_place`).
+are written back here, and the updater reads the weights into its slices again at each step
+(:mod:`scaleout.pytorch.sharded_update`).
 
 What was done to ``.grad`` between backward and the step that consumes the gradients in flight
 (:mod:`scaleout.pytorch.grad_edits`): ``.grad = None`` leaves the parameter out of the step, as
@@ -67,7 +67,6 @@ class LazyUpdates(GradEdits):
         self._usage: ParameterSet | None = None
         self._globally_used: dict[int, bool] = {}
         self._trace: TraceRecorder | None = None
-        self._written: dict[int, int] = {}  # a weight's _version when it matched the shards
         self._at_step: dict[int, int] = {}  # a weight's _version when step() requested its update
         self._skipped: set[int] = set()  # ids left out of the requested update (.grad = None)
         self._shares: torch.Tensor | None = None  # the last usage flags: who had a gradient
@@ -129,17 +128,6 @@ class LazyUpdates(GradEdits):
         ids = {id(p) for p in held}
         self.outside = frozenset(id(p) for p in trainable if id(p) not in ids)
 
-    def matched(self, param: nn.Parameter) -> None:
-        """``param`` now holds what the sharded updater keeps (its slices were just read from
-        it, or the gathered update written into it)."""
-        self._written[id(param)] = param._version
-
-    def changed_in_place(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """Those of ``params`` changed in place since :meth:`matched` (weights clipped after a
-        step, loaded into the bare module): the updater's slices of them are stale. One
-        version read per weight, so the usual step pays nothing."""
-        return [p for p in params if p._version != self._written.get(id(p))]
-
     def request(self, layers: Sequence[Layer]) -> None:
         """Apply these layers' updates once their gradients arrive (overlap mode); those
         whose ``.grad`` was set to ``None`` since it left are left out (:meth:`take_edits`)."""
@@ -199,7 +187,6 @@ class LazyUpdates(GradEdits):
             with torch.no_grad():
                 for param, ps in zip(layer.params, layer.sets):
                     param.copy_(ps.wait_increment_comm().view_as(param))
-                    self.matched(param)
 
     def apply_requested(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Apply every requested update now (``step()`` again before the next forward); each

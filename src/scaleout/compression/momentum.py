@@ -159,7 +159,8 @@ class MomentumCodec(Codec):
 
     def _momentum(self, tensor: torch.Tensor, state: CodecState, *,
                   masked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Store ``m = beta * m + g`` and return a copy of the new ``m`` as ``tensor``'s shape,
+        """Store ``m = beta * m + g`` and return a copy of the new ``m`` as ``tensor``'s shape
+        (in the work dtype),
         non-finite values included (so that they reach every rank), in scratch that the inner
         codec may overwrite; and the previous ``m`` (``None`` before the first), intact until
         the next call. ``masked``: the exchange settles the stored ``m`` (:meth:`_settle`);
@@ -173,7 +174,9 @@ class MomentumCodec(Codec):
             new.copy_(grad)
         else:
             torch.add(grad, old.to(grad.device), alpha=self.momentum, out=new)
-        out = state.work_buffer("momentum_out", grad.numel(), grad.dtype, device=grad.device)
+        # in the work dtype: a float16 / bfloat16 copy rounded m, an error the increment
+        # M_t - beta M_(t-1) carried ~1 / (1 - beta) times (bfloat16: 5.4e-3 of the gradient)
+        out = state.work_buffer("momentum_out", grad.numel(), dtype, device=grad.device)
         out.copy_(new)
         update_buffer(state, "local_momentum", new, scratch="new_momentum", masked=masked)
         return out.view(tensor.shape), old

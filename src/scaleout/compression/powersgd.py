@@ -57,7 +57,8 @@ class PowerSGDCodec(Codec):
     rank-r approximation (subspace iteration). Error feedback keeps
     ``M_i - result / p`` per rank. Uncompressed fallbacks are exact. Non-finite
     input makes the result non-finite on every rank; the warm-start ``Q`` and
-    the residual keep their previous values.
+    the residual keep their previous values. A column of ``Q`` that comes out zero (a
+    matrix that was zero, or of rank below ``r``) keeps its previous value too.
 
     Args:
         rank: Target rank ``r`` >= 1.
@@ -230,9 +231,13 @@ class PowerSGDCodec(Codec):
         return q.T.contiguous().T  # column-major: M @ Q runs ~4x faster
 
     def _keep_q(self, state: CodecState, q: torch.Tensor, previous: torch.Tensor, key: str) -> None:
-        """Keep ``q`` for the warm start, or ``previous`` if ``q`` holds NaN/Inf (no host sync)."""
+        """Keep ``q`` for the warm start, or ``previous`` if ``q`` holds NaN/Inf (no host sync);
+        an all-zero column of ``q`` (the matrix was zero, or that column of ``P`` was) keeps
+        its previous column too: a zero column of ``Q`` makes that column of ``P = M Q`` zero
+        at every later step on a device, where Gram-Schmidt leaves a zero column zero."""
         if self.warm_start:
-            state.buffers[key] = torch.where(torch.isfinite(q).all(), q, previous).detach()
+            fresh = torch.isfinite(q).all() & q.ne(0).any(dim=0)
+            state.buffers[key] = torch.where(fresh, q, previous).detach()
 
     @staticmethod
     def _orthonormal(p: torch.Tensor) -> torch.Tensor:

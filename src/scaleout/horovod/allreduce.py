@@ -25,6 +25,7 @@ from scaleout.horovod.handles import Pending, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_count, exchange_signature
+from scaleout.session.hooks import codec_identity
 
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
@@ -100,7 +101,8 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
         refused = err
     exchange_signature(comm, kind, name, None if refused else output, op=int(op),
                        wire=None if send is None else send.dtype, joinable=not codec,
-                       refused=refused, scales=None if refused else (prescale, postscale))
+                       refused=refused, scales=None if refused else (prescale, postscale),
+                       codec=codec_identity(compression.codec) if codec else None)
     assert send is not None  # (exchange_signature raised otherwise)
     if codec:
         return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)

@@ -2,8 +2,8 @@
 
 Horovod's coordinator negotiates every tensor by name and reports "Mismatched ... shapes"
 instead of hanging. The face does the same with one small allgather (one row of int64 per
-rank: name, collective, op, dtype, root, shape, wire dtype) on the core's collectives; every
-member sees every row, so all of them raise the same error, before any data moves.
+rank: name, collective, op, dtype, root, shape, wire dtype, codec) on the core's collectives;
+every member sees every row, so all of them raise the same error, before any data moves.
 
 A call of several tensors (``grouped_allreduce``, ``broadcast_parameters``) first exchanges a
 *header* row holding how many tensors each rank passes, so that different numbers are an error
@@ -43,12 +43,13 @@ _MAX_DIMS = 8
 # joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
 # were refused, it raises and sends nothing), count (a header's number of tensors, else -1),
 # scales (a hash of an allreduce's prescale and postscale factors, else 0), auto (n of an
-# automatic name <kind>.noname.<n>, else -1: told in the error when names differ)
+# automatic name <kind>.noname.<n>, else -1: told in the error when names differ), codec (a
+# hash of an allreduce's scaleout codec with its options, else 0)
 _NAME, _KIND, _OP, _DTYPE, _ROOT, _NDIM, _DIMS = 0, 1, 2, 3, 4, 5, 6
 _TAIL = _DIMS + _MAX_DIMS
 _WIRE, _JOINABLE, _REFUSED, _COUNT = _TAIL + 1, _TAIL + 2, _TAIL + 3, _TAIL + 4
-_SCALES, _AUTO = _COUNT + 1, _COUNT + 2
-_WIDTH = _AUTO + 1
+_SCALES, _AUTO, _CODEC = _COUNT + 1, _COUNT + 2, _COUNT + 3
+_WIDTH = _CODEC + 1
 
 
 def _auto_number(name: str, kind: str) -> int:
@@ -88,14 +89,15 @@ def _code(dtype: torch.dtype) -> int:
 
 
 def _row(name: str, kind: str, op: int, tensor: torch.Tensor, root: int, wire: torch.dtype,
-         joinable: bool, count: int, scales: tuple[float, float] | None) -> list[int]:
+         joinable: bool, count: int, scales: tuple[float, float] | None,
+         codec: str | None) -> list[int]:
     dims = list(tensor.shape)
     shown = dims[:_MAX_DIMS] + [-1] * (_MAX_DIMS - min(len(dims), _MAX_DIMS))
     joinable = joinable and len(dims) <= _MAX_DIMS and tensor.dtype in DTYPES
     return [_hash(name), _hash(kind), op, _code(tensor.dtype), root, len(dims), *shown,
             _hash(repr(dims[_MAX_DIMS:])), _code(wire), int(joinable), 0, count,
             0 if scales is None else _hash(repr(tuple(map(float, scales)))),
-            _auto_number(name, kind)]
+            _auto_number(name, kind), 0 if codec is None else _hash(codec)]
 
 
 def _shape(row: Sequence[int]) -> list[int] | str:
@@ -166,7 +168,8 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
                        op: int = -1, root: int = -1, rows_may_differ: bool = False,
                        wire: torch.dtype | None = None, joinable: bool = False,
                        refused: Exception | None = None, count: int = -1,
-                       scales: tuple[float, float] | None = None) -> list[int]:
+                       scales: tuple[float, float] | None = None,
+                       codec: str | None = None) -> list[int]:
     """Exchange this call's signature with the group and raise unless all agree.
 
     Args:
@@ -184,6 +187,9 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         count: for the header of a call of several tensors, how many this rank passes (see
             :func:`exchange_count`); ``-1`` for a tensor's own row.
         scales: an allreduce's ``(prescale_factor, postscale_factor)``.
+        codec: an allreduce's scaleout codec with its options (``codec_identity``: its
+            ``repr``, or its class for a codec that is not a dataclass), ``None`` for
+            Horovod's own compressions.
 
     Returns:
         Every member's dim-0 length, in group-rank order (0 for joined members).
@@ -202,7 +208,7 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
         mine[_REFUSED] = 1
     else:
         mine = _row(name, kind, op, tensor, root, tensor.dtype if wire is None else wire, joinable,
-                    count, scales)
+                    count, scales, codec)
     table = _gather(comm, mine, kind, name) if comm.size > 1 else [mine]
     if refused is not None:
         raise refused
@@ -243,6 +249,12 @@ def exchange_signature(comm: Communicator, kind: str, name: str, tensor: torch.T
             factors = "" if scales is None else f" (this rank: {scales[0]:g} / {scales[1]:g})"
             raise TensorMismatchError(f"{where}: mismatched prescale_factor / postscale_factor"
                                       f"{factors}: every rank must scale alike")
+        if row[_CODEC] != mine[_CODEC]:  # (before: a gloo abort, or each rank its own answer)
+            theirs = "no scaleout codec" if not row[_CODEC] else (
+                "another scaleout codec or other options" if codec else "a scaleout codec")
+            raise TensorMismatchError(f"{where}: mismatched compression: that rank uses {theirs}, "
+                                      f"this rank {codec or 'no scaleout codec'}; every rank must "
+                                      "pass the same compression")
         same_tail = row[_NDIM] == mine[_NDIM] and row[_DIMS + 1:_SCALES] == mine[_DIMS + 1:_SCALES]
         if not (rows_may_differ and same_tail):
             what = "trailing shapes (dims after the first)" if rows_may_differ else "shapes"

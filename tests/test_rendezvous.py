@@ -209,8 +209,8 @@ def test_a_rank_claimed_twice_is_refused() -> None:
     try:
         wait_listening(port)
         raw = tdist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
-        raw.wait([namespace("tok") + "/salt"])
-        store = AuthStore(raw, Sealer("tok", raw.get(namespace("tok") + "/salt")))
+        raw.wait([namespace("tok") + "/salt/0"])
+        store = AuthStore(raw, Sealer("tok", raw.get(namespace("tok") + "/salt/0")))
         assert store.add("claim/1", 1) == 1
         procs.append(subprocess.Popen([sys.executable, "-c", code, "1"], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

@@ -25,6 +25,7 @@ from scaleout.core.grid import Grid
 from scaleout.core.errors import NotInitializedError, ScaleoutError
 from scaleout.launch.environment import TESTBED_HOST_VAR, LaunchInfo, detect_launch
 from scaleout.launch.lifeline import watch_parent
+from scaleout.launch.restarts import restart_count
 from scaleout.launch.secret import TOKEN_VAR, job_token
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
 
             agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             job = rendezvous(info, token, limit,  # torchrun's agent serves a store already
-                             agent_store=agent)
+                             agent_store=agent, attempt=restart_count(environ))
             tdist.init_process_group(chosen, store=job.store, rank=info.rank,
                                      world_size=info.world_size, timeout=timedelta(seconds=limit))
             if limit_silence is not None:  # (the store's host: rank 0, or torchrun's agent)

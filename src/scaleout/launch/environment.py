@@ -109,7 +109,9 @@ def _int(environ: Mapping[str, str], name: str) -> int:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host name of a Slurm node list such as ``node[03-05,07],gpu1``.
+    """The first host name of a Slurm node list such as ``node[03-05,07],gpu1``, also with
+    text after a range (``node[1-4]-ib``: ``node1-ib``) or several ranges
+    (``rack[1-2]-node[01-04]``: ``rack1-node01``).
 
     Raises:
         ValueError: for an empty list, or one that does not start with a host name.
@@ -117,14 +119,14 @@ def first_host(nodelist: str) -> str:
     nodelist = nodelist.strip()
     if not nodelist:
         raise ValueError("empty Slurm node list")
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    # the first entry: up to the first comma outside brackets
+    match = re.match(r"[^,\[\]]+(?:\[[^\]]*\][^,\[\]]*)*", nodelist)
     if match is None:  # it starts with "," or "["
         raise ValueError(f"a Slurm node list must start with a host name, got {nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    if nodelist[match.end():match.end() + 1] not in ("", ","):  # a "[" left open
+        raise ValueError(f"a Slurm node list's brackets must pair up, got {nodelist!r}")
+    return re.sub(r"\[([^\]]*)\]", lambda ranges: ranges.group(1).split(",")[0].split("-")[0],
+                  match.group(0))
 
 
 def _rendezvous(environ: Mapping[str, str], default_addr: str) -> tuple[str, int]:

@@ -147,6 +147,10 @@ class LaunchConfig:
                              "its checkpoint on every node")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip() or any(
+                char.isspace() for char in self.master_addr):
+            raise ValueError(f"master_addr must be a host name or address, got "
+                             f"{self.master_addr!r}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("a multi-node launch needs --master-port (the same on every node)")
         if self.master_port is not None and not 0 < self.master_port < 65536:
@@ -290,6 +294,7 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "False",  # (rank 0 serves it: not inherited)
                 **launcher, TOKEN_VAR: token, **attempt, **extra,
             }
             if ranks.signal is None:
@@ -305,7 +310,10 @@ def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None,
     """Say why the attempt ended; return the launcher's exit code and the cause in brief."""
     if ranks.signal is not None:
         name = signal_name(ranks.signal)
-        _say(out, f"scaleout run: got {name}; stopped every rank")
+        failed = ranks.first_failure(before=ranks.signal_at)  # (not one the stop ended)
+        before = (f" (rank {failed[0]} had failed before it, with {_how(failed[1])})"
+                  if failed is not None else "")
+        _say(out, f"scaleout run: got {name}; stopped every rank{before}")
         return 128 + ranks.signal, f"got {name}"
     if ranks.lingered:
         names = ", ".join(f"rank {rank}" for rank in ranks.lingered)
@@ -319,7 +327,7 @@ def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None,
     if failed is None:
         return 0, ""
     rank, code = failed
-    how = f"exit code {code}" if code > 0 else f"signal {signal_name(-code)}"
+    how = _how(code)
     tail = "\n".join(f"    {line}" for line in ranks.tails[rank])
     if blame is not None and blame.get("rank") != rank:  # rank exited because a peer failed
         cause = f"rank {blame['rank']} failed first: {blame['reason']}"
@@ -335,6 +343,11 @@ def _report(ranks: Ranks, out: IO[str], blame: Mapping[str, object] | None,
         _say(out, f"scaleout run: {_early_exits(early, rank)}")
         cause += f" (after {', '.join(f'rank {who}' for who, _, _ in early)} had exited)"
     return (code if code > 0 else 128 - code), cause  # a signal -N becomes 128+N
+
+
+def _how(code: int) -> str:
+    """How a rank ended, from its exit status (``-N``: killed by signal N)."""
+    return f"exit code {code}" if code > 0 else f"signal {signal_name(-code)}"
 
 
 def _early_exits(early: list[tuple[int, int, float]], rank: int) -> str:

@@ -93,6 +93,7 @@ class Ranks:
         self.exits: list[tuple[float, int, int]] = []  # (time, rank, code) in order of exit
         self.changed = threading.Event()  # a rank exited, or the launcher got a signal
         self.signal: int | None = None
+        self.signal_at: float | None = None  # when the launcher got it (time.monotonic())
         self.lingered: list[int] = []  # ranks still running ``linger`` s after a clean exit
         self.dropping = False  # the output is gone: the pumps drop what they read
         self.guard: Guardian | None = None
@@ -145,7 +146,7 @@ class Ranks:
 
     def on_signal(self, signum: int, _frame: object) -> None:
         if self.signal is None:
-            self.signal = signum
+            self.signal, self.signal_at = signum, time.monotonic()
         self.changed.set()
 
     def watch(self, settle: float = 0.0, linger: float | None = None) -> tuple[int, int] | None:
@@ -211,10 +212,12 @@ class Ranks:
         with self.lock:
             return len(self.exits) == len(self.procs)
 
-    def first_failure(self) -> tuple[int, int] | None:
-        """(rank, code) of the rank whose non-zero exit came first, if any."""
+    def first_failure(self, before: float | None = None) -> tuple[int, int] | None:
+        """(rank, code) of the rank whose non-zero exit came first (before ``before``, a
+        ``time.monotonic()``, when given), if any."""
         with self.lock:
-            failed = [(rank, code) for _, rank, code in sorted(self.exits) if code != 0]
+            failed = [(rank, code) for at, rank, code in sorted(self.exits)
+                      if code != 0 and (before is None or at < before)]
         return failed[0] if failed else None
 
     def exited_before(self, rank: int) -> list[tuple[int, int, float]]:

@@ -9,9 +9,11 @@ therefore cannot find, read or forge the job's entries; what it writes lands out
 namespace, where rank 0 sees it and reports it.
 
 Joining (:func:`rendezvous`): rank 0 writes a fresh salt (values from an earlier job with the
-same token are refused); each rank claims its rank number (a counter: a second claimant is
-refused) and writes a sealed join record; rank 0 verifies every record and the claims, then
-admits (or rejects) the job with a sealed verdict every rank waits for.
+same token are refused, and an earlier attempt's in a store that outlives it) and its world
+size; each rank compares its own (another size is refused at once, on both sides), claims its
+rank number (a counter: a second claimant is refused) and writes a sealed join record; rank 0
+verifies every record and the claims, then admits (or rejects) the job with a sealed verdict
+every rank waits for.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as tdist
@@ -31,6 +34,8 @@ from scaleout.launch.secret import ForgedValue, Sealer, namespace
 __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 
 _SALT = 16
+#: the entry where a rank that counts another world size than rank 0 says so
+_OTHER_WORLD = "other-world"
 
 
 def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) -> tdist.TCPStore:
@@ -182,10 +187,12 @@ def _keys(raw: tdist.Store) -> list[str]:
         return []
 
 
-def _salt(raw: tdist.Store, token: str, rank: int) -> bytes:
+def _salt(raw: tdist.Store, token: str, rank: int, attempt: int) -> bytes:
     """Rank 0 chooses the job's salt; the others knock (in their token's namespace, where
-    rank 0 sees a wrong token's knock as an outsider's) and read it."""
-    key = namespace(token) + "/salt"
+    rank 0 sees a wrong token's knock as an outsider's) and read it. Each attempt has its
+    own: torchrun's agent keeps its store across restarts, where a rank could read the
+    last attempt's salt before rank 0 replaced it, and so that attempt's entries."""
+    key = f"{namespace(token)}/salt/{attempt}"
     raw.add(f"{namespace(token)}/knock/{rank}", 1)
     if rank == 0:
         salt = os.urandom(_SALT)
@@ -196,14 +203,17 @@ def _salt(raw: tdist.Store, token: str, rank: int) -> bytes:
 
 
 def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
-               agent_store: bool = False) -> Rendezvous:
+               agent_store: bool = False, attempt: int = 0) -> Rendezvous:
     """Create the store, authenticate every rank and return the job's :class:`Rendezvous`.
 
     ``agent_store``: join the launcher's store instead of serving one (see :func:`bound_store`).
+    ``attempt``: the launcher's restart count (``TORCHELASTIC_RESTART_COUNT``): a store that
+    outlives an attempt (torchrun's agent's) holds that attempt's entries, ignored.
 
     Raises:
         ScaleoutError: the store cannot be reached or created, a rank number is claimed
-            twice, or an entry does not authenticate (an outsider forged it, or a rank has
+            twice, a rank counts another world size than rank 0 (at once, not at the
+            timeout), or an entry does not authenticate (an outsider forged it, or a rank has
             another token); on every rank, with the reason rank 0 found.
     """
     rank, world = info.rank, info.world_size
@@ -211,8 +221,12 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
     # torchrun's agent wrote its own entries (``<run>/torchelastic/...``) before it started
     # the ranks: what its store holds before rank 0's first write is the launcher's.
     launcher_keys = frozenset(_keys(raw)) if agent_store and rank == 0 else frozenset()
-    sealer = Sealer(token, _salt(raw, token, rank))
+    sealer = Sealer(token, _salt(raw, token, rank, attempt))
     store = AuthStore(raw, sealer)
+    if rank == 0:
+        store.set("world", str(world))
+    else:
+        _same_world(store, rank, world)
     claims = store.add(f"claim/{rank}", 1)
     if claims != 1:
         raise ScaleoutError(f"rank {rank}/{world}: another process already joined this job "
@@ -221,7 +235,7 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
                                           "machine": machine()}))
     job = Rendezvous(raw, store, token, rank, launcher_keys)
     if rank == 0:
-        store.set("admitted", json.dumps({"refused": _verify(job, world)}))
+        store.set("admitted", json.dumps({"refused": _verify(job, world, timeout)}))
     try:
         store.wait(["admitted"])
         refused = json.loads(store.get("admitted"))["refused"]
@@ -233,14 +247,51 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
     return job
 
 
-def _verify(job: Rendezvous, world: int) -> str:
+def _same_world(store: AuthStore, rank: int, world: int) -> None:
+    """A rank other than 0: refuse to join when rank 0 counts another world size, leaving
+    rank 0 a note (this rank may be one it does not wait for: past its world)."""
+    try:
+        world_0 = int(store.get("world"))
+    except ForgedValue as err:
+        raise ScaleoutError(f"rank {rank}/{world}: the rendezvous was not authenticated: "
+                            f"{err}") from err
+    if world_0 != world:
+        store.set(_OTHER_WORLD, _other_world(rank, world, world_0))
+        raise ScaleoutError(f"rank {rank}/{world}: {_other_world(rank, world, world_0)}")
+
+
+def _joined(store: AuthStore, key: str, timeout: float) -> str | None:
+    """Rank 0: wait for ``key`` (at most ``timeout`` s, then the store's timeout error); or
+    return sooner the note of a rank that counts another world size (:func:`_same_world`)."""
+    deadline = time.monotonic() + timeout
+    while not store.check([key]):
+        note = store.get_if_present(_OTHER_WORLD)
+        if note is not None:
+            return note.decode()
+        if time.monotonic() > deadline:
+            store.wait([key], timedelta(seconds=0.001))  # (raises the store's timeout error)
+        time.sleep(0.05)
+    return None
+
+
+def _other_world(rank: int, world: int, world_0: int) -> str:
+    """Why a rank that counts ``world`` ranks cannot join rank 0's job of ``world_0``."""
+    return (f"rank {rank} joined with a world size of {world}, rank 0 with {world_0}: every "
+            "rank must be given the same (scaleout run: the same -n and --nnodes on every "
+            "node; else WORLD_SIZE)")
+
+
+def _verify(job: Rendezvous, world: int, timeout: float) -> str:
     """Rank 0: why the job must be refused ("" to admit it), and report outsiders."""
-    job.store.wait([f"join/{r}" for r in range(world)])
     for peer in range(world):
+        other = _joined(job.store, f"join/{peer}", timeout)
+        if other is not None:  # (a rank of another world size: refused at once)
+            return other
         try:
             json.loads(job.store.get(f"join/{peer}"))
         except ForgedValue as err:
             return f"rank {peer}'s join record: {err}"
+    for peer in range(world):
         claims = job.store.add(f"claim/{peer}", 0)
         if claims != 1:
             return f"rank {peer} was claimed by {claims} processes (a duplicate or an impostor)"

@@ -58,7 +58,7 @@ def main() -> int:
                                model, mode=args.mode)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     local = args.batch // env.world_size
-    steps = len(shard.train_inputs) // local
+    steps = data.steps_per_epoch(local, env.world_size)  # (the same on every rank)
     if env.rank == 0:
         print(f"digits-{args.model}: {len(data.train_inputs)} train / {len(data.test_inputs)} "
               f"test images, {env.world_size} ranks x {local} per batch, {steps} steps/epoch, "

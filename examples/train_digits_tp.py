@@ -55,7 +55,7 @@ def main() -> int:
                                model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     local = args.batch // data_parts
-    steps = len(shard.train_inputs) // local
+    steps = data.steps_per_epoch(local, data_parts)  # (the same on every rank)
     if env.rank == 0:
         here = sum(p.numel() for p in net.parameters())
         print(f"digits-mlp on a {data_parts}x{args.model_parts} grid (data x model): "

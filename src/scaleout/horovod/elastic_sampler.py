@@ -77,13 +77,20 @@ class ElasticSampler(Sampler[int]):
         self.processed_indices = {int(i) for i in state_dict["processed_indices"]}
         self.reset()
 
-    def sync(self) -> None:
-        """Every rank's processed indices merged, rank 0's epoch; then re-partition."""
+    def merged_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with the indices processed by every rank (collective).
+
+        A ``TorchState`` commit persists this: a job resumed at another number of ranks
+        loads rank 0's commit on every rank, which then holds every rank's progress.
+        """
         merged: set[int] = set()
         for indices in allgather_object(sorted(self.processed_indices)):
             merged.update(indices)
-        state = broadcast_object({"epoch": self.epoch, "processed_indices": sorted(merged)})
-        self.load_state_dict(state)
+        return {"epoch": self.epoch, "processed_indices": sorted(merged)}
+
+    def sync(self) -> None:
+        """Every rank's processed indices merged, rank 0's epoch; then re-partition."""
+        self.load_state_dict(broadcast_object(self.merged_state_dict()))
 
     def reset(self) -> None:
         """Partition the samples not yet processed across the ranks (padded to equal size)."""

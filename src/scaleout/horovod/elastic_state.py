@@ -24,6 +24,7 @@ from torch import nn
 from scaleout import checkpoint
 from scaleout.horovod.compression import CodecCompression
 from scaleout.horovod.context import rank, size
+from scaleout.horovod.elastic_sampler import ElasticSampler
 from scaleout.horovod.objects import broadcast_object, encode_object
 from scaleout.horovod.parameters import broadcast_optimizer_state, broadcast_parameters
 from scaleout.launch.restarts import STATE_DIR_VAR, state_dir
@@ -38,7 +39,7 @@ class State:
     """The base of elastic states: reset callbacks, commit, and persistence of commits.
 
     Subclasses implement :meth:`save`, :meth:`restore`, :meth:`sync` and say what a commit
-    persists (:meth:`_parts`, :meth:`_load_extra`).
+    persists (:meth:`_modules`, :meth:`_extra`, :meth:`_load_extra`).
 
     Args:
         bcast_object: how to broadcast a plain object from rank 0 (default
@@ -98,9 +99,13 @@ class State:
 
     # -- persistence ----------------------------------------------------------------
 
-    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
-        """(model, optimizer or None, extra) that a commit persists."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _parts()")
+    def _modules(self) -> tuple[nn.Module, Any]:
+        """(model, optimizer or None) that a commit persists and a resume loads."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _modules()")
+
+    def _extra(self) -> dict[str, Any]:
+        """The rest that a commit persists (collective: every rank commits)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _extra()")
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _load_extra()")
@@ -118,7 +123,8 @@ class State:
                               "from the beginning", RuntimeWarning, stacklevel=3)
                 self._warned = True
             return
-        model, optimizer, extra = self._parts()
+        model, optimizer = self._modules()
+        extra = self._extra()
         for group in extra.values():  # a TypeError now, naming the value, not at the resume
             for name, value in group.items():
                 encode_object(value, f"hvd.elastic commit of {name!r}")
@@ -133,7 +139,7 @@ class State:
         path = self._path()
         if path is None:
             return False
-        model, optimizer, _ = self._parts()
+        model, optimizer = self._modules()
         try:  # every rank loads: load checks that all of them see the same commit (or none)
             _, extra = checkpoint.load(path, model, optimizer)
         except FileNotFoundError:
@@ -175,8 +181,11 @@ class ObjectState(State):
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
 
-    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
-        return nn.Module(), None, {"objects": self._saved_state}
+    def _modules(self) -> tuple[nn.Module, Any]:
+        return nn.Module(), None
+
+    def _extra(self) -> dict[str, Any]:
+        return {"objects": self._saved_state}
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         self._saved_state = dict(extra["objects"])
@@ -253,14 +262,21 @@ class TorchState(ObjectState):
                 value.load_state_dict(self._bcast_object(value.state_dict()))
         super().sync()
 
-    def _parts(self) -> tuple[nn.Module, Any, dict[str, Any]]:
-        stateful = {name: value.state_dict() for name, value in self._stateful.items()}
-        model = self.model if self.model is not None else nn.Module()
+    def _modules(self) -> tuple[nn.Module, Any]:
+        return self.model if self.model is not None else nn.Module(), self.optimizer
+
+    def _extra(self) -> dict[str, Any]:
+        # an ElasticSampler persists every rank's progress (merged_state_dict): a job resumed
+        # at another number of ranks loads rank 0's commit on every rank, and before stop 51
+        # that held rank 0's processed samples only, so the others' were trained on again
+        stateful = {name: (value.merged_state_dict() if isinstance(value, ElasticSampler)
+                           else value.state_dict())
+                    for name, value in self._stateful.items()}
         extra = {"objects": self._saved_state, "stateful": stateful}
         if self._codec is not None:
             extra[_CODEC] = {"rank": rank(), "size": size(),
                              "states": self._saved_torch[_CODEC]}
-        return model, self.optimizer, extra
+        return extra
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         for name, value in self._stateful.items():

@@ -225,12 +225,22 @@ class ParameterSet:
         return self._started
 
     def start_increment_comm(self, owned: torch.Tensor) -> None:
-        """All-gather this rank's updated owned slice (``owned_valid`` elements)."""
+        """All-gather this rank's updated owned slice (``owned_valid`` elements).
+
+        Raises:
+            TypeError/ValueError: wrong type, dtype or element count.
+            RuntimeError: the set has no distributed update, the session is not committed,
+                or an increment was started and not yet waited for (before stop 51 the
+                second start replaced the first, whose all-gather was never waited for).
+        """
         if not self.spec.distributed_update:
             raise RuntimeError(f"start_increment_comm on {self.name}: the set was not "
                                "registered with distributed_update=True")
         self._require_committed("start_increment_comm")
         owned = self._check(owned, self.owned_valid, "start_increment_comm")
+        if self._increment is not None:
+            raise RuntimeError(f"start_increment_comm on {self.name}: already started; call "
+                               "wait_increment_comm() first")
         padded = owned.new_zeros(self.owned_count)
         padded[: owned.numel()] = owned.reshape(-1)
         self._increment = collectives.allgather(self.increment_comm, padded)

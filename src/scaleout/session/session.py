@@ -56,6 +56,7 @@ class Session:
         >>> session.commit()
         >>> ps = op.parameter_sets[0]
         >>> ps.start_gradient_comm(grad); ...; avg = ps.wait_gradient_comm()
+        >>> session.statistics.end_iteration()  # a step ended: statistics.table() per step
     """
 
     def __init__(self, env: Environment, phase: Phase = Phase.TRAIN, *,

@@ -89,6 +89,21 @@ class DigitsData:
             test_targets=self.test_targets,
         )
 
+    def steps_per_epoch(self, batch_size: int, world_size: int) -> int:
+        """Batches of ``batch_size`` samples that every rank takes from its :meth:`shard` of
+        ``world_size`` per epoch: the same number on every rank, that of the smallest shard.
+
+        Shards differ by one sample. Counted per shard (as the digits examples did before
+        stop 51), 1,438 images at 3 ranks of 32 gave ranks 0 and 1 14 steps and rank 2 15,
+        whose last step waited for the others' gradients until the job's timeout.
+
+        Raises:
+            TypeError, ValueError: for an invalid ``batch_size`` / ``world_size``.
+        """
+        check_int("batch_size", batch_size, 1)
+        check_int("world_size", world_size, 1)
+        return len(self.train_targets) // world_size // batch_size
+
 
 def load_digits_data(*, test_fraction: float = 0.2, split_seed: int = 0) -> DigitsData:
     """Load, split and normalise the digits dataset deterministically.

@@ -54,12 +54,19 @@ class BufferAverage:
         self._request = collectives.allreduce(self._comm, flat, ReduceOp.AVG)
 
     def finish(self) -> None:
-        """Install the averaged values, if an average is in flight."""
+        """Install the averaged values, if an average is in flight.
+
+        Through ``.data``, which leaves the buffer's ``_version`` alone: a forward whose
+        backward has not run yet may have saved it (``batch_norm`` saves its running
+        statistics), and a second forward before that backward (two views through one model:
+        SimCLR, BYOL, a siamese loss) failed it with autograd's "modified by an inplace
+        operation" (since stop 51; torch's own update of the statistics, inside the op, does
+        not). That backward never reads them in training mode; a BatchNorm in ``eval()``
+        keeps values that agree across ranks, whose average is those values again."""
         if self._request is None:
             return
         flat, self._request = self._request.wait(), None
         offset = 0
-        with torch.no_grad():
-            for buffer in self._buffers:
-                buffer.copy_(flat[offset: offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
+        for buffer in self._buffers:
+            buffer.data.copy_(flat[offset: offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()

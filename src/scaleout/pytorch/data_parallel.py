@@ -158,6 +158,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         self._session: Session | None = None
         self._forward_order: list[Layer] = []
         self._watching = True  # forwards are watched for early reads until a training one
+        self._read_early: dict[int, list[Layer]] = {}  # reader module's id -> layers it reads
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._pending_compression_state: dict[str, Any] = {}
         self._trace, self._trace_file = ((TraceRecorder(self.env.rank),
@@ -287,8 +288,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
         self._watching = not (torch.is_grad_enabled() and self.module.training)
         output, early = find_early_reads(self.module, self._layers,
                                          lambda: self.module(*args, **kwargs))
-        for reader, layers in early:
-            self._handles.append(reader.register_forward_pre_hook(self._completes(layers)))
+        self._hook_readers(early)
         return output
 
     @torch.compiler.disable

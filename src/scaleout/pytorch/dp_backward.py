@@ -51,6 +51,18 @@ class BackwardSide:
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self._comm_hook = (state, hook)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``nn.Module.zero_grad``, and with a DistributedOptimizer as its ``zero_grad()``
+        too (first), which zeroes what ``.grad`` no longer shows (since stop 51): the
+        gradients an overlap-mode ``step()`` consumed (``set_to_none=False`` gives them zeros
+        again, as torch leaves them; they stayed ``None``, and a parameter no rank used next
+        did not move by momentum and weight decay: 0.031 off), the sharded update's averaged
+        slices (they accumulated over the steps: 0.35 off in sync mode), and between
+        backward and step, that backward's gradients in flight."""
+        if self.updates.updater is not None:
+            self.updates.updater.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
     def _on_grad(self, param: nn.Parameter) -> None:
         self._used[id(param)] = True
         if self._no_sync:

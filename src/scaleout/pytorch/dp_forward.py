@@ -1,7 +1,8 @@
 """DataParallel's per-layer forward hooks: the update a layer waits for, and its timing.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``_session``,
-``_forward_order``, ``updates``, ``_stopwatch``, ``_timed`` and ``_first_laps``). Before
+``_forward_order``, ``updates``, ``_stopwatch``, ``_timed``, ``_first_laps``, ``_handles`` and
+``_read_early``). Before
 the first forward commits the session, the pre-hooks record the order the layers run in (it
 decides the buckets); after it, each layer's pre-hook completes that layer's update
 (cross-iteration overlap: at the latest here). The post-hook times the layer's forward, the
@@ -51,6 +52,19 @@ class ForwardHooks:
                 self.updates.complete(layer)
             self._stopwatch.restart()
         return torch.compiler.disable(hook)
+
+    def _hook_readers(self, early: list[tuple[nn.Module, list[Layer]]]) -> None:
+        """Give each module that read other layers' parameters early (``find_early_reads``)
+        a pre-hook completing those layers' updates, once per reader and layer: forwards are
+        watched until a training one, and each finds the same reads again (before stop 51
+        every watched forward added its hooks: an evaluation pass before training, or a model
+        trained in ``eval()``, gained one more hook per reader with each forward)."""
+        for reader, layers in early:
+            known = self._read_early.setdefault(id(reader), [])
+            new = [layer for layer in layers if layer not in known]
+            if new:
+                known.extend(new)
+                self._handles.append(reader.register_forward_pre_hook(self._completes(new)))
 
     def _completes(self, layers: list[Layer]) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: Any) -> None:

@@ -50,6 +50,9 @@ class Updater(Protocol):
         """Sharded update: wait for ``layers``' averaged gradients and keep this rank's owned
         slices of them for the next ``step()`` (the whole averaged gradient exists nowhere)."""
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's ``Optimizer.zero_grad``, over the gradients it consumed and holds too."""
+
 
 class LazyUpdates(GradEdits):
     """Pending gradients and updates of a DataParallel model's layers.

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
-from scaleout.core import watchdog
+from scaleout.core import progress, watchdog
 from scaleout.core.backend import _backend_names, choose_backend, local_world_size
 from scaleout.core.checks import check_seconds
 from scaleout.core.collectives import CHECK_MODES, Communicator, barrier
@@ -148,6 +148,7 @@ class Environment:
             comm = Communicator(group=tdist.group.WORLD, ranks=tuple(range(self.world_size)),
                                 name="global", global_rank=self.rank, timeout=self.timeout,
                                 check_consistency=self.check_consistency)
+            progress.finalizing()  # (the heartbeats say so: scaleout.core.diverged)
             barrier(comm, name="finalize")  # while the watchdog still watches
         if meet:
             watchdog.stop()  # marks this rank as left: finishing is not failing
@@ -279,6 +280,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
                              agent_store=agent, attempt=restart_count(environ))
             tdist.init_process_group(chosen, store=job.store, rank=info.rank,
                                      world_size=info.world_size, timeout=timedelta(seconds=limit))
+            progress.finalizing(False)  # (a job after a finalized one in this process)
             if limit_silence is not None:  # (the store's host: rank 0, or torchrun's agent)
                 watchdog.start(job, info.rank, info.world_size, limit_silence,
                                store_host=None if agent else 0)

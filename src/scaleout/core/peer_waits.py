@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from scaleout.core import progress, stalls, watchdog
+from scaleout.core.diverged import FinalizeWatch
 from scaleout.core.errors import PeerFailedError
 
 __all__ = ["lagging", "raise_if_failed", "wait_event", "wait_work"]
@@ -38,12 +39,14 @@ def wait_event(event: threading.Event, seconds: float, rank: int, group: str,
         True when the event was set, False on timeout (as ``Event.wait``).
     """
     deadline = time.monotonic() + seconds
+    diverged = FinalizeWatch(rank, group, operation)
     while True:
         step = min(_SLICE, max(deadline - time.monotonic(), 0.0))
         due = time.monotonic() + step
         if event.wait(step):
             return True
         stalls.note_late(due)  # (a slice that ended far too late: this process was stopped)
+        diverged.check()
         raise_if_failed(rank, group, operation)
         if time.monotonic() >= deadline:
             return False
@@ -58,7 +61,9 @@ def wait_work(work: Any, seconds: float, rank: int, group: str, operation: str) 
         RuntimeError: the wait timed out (as ``work.wait`` raises it) or the work failed.
     """
     deadline = time.monotonic() + seconds
+    diverged = FinalizeWatch(rank, group, operation)
     while True:
+        diverged.check()
         raise_if_failed(rank, group, operation)
         remaining = deadline - time.monotonic()
         dog = watchdog.active()

@@ -12,19 +12,49 @@ started fewer has not reached the call (``scaleout.core.peer_waits.lagging``).
 
 Counts are per group *label* (``data[0, 1]``): every member of a group makes the same calls in
 the same order, so equal labels count alike on every rank.
+
+A heartbeat also says whether the rank is in ``finalize()`` and whether anything of this
+process may still start a collective there (a progress engine with work queued or in flight:
+:func:`register_busy`): a rank in ``finalize()`` with nothing in progress starts no collective
+again, so a peer waiting in a call it never started waits for good
+(``scaleout.core.diverged``).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
-__all__ = ["started", "refused", "snapshot", "count", "lagging"]
+__all__ = ["started", "refused", "snapshot", "count", "lagging", "finalizing",
+           "register_busy"]
 
 _lock = threading.Lock()
 _calls: dict[str, list] = {}  # label -> [count, last operation, member ranks]
 _latest: list[str] = []  # [label, operation] of the latest collective started
 _refused: dict[str, list] = {}  # label -> [collectives started there by then, the refusal]
+_finalizing = [False]  # this process is in finalize(): its main thread starts nothing more
+_busy: list[weakref.WeakMethod] = []  # bound methods: True while more may start
+
+
+def finalizing(now: bool = True) -> None:
+    """Note that this process entered ``finalize()`` (its last collective call), or, with
+    ``now=False``, that a job begins (``init()``)."""
+    _finalizing[0] = now
+
+
+def register_busy(method: Callable[[], bool]) -> None:
+    """Have heartbeats ask ``method`` (a bound method, held weakly) whether something of
+    this process may still start collectives on its own (a progress engine's thread)."""
+    with _lock:
+        _busy[:] = [ref for ref in _busy if ref() is not None]
+        _busy.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+
+
+def _busy_now() -> bool:
+    with _lock:
+        methods = [ref() for ref in _busy]
+    return any(method is not None and method() for method in methods)
 
 
 def started(label: str, operation: str, members: tuple[int, ...]) -> None:
@@ -49,11 +79,13 @@ def refused(label: str, why: str) -> None:
 
 def snapshot() -> dict[str, object]:
     """What a heartbeat publishes: ``{"calls": {label: [count, last operation]}, "latest":
-    [label, operation], "refused": {label: [count then, why]}}`` (``latest`` empty before the
-    first collective)."""
+    [label, operation], "refused": {label: [count then, why]}, "finalizing": bool, "busy":
+    bool}`` (``latest`` empty before the first collective)."""
+    busy = _busy_now()
     with _lock:
         return {"calls": {label: [n, op] for label, (n, op, _) in _calls.items()},
-                "latest": list(_latest), "refused": {k: list(v) for k, v in _refused.items()}}
+                "latest": list(_latest), "refused": {k: list(v) for k, v in _refused.items()},
+                "finalizing": _finalizing[0], "busy": busy}
 
 
 def count(label: str) -> tuple[int, tuple[int, ...]] | None:

@@ -219,6 +219,10 @@ class Watchdog:
             reason=f"rank {self.store_host} (host of the rendezvous store) is unreachable: "
                    f"{evidence}", silent_for=time.monotonic() - self._last_round))
 
+    def declare(self, found: PeerFailure) -> None:
+        """Record, and tell the others, a failure found elsewhere (``core/diverged.py``)."""
+        self._record(found)
+
     def connection(self) -> Any:
         """A store connection of its own (the thread's is in use), with the thread's timeout."""
         return self._job.connection(timeout=max(self.period, 0.5))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from scaleout.core import stalls
+from scaleout.core import progress, stalls
 from scaleout.core.collectives import Communicator
 from scaleout.core.errors import CommunicationError
 from scaleout.core.request import Deadline, Request
@@ -155,6 +155,15 @@ class ProgressEngine:
         self._threads = torch.get_num_threads()  # the creating thread's (see _run)
         self._thread = threading.Thread(target=self._run, name="scaleout-progress", daemon=True)
         self._thread.start()
+        progress.register_busy(self.busy)
+
+    def busy(self) -> bool:
+        """Whether this engine may still start a collective: its thread runs and holds work
+        (news not read yet, chunks queued, jobs waiting their turn or in flight). Read from
+        the watchdog's thread for its heartbeat (single reads of the engine thread's
+        containers: a snapshot, not a lock)."""
+        return self._thread.is_alive() and (not self._inbox.empty() or any(
+            lane.queue or lane.inflight or lane.ready for lane in self._lanes))
 
     def submit(self, job: Job, ready: int | None = None) -> None:
         """Hand over this iteration's run of ``job``, whose first ``ready`` chunks (all:

@@ -114,6 +114,31 @@ def test_an_inherited_agent_store_setting_does_not_reach_the_ranks(
     assert time.monotonic() - started < 30
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_ranks_get_every_variable_torchrun_sets(tmp_path: Path) -> None:
+    """A script written for torchrun may read any of its variables (before stop 51
+    ``GROUP_WORLD_SIZE``, ``ROLE_*`` and ``TORCHELASTIC_RUN_ID`` were missing: a KeyError)."""
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint(' '.join(f'{k}={os.environ[k]}' for k in "
+                      f"{TORCHRUN_VARS!r}))\n")
+    out = io.StringIO()
+    assert launch([str(script)], LaunchConfig(nprocs=2), out=out) == 0, out.getvalue()
+    seen = {line.split("] ", 1)[0] + "]": dict(pair.split("=", 1) for pair in
+                                                line.split("] ", 1)[1].split())
+            for line in out.getvalue().splitlines() if line.startswith("[rank")}
+    assert sorted(seen) == ["[rank 0]", "[rank 1]"], out.getvalue()
+    for rank in (0, 1):
+        env = seen[f"[rank {rank}]"]
+        assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"], env["GROUP_WORLD_SIZE"],
+                env["ROLE_NAME"]) == (str(rank), "2", "1", "default"), env
+    assert seen["[rank 0]"]["TORCHELASTIC_RUN_ID"] == seen["[rank 1]"]["TORCHELASTIC_RUN_ID"]
+
+
 AGENT_RANK = """
     import os, scaleout
     env = scaleout.init(timeout=20)

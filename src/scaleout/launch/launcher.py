@@ -294,6 +294,11 @@ def _run_once(argv: list[str], config: LaunchConfig, wrapper: RankWrapper | None
                 "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(config.nprocs),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr,
                 "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                # the rest of what torchrun sets (one role, as torchrun's default; the run's
+                # id names its rendezvous, the same on every node)
+                "GROUP_WORLD_SIZE": str(config.nnodes), "ROLE_NAME": "default",
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+                "TORCHELASTIC_RUN_ID": f"scaleout-{config.master_addr}-{port}",
                 "TORCHELASTIC_USE_AGENT_STORE": "False",  # (rank 0 serves it: not inherited)
                 **launcher, TOKEN_VAR: token, **attempt, **extra,
             }

@@ -170,15 +170,32 @@ def test_cli_status_of_one_name(state_directory: Path,
     (["--iters", "0"], "iters >= 1"),
     (["--repeat", "0"], "--repeat: expected an integer >= 1, got 0"),  # an empty table, exit 0
     (["--repeat", "-1"], "--repeat: expected an integer >= 1, got -1"),
+    (["--ranks", "0"], "--ranks: expected an integer >= 1, got 0"),
 ])
 def test_cli_calibrate_refuses_sizes_before_looking_for_the_testbed(
         state_directory: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
         message: str) -> None:
     from scaleout.cli.main import main
 
-    assert main(["testbed", "calibrate", "--name", "nosuch", *extra]) == 1
+    assert main(["testbed", "calibrate", "--name", "nosuch", *extra]) == 2  # (1 before stop 51)
     err = capsys.readouterr().err
     assert err.startswith("scaleout testbed calibrate: error: ") and message in err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--hosts", "0"], "hosts: expected an integer from 1"), (["--rate", "1gbps"], "rate: expected"),
+    (["--mtu", "100"], "mtu: expected 576 to 65535"),
+])
+def test_cli_up_refuses_bad_values_as_usage_errors(
+        state_directory: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+        message: str) -> None:
+    """A value no testbed could take: exit 2, as argparse's own refusals (1 before stop 51,
+    as for a testbed that failed to come up); nothing is created."""
+    from scaleout.cli.main import main
+
+    assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbit", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scaleout testbed up: error: ") and message in err, err
 
 
 # -- real namespaces ---------------------------------------------------------------
@@ -296,7 +313,7 @@ def test_cli_up_status_down(state_directory: Path, capsys: pytest.CaptureFixture
     finally:
         assert main(["testbed", "down", "--name", name]) == 0
     assert "removed 3 namespaces" in capsys.readouterr().out
-    assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbps"]) == 1
+    assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbps"]) == 2  # a usage error
     assert "rate: expected" in capsys.readouterr().err
 
 

@@ -80,24 +80,35 @@ def register(subparsers: Any) -> None:
     )
 
 
+class _Usage(ValueError):
+    """A value given on the command line that no testbed could take: exit code 2, as
+    argparse's own refusals (since stop 51; before, 1, as a testbed that failed)."""
+
+
 def handler(args: argparse.Namespace) -> int:
-    """Run ``scaleout testbed ACTION``; returns the exit code."""
+    """Run ``scaleout testbed ACTION``; returns the exit code (2: a bad value given)."""
     actions = {"up": _up, "down": _down, "status": _status, "calibrate": _calibrate}
     if args.action not in actions:
         print("usage: scaleout testbed {up,down,status,calibrate} ... (see --help)", file=sys.stderr)
         return 2
     try:
         return actions[args.action](args)
+    except _Usage as err:
+        print(f"scaleout testbed {args.action}: error: {err}", file=sys.stderr)
+        return 2
     except (TestbedError, ValueError, TypeError) as err:
         print(f"scaleout testbed {args.action}: error: {err}", file=sys.stderr)
         return 1
 
 
 def _up(args: argparse.Namespace) -> int:
-    config = TestbedConfig(
-        hosts=args.hosts, rate=args.rate, delay=args.delay, jitter=args.jitter,
-        loss=args.loss, mtu=args.mtu, name=args.name, subnet=args.subnet,
-    )
+    try:
+        config = TestbedConfig(
+            hosts=args.hosts, rate=args.rate, delay=args.delay, jitter=args.jitter,
+            loss=args.loss, mtu=args.mtu, name=args.name, subnet=args.subnet,
+        )
+    except (ValueError, TypeError) as err:
+        raise _Usage(str(err)) from err
     state = Testbed(config).up(persistent=True)
     _print_states([state], as_json=args.json)
     return 0
@@ -145,8 +156,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scaleout.testbed.calibrate import calibrate, check_sizes
 
     if args.repeat < 1:
-        raise ValueError(f"--repeat: expected an integer >= 1, got {args.repeat}")
-    check_sizes(nbytes=args.nbytes, iters=args.iters)  # before the testbed: nothing to attach
+        raise _Usage(f"--repeat: expected an integer >= 1, got {args.repeat}")
+    if args.ranks < 1:
+        raise _Usage(f"--ranks: expected an integer >= 1, got {args.ranks}")
+    try:  # before the testbed: nothing to attach
+        check_sizes(nbytes=args.nbytes, iters=args.iters)
+    except ValueError as err:
+        raise _Usage(str(err)) from err
     tb = Testbed.attach(args.name)
     rate = tb.config.rate_bps
     nbytes = _default_nbytes(rate) if args.nbytes is None else args.nbytes

@@ -103,6 +103,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     change through ``p.data`` was lost): weights changed after their new values landed (after
     ``model.synchronize()`` in overlap mode; any time between steps in sync mode), in any way,
     are what the step starts from. ``GradScaler`` is refused with it, as in overlap mode.
+    ``optimizer`` itself never steps and holds no state: save and load this object's
+    ``state_dict()`` (``optimizer``'s raise a ``ValueError``, since stop 51).
 
     Raises:
         ValueError: an optimizer whose ``step()`` needs a closure outside ``mode="sync"`` or
@@ -316,13 +318,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sharded_update.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, after finishing pending updates."""
+        """The wrapped optimizer's state, after finishing pending updates (with the sharded
+        update, with the options a scheduler attached to the wrapped optimizer set since the
+        last step)."""
         self.model.synchronize()
+        if self._sharded_update is not None:
+            self._sharded_update.follow_user_groups()
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's: the state and the groups' options are the loaded ones (with the
+        sharded update, the wrapped optimizer's groups show them too)."""
         self.model.synchronize()
         self.inner.load_state_dict(state_dict)
+        if self._sharded_update is not None:
+            self._sharded_update.show_options()
         # torch replaces the groups and the state: a scheduler edits them through this wrapper
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 

@@ -118,6 +118,10 @@ class ShardedUpdate:
         self.optimizer = type(optimizer)(groups)  # every group carries all its options
         self._user_options = group_options(optimizer)  # what the user's groups said
         self._spent: set[int] = set()  # shards whose .grad an overlap-mode step consumed
+        # the user's optimizer never steps: its state stays empty (saved, it lost Adam's
+        # moments and steps without a word: 0.2 off after a resume before stop 51)
+        optimizer.register_state_dict_pre_hook(_state_held_by_the_copy)
+        optimizer.register_load_state_dict_pre_hook(_state_held_by_the_copy)
 
     def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
         shard = nn.Parameter(self.owned_values(param).clone())
@@ -186,7 +190,7 @@ class ShardedUpdate:
         ``pending`` layers' gradients. ``consume``: the step consumes the gradients (overlap
         mode: the next backward's replace them). Returns the weights whose ``.grad`` it
         consumed (:meth:`receive`)."""
-        self._follow_user_groups()
+        self.follow_user_groups()
         updates = self.model.updates
         for layer in updates.forward_order:
             updates.complete(layer)
@@ -208,14 +212,34 @@ class ShardedUpdate:
             updates.stepped(layer.params)  # (changed before its values land: refused)
         return consumed
 
-    def _follow_user_groups(self) -> None:
+    def follow_user_groups(self) -> None:
         """Options that the user's groups changed since the last step (a scheduler attached
         to the wrapped optimizer) are copied into the copy's; then the user's groups show the
-        options in effect (changes made through the DistributedOptimizer included)."""
+        options in effect (changes made through the DistributedOptimizer included). Each
+        ``step()`` starts with it, and so does saving the copy's state (before stop 51 a
+        checkpoint held the options of the step before: a scheduler's last change was lost
+        at the resume)."""
         for user, inner, seen in zip(self.user.param_groups, self.optimizer.param_groups,
                                      self._user_options):
             for key, value in user.items():
                 if key != "params" and (key not in seen or not _same(value, seen[key])):
                     inner[key] = value
+        self.show_options()
+
+    def show_options(self) -> None:
+        """The user's groups show the copy's options, and the next step compares the user's
+        groups with them; called alone after the copy's state was loaded, whose options win
+        over the user's, as a plain optimizer's ``load_state_dict`` replaces its groups'."""
+        for user, inner in zip(self.user.param_groups, self.optimizer.param_groups):
             user.update({k: v for k, v in inner.items() if k != "params"})
         self._user_options = group_options(self.user)
+
+
+def _state_held_by_the_copy(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """The user's optimizer's ``state_dict`` / ``load_state_dict`` hook: refused."""
+    raise ValueError(
+        f"this {type(optimizer).__name__} is wrapped by a DistributedOptimizer of a "
+        f"DataParallel(distributed_update=True): it never steps and holds no state (the "
+        f"DistributedOptimizer's copy of it steps this rank's slices and holds their state); "
+        f"save and load the DistributedOptimizer's state_dict() (checkpoint.save(path, model, "
+        f"<the DistributedOptimizer>))")

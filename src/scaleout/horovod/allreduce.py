@@ -21,7 +21,7 @@ from scaleout.core.grid import GroupType
 from scaleout.horovod.adasum import adasum_tree, check_adasum_size
 from scaleout.horovod.compression import CodecCompression, Compression
 from scaleout.horovod.context import Runtime, runtime
-from scaleout.horovod.handles import Pending, submit, synchronize
+from scaleout.horovod.handles import Key, Pending, require_idle, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_count, exchange_signature
@@ -87,8 +87,9 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     named = name is not None
     name = rt.auto_name(kind, name, process_set)
     codec = isinstance(compression, CodecCompression)
-    send, ctx, refused = None, None, None
+    send, ctx, refused, key = None, None, None, None
     try:  # every check first: a rank whose arguments fail tells the others, nobody waits
+        key = require_idle(rt, process_set.process_set_id, kind, name)
         output = check_tensor(require_tensor(output, kind), kind)
         prescale = _factor(prescale, "prescale_factor", kind)
         postscale = _factor(postscale, "postscale_factor", kind)
@@ -105,7 +106,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
                        codec=codec_identity(compression.codec) if codec else None)
     assert send is not None  # (exchange_signature raised otherwise)
     if codec:
-        return _start_codec(rt, output, name, op, prescale, postscale, compression, kind)
+        return _start_codec(rt, output, name, op, prescale, postscale, compression, kind, key)
     send = multiply(send, prescale, in_place=True)
     if op in (Product, Adasum):
         request = coll.allgather(comm, send.unsqueeze(0) if send.dim() else send.reshape(1))
@@ -125,7 +126,7 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
             output.copy_(reduced)
         return output
 
-    return Pending(kind=kind, name=name, requests=[request], finish=finish)
+    return Pending(kind=kind, name=name, requests=[request], finish=finish, keys=(key,))
 
 
 def _check_codec(op: ReduceOp, process_set: ProcessSet, named: bool, kind: str) -> None:
@@ -142,7 +143,8 @@ def _check_codec(op: ReduceOp, process_set: ProcessSet, named: bool, kind: str) 
 
 
 def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, prescale: float,
-                 postscale: float, compression: CodecCompression, kind: str) -> Pending:
+                 postscale: float, compression: CodecCompression, kind: str,
+                 key: Key) -> Pending:
     multiply(output, prescale, in_place=True)
     request = compressed_allreduce(compression.codec, output, compression.state(name),
                                    rt.distribution, group=GroupType.GLOBAL, average=op is Average)
@@ -150,7 +152,7 @@ def _start_codec(rt: Runtime, output: torch.Tensor, name: str, op: ReduceOp, pre
     def finish(results: list[Any]) -> torch.Tensor:
         return multiply(output, postscale, in_place=True)
 
-    return Pending(kind=kind, name=name, requests=[request], finish=finish)
+    return Pending(kind=kind, name=name, requests=[request], finish=finish, keys=(key,))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -230,7 +232,8 @@ def _grouped(tensors: Sequence[torch.Tensor], start: Callable[[Runtime, torch.Te
 
     requests = [part.requests[0] for part in parts]
     return submit(rt, Pending(kind="grouped_allreduce", name=name or "grouped_allreduce",
-                              requests=requests, finish=finish))
+                              requests=requests, finish=finish,
+                              keys=tuple(key for part in parts for key in part.keys)))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,

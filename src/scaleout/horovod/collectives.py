@@ -20,7 +20,7 @@ from scaleout.core.collectives import ReduceOp as CoreOp
 from scaleout.core.consistency import control_tensor
 from scaleout.horovod.allreduce import copy_of, multiply, require_tensor
 from scaleout.horovod.context import runtime
-from scaleout.horovod.handles import Pending, submit
+from scaleout.horovod.handles import Pending, require_idle, submit
 from scaleout.horovod.join import gather_rows
 from scaleout.horovod.ops import Average, Max, Min, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
@@ -56,11 +56,13 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     rt = runtime()
     comm = process_set.communicator(kind)
     name = rt.auto_name(kind, name, process_set)
+    key, busy = attempt(lambda: require_idle(rt, process_set.process_set_id, kind, name))
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     counts = exchange_signature(comm, kind, name, tensor, rows_may_differ=True, joinable=True,
-                                refused=refused)
+                                refused=refused or busy)
     request = gather_rows(comm, tensor.detach(), counts)
-    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0],
+                              keys=(key,)))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -78,10 +80,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     name = rt.auto_name(kind, name, process_set)
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     root, refused_root = attempt(lambda: root_index(comm, root_rank, kind))
+    key, busy = attempt(lambda: require_idle(rt, process_set.process_set_id, kind, name))
     exchange_signature(comm, kind, name, tensor, root=root if root is not None else -1,
-                       refused=refused or refused_root)
+                       refused=refused or refused_root or busy)
     request = coll.bcast(comm, tensor, root)
-    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0]))
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=lambda r: r[0],
+                              keys=(key,)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -125,8 +129,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     tensor, refused = attempt(lambda: check_tensor(require_tensor(tensor, kind), kind))
     send_counts, refused_splits = attempt(lambda: _splits(splits, comm, tensor)) \
         if refused is None else (None, None)
+    key, busy = attempt(lambda: require_idle(rt, process_set.process_set_id, kind, name))
     exchange_signature(comm, kind, name, tensor, rows_may_differ=True,
-                       refused=refused or refused_splits)
+                       refused=refused or refused_splits or busy)
     received = coll.alltoall(comm, control_tensor(comm, send_counts)).wait()
     recv_counts = [int(n) for n in received.tolist()]
     request = coll.alltoallv(comm, tensor.detach(), send_counts, recv_counts)
@@ -134,7 +139,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return results[0], torch.tensor(recv_counts, dtype=torch.int32)
 
-    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish))
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish,
+                              keys=(key,)))
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:
@@ -173,7 +179,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
     checked, refused = attempt(check)
     tensor, op = checked if checked is not None else (None, Sum)
-    exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused)
+    key, busy = attempt(lambda: require_idle(rt, process_set.process_set_id, kind, name))
+    exchange_signature(comm, kind, name, tensor, op=int(op), refused=refused or busy)
     send = multiply(tensor.detach(), prescale_factor)
     core_op = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}[op]
     rows = reducescatter_rows(send.shape[0], comm.size)
@@ -189,7 +196,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
         out = results[0] if block is None else results[0].narrow(0, *block)
         return multiply(out, scale)
 
-    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish))
+    return submit(rt, Pending(kind=kind, name=name, requests=[request], finish=finish,
+                              keys=(key,)))
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

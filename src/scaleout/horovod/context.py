@@ -130,12 +130,17 @@ def _node_layout(comm: Communicator, local_rank: int, key: int) -> tuple[int, in
             len(set(per_node)) == 1)
 
 
-def start(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+def start(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None, *,
           timeout: float | None = None, backend: str | None = None) -> None:
     """Join the job and create the Runtime (what :func:`scaleout.horovod.init` does).
 
     Args and Raises: see :func:`scaleout.horovod.init`.
     """
+    if isinstance(process_sets, str):  # (before stop 51, "dynamic" was read as ranks 'd', ...)
+        if process_sets != "dynamic":
+            raise ValueError(f'process_sets must be a list of ProcessSet or "dynamic", got '
+                             f"{process_sets!r}")
+        process_sets = None  # sets may be added and removed at any time here
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) takes an MPI communicator; scaleout does "
                                   "not use mpi4py: call hvd.init() and start the job with "

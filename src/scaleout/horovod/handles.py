@@ -15,7 +15,10 @@ from typing import Any
 from scaleout.horovod.context import Runtime, runtime
 from scaleout.horovod.timeline import record_span
 
-__all__ = ["submit", "synchronize", "poll", "Pending"]
+__all__ = ["submit", "synchronize", "poll", "Pending", "require_idle", "Key"]
+
+#: what identifies a tensor in flight: (process set id, collective, name)
+Key = tuple[Any, str, str]
 
 
 @dataclass
@@ -26,12 +29,15 @@ class Pending:
         kind, name: the collective and the tensor name (for the timeline).
         requests: objects with ``wait(timeout)`` and ``test()`` (core requests and the like).
         finish: turns the requests' results into the operation's output.
+        keys: what :func:`require_idle` returned for each tensor of the operation: busy
+            until ``synchronize``.
     """
 
     kind: str
     name: str
     requests: Sequence[Any]
     finish: Callable[[list[Any]], Any]
+    keys: tuple[Key, ...] = ()
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -39,6 +45,7 @@ class Pending:
 class _Table:
     pending: dict[int, Pending] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=itertools.count)
+    busy: set[Key] = field(default_factory=set)
 
 
 def _table(rt: Runtime) -> _Table:
@@ -50,7 +57,26 @@ def submit(rt: Runtime, pending: Pending) -> int:
     table = _table(rt)
     handle = next(table.ids)
     table.pending[handle] = pending
+    table.busy.update(pending.keys)
     return handle
+
+
+def require_idle(rt: Runtime, process_set_id: int | None, kind: str, name: str) -> Key:
+    """The key of a ``kind`` call named ``name`` about to start on a process set.
+
+    Raises:
+        ValueError: a call with that key was submitted and not yet synchronized: as in
+            Horovod, a name stands for one tensor at a time (two in flight could pair with
+            the other ranks' in either order; before stop 51 they were paired in submission
+            order, silently mixing tensors when ranks submitted them in different orders).
+    """
+    key = (process_set_id, kind, name)
+    if key in _table(rt).busy:
+        raise ValueError(f"{kind}: another {kind} named {name!r} is still in flight on this "
+                         "process set (submitted, not yet synchronized); a name stands for one "
+                         "tensor at a time, as in Horovod: synchronize that one first, or pass "
+                         "another name=")
+    return key
 
 
 def _take(handle: object, operation: str) -> tuple[Runtime, Pending]:
@@ -97,5 +123,6 @@ def synchronize(handle: int, timeout: float | None = None) -> Any:
         output = pending.finish(results)
     finally:
         del _table(rt).pending[handle]
+        _table(rt).busy.difference_update(pending.keys)
     record_span(rt, pending.kind, pending.name, pending.started, time.perf_counter())
     return output

@@ -50,6 +50,32 @@ def _names(optimizer: torch.optim.Optimizer,
     return {p: by_param[p] for p in params}
 
 
+def _check_groups(num_groups: object, groups: object) -> None:
+    """Horovod's checks of ``num_groups`` and ``groups`` (which have no effect here: before
+    stop 51 anything passed, where Horovod raises ValueError)."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    if groups is None or (isinstance(groups, int) and not isinstance(groups, bool) and groups > 0):
+        return
+    if not isinstance(groups, list):
+        raise ValueError(f"groups must be a positive int or a list of lists of parameters, got "
+                         f"{groups!r}")
+    seen: set[int] = set()
+    for group in groups:
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"groups must be a list of lists of parameters, got a "
+                             f"{type(group).__name__} where a list was expected")
+        bad = next((p for p in group if not isinstance(p, torch.Tensor)), None)
+        if bad is not None:
+            raise ValueError(f"groups must be a list of lists of parameters (torch.Tensor), got "
+                             f"a {type(bad).__name__} where a parameter was expected")
+        for p in group:
+            if id(p) in seen:
+                raise ValueError("groups names a parameter twice: a parameter can be in one "
+                                 "group only")
+            seen.add(id(p))
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over the ranks.
 
@@ -71,7 +97,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         ValueError: bad names, ``backward_passes_per_step < 1``, a non-positive predivide
-            factor, or a predivide factor with an op other than Average.
+            factor, a predivide factor with an op other than Average, or ``groups`` that is
+            neither a positive int nor a list of lists of parameters (each at most once).
         NotInitialized: before ``hvd.init()``, or ``process_set`` is not registered.
 
     Example:
@@ -94,6 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
                              f"{backward_passes_per_step!r}")
         op = resolve_op(op, None, "DistributedOptimizer")
+        _check_groups(num_groups, groups)
         if gradient_predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
         if gradient_predivide_factor != 1.0 and op is not Average:

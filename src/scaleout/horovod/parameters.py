@@ -84,12 +84,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     Raises:
         TypeError: ``optimizer`` has no ``state_dict``/``load_state_dict``, or its state holds
             a type that cannot travel safely.
-        ValueError: the loaded state does not fit this rank's parameter groups.
+        ValueError: the loaded state does not fit this rank's parameter groups (the other
+            ranks raise TensorMismatchError, naming it).
     """
     if not (hasattr(optimizer, "state_dict") and hasattr(optimizer, "load_state_dict")):
         raise TypeError(f"broadcast_optimizer_state: expected a torch optimizer, got "
                         f"{type(optimizer).__name__}")
     mine: Any = optimizer.state_dict()
     state = broadcast_object(mine, root_rank, "optimizer_state", process_set)
-    if state is not mine:
-        optimizer.load_state_dict(state)
+    _, refused = (None, None) if state is mine else \
+        attempt(lambda: optimizer.load_state_dict(state))
+    # a rank whose parameter groups do not fit the root's raises, and so does every other
+    # (before: that rank alone, the root went on to wait for it in its next collective)
+    exchange_count(process_set.communicator("broadcast_optimizer_state"),
+                   "broadcast_optimizer_state", "optimizer_state.loaded", 0, refused=refused)

@@ -13,7 +13,7 @@ from scaleout.horovod.timeline import start_timeline
 __all__ = ["init"]
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None, *,
          timeout: float | None = None, backend: str | None = None) -> None:
     """Join the job (Horovod's ``hvd.init``); calling it again while running does nothing.
 
@@ -24,13 +24,16 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, *,
 
     Args:
         comm: Horovod's MPI communicator argument; only ``None`` is supported.
-        process_sets: sets to register now (as :func:`add_process_set` does).
+        process_sets: sets to register now (as :func:`add_process_set` does), or Horovod's
+            ``"dynamic"``: none now (sets may be added and removed at any time, with or
+            without it).
         timeout: seconds any collective may take (default ``HOROVOD_GLOO_TIMEOUT_SECONDS``,
             else scaleout's 300 s).
         backend: a scaleout backend (default gloo, plus NCCL for CUDA tensors).
 
     Raises:
         NotImplementedError: ``comm`` is given.
+        ValueError: ``process_sets`` is a string other than ``"dynamic"``.
         ScaleoutError: the rendezvous failed.
 
     Example (under ``scaleout run -n 2``):

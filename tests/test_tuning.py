@@ -210,7 +210,8 @@ def _check_model(rebuilt: list) -> object:
     from types import SimpleNamespace
 
     return SimpleNamespace(_device=torch.device("cpu"), comm=SimpleNamespace(size=1),
-                           synchronize=lambda: None, _rebuild=lambda *a: rebuilt.append(a))
+                           synchronize=lambda: None, _rebuild=lambda *a: rebuilt.append(a),
+                           _exchanges=0)
 
 
 def _choice(runner_up: bool = False) -> object:
@@ -242,7 +243,9 @@ def _timed(monkeypatch: pytest.MonkeyPatch, check: object, model: object, choice
     clock = iter(ticks)
     monkeypatch.setattr(tune_check.time, "perf_counter", lambda: next(clock))
     for _ in range(len(ticks) - 1):
+        model._exchanges += 1  # (the iteration before this forward exchanged)
         assert check.at_forward(model, choice) is None
+    model._exchanges += 1
     return check.at_forward(model, choice)
 
 

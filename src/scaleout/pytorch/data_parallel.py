@@ -146,7 +146,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
                 f"tune {tune!r}, compression {self._compression!r}"))
         self.replicas = ReplicaCheck(self.comm, module, interval)
         self._model_comm = distribution.communicator(GroupType.MODEL)
-        self._layers = find_layers(module)
+        self._layers = find_layers(module, self.comm.size)
         self._frozen = [p for p in module.parameters()  # (find_layers left them out)
                         if not p.requires_grad and p.numel() and not is_local(p)]
         for layer in self._layers:  # a shard on another model group: a ValueError now

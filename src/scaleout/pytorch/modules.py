@@ -58,20 +58,27 @@ class Layer:
         return [*self.sets, *self.early.values()]
 
 
-def find_layers(module: nn.Module) -> list[Layer]:
+def find_layers(module: nn.Module, data_ranks: int | None = None) -> list[Layer]:
     """Every module with trainable parameters of its own, in registration order.
 
     A parameter shared by several modules (tied weights) belongs to the first one; one
     marked local to this rank (``scaleout.pytorch.placement``) belongs to none, and so does
     one with no elements (``torch.empty(0)``): there is nothing to average, so it is left
-    out of communication and its ``.grad`` stays as autograd leaves it.
+    out of communication and its ``.grad`` stays as autograd leaves it. ``data_ranks``: the
+    data group's size when the layers are DataParallel's (its embeddings are then checked:
+    :func:`_refuse_embedding`); ``None``: discovery alone.
 
     Raises:
-        TypeError: a trainable parameter is sparse or complex (not supported).
+        TypeError: a trainable parameter is sparse or complex (not supported); with
+            ``data_ranks``, an embedding trained with ``sparse=True``.
+        ValueError: with ``data_ranks`` > 1, an embedding trained with ``max_norm`` or
+            ``scale_grad_by_freq``.
     """
     seen: set[int] = set()
     layers = []
     for name, mod in module.named_modules():
+        if data_ranks is not None:
+            _refuse_embedding(name, mod, data_ranks)
         params = []
         for own, param in mod.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen or is_local(param):
@@ -90,6 +97,34 @@ def find_layers(module: nn.Module) -> list[Layer]:
         if params:
             layers.append(Layer(name=name or "<root>", module=mod, params=params))
     return layers
+
+
+def _refuse_embedding(name: str, mod: nn.Module, data_ranks: int) -> None:
+    """Refuse a trained embedding whose data-parallel gradient would be wrong or fail.
+
+    ``sparse=True``: the gradient is a sparse tensor (it failed in backward with torch's
+    "copy_() between dense and sparse Tensors"). Across ``data_ranks`` > 1: ``max_norm``
+    renormalises, in place, the rows this rank's batch reads only, so the ranks' tables
+    drift apart (2.3 apart after 4 SGD steps, ``tests/test_embedding_tuner_hunt.py``), and
+    ``scale_grad_by_freq`` divides by the counts in this rank's batch, not the whole batch's
+    (0.15 off the single-process reference).
+    """
+    if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or not mod.weight.requires_grad \
+            or is_local(mod.weight):  # (an EmbeddingCollection's own tables: sparse, local)
+        return
+    where = f"{type(mod).__name__} {name or '<root>'}"
+    if mod.sparse:
+        raise TypeError(f"{where} has sparse=True: its gradient is a sparse tensor and "
+                        "scaleout exchanges dense gradients (use sparse=False)")
+    reasons = {"max_norm": "renormalises, in place, only the rows each rank's batch reads: "
+                           "the replicas drift apart",
+               "scale_grad_by_freq": "counts the ids of each rank's batch, not of the whole "
+                                     "batch: the gradient is not the single-process one"}
+    for option, why in reasons.items():
+        if getattr(mod, option) and data_ranks > 1:
+            raise ValueError(f"{where} has {option}={getattr(mod, option)!r}, which {why} "
+                             f"({data_ranks} data-parallel ranks); renormalise or scale in the "
+                             f"model instead, or freeze the table")
 
 
 def refuse_meta(module: nn.Module, caller: str) -> None:

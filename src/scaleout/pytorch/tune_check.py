@@ -71,33 +71,43 @@ class ChoiceCheck:
             has a runner-up: :func:`windows`).
         plans: the trials' ``(scheduler, compression)``: the choice's (in use when the check
             starts), then its runner-up's when it has one.
+        mark: the model's exchanged backwards (``model._exchanges``) at the forward that
+            built the plan being timed (the choice's, at first).
     """
 
     default_s: float
     fallback: tuple[Any, Any]
     verify: int
     plans: tuple[tuple[Any, Any], ...]
-    _forwards: int = 0
+    mark: int = 0
+    _since: int | None = None  # ... when its timing began (after its settling iteration)
     _started: float = 0.0
     _seconds: list[float] = field(default_factory=list)  # per iteration, per window so far
 
     def at_forward(self, model: Any, choice: Any) -> Any | None:
         """Call at the start of every forward after the rebuild; returns the choice as it
-        stands once decided (what was kept named in its reasons), else ``None``."""
-        now = time.perf_counter()
+        stands once decided (what was kept named in its reasons), else ``None``.
+
+        The windows count the model's exchanged backwards (``model._exchanges``, alike on
+        every rank), not forwards: a forward of this rank's own that no backward follows
+        (autograd on) moves no window, so every rank rebuilds at the same iteration. Until
+        stop 51 they counted forwards, and such a forward on one rank made that rank rebuild
+        early: the ranks hung in the rebuild's collectives until the timeout."""
+        now, done = time.perf_counter(), model._exchanges
         order = windows(self.verify, len(self.plans))
         trial, iterations = order[len(self._seconds)]
-        self._forwards += 1
-        if self._forwards == 1:  # the window's first iteration is over: time from here
-            self._started = now
+        if done <= self.mark:  # (the window's settling iteration is not over)
             return None
-        if self._forwards <= iterations:
+        if self._since is None:  # it is over: time from here
+            self._started, self._since = now, done
             return None
-        self._seconds.append((now - self._started) / iterations)
+        if done - self._since < iterations:
+            return None
+        self._seconds.append((now - self._started) / (done - self._since))
         if len(self._seconds) < len(order):  # the next window's turn
             model.synchronize()
             model._rebuild(*self.plans[order[len(self._seconds)][0]])
-            self._forwards = 0
+            self.mark, self._since = done, None
             return None
         default_s, *seconds = slowest(model.comm, model._device, [self.default_s, *self._seconds])
         best, times, said = _verdict(seconds)

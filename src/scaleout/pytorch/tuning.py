@@ -239,7 +239,8 @@ class Tuner:
                     model._rebuild(scheduler, compression)
                 if self.config.verify:
                     self._check = ChoiceCheck(default_s=default_s, fallback=fallback,
-                                              verify=self.config.verify, plans=plans)
+                                              verify=self.config.verify, plans=plans,
+                                              mark=model._exchanges)
 
     def due(self, statistics: Any, layers: Sequence[Any]) -> bool:
         """Called at the start of every forward: snapshot the compute figures after

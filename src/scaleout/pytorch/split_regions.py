@@ -20,7 +20,7 @@ dropouts written as calls (``F.dropout``), which run under
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ from torch import nn
 from scaleout.core.distribution import Distribution
 from scaleout.pytorch.model_rng import ModelParallelRNG, SplitRegionDropout
 
-__all__ = ["split_dropouts", "tensor_parallel_dropouts", "fork_dropouts"]
+__all__ = ["split_dropouts", "tensor_parallel_dropouts", "tensor_parallel_shared_parameters",
+           "fork_dropouts"]
 
 #: what a tensor's metadata reads: its shape is not split data (a view of a split tensor
 #: sized by ``x.size(-1)`` is split because ``x`` is, not because of the size)
@@ -70,27 +71,64 @@ def _in_order(parent: nn.Sequential, starts: Collection[str],
     return split, whole
 
 
-def _traced(parent: nn.Module, starts: Collection[str],
-            ends: Collection[str]) -> tuple[set[str], set[str]] | None:
+def _split_nodes(parent: nn.Module, starts: Collection[str],
+                 ends: Collection[str]) -> tuple[list[torch.fx.Node], set[torch.fx.Node]] | None:
+    """``parent``'s traced nodes, and those computed from a start's output without passing
+    an end (the start itself excepted); ``None`` when the forward cannot be traced."""
     try:
         graph = _Tracer().trace(parent)
     except Exception:  # noqa: BLE001 - any forward fx cannot follow: not told
         return None
     marked: set[torch.fx.Node] = set()
-    split, whole = set(), set()
+    split: set[torch.fx.Node] = set()
     for node in graph.nodes:
         module = node.target if node.op == "call_module" else None
         if module in starts:
             marked.add(node)
-            continue
-        if module in ends or _metadata(node):
-            continue
-        inside = any(arg in marked for arg in node.all_input_nodes)
-        if inside:
+        elif module not in ends and not _metadata(node) \
+                and any(arg in marked for arg in node.all_input_nodes):
             marked.add(node)
-        if module is not None and _dropout(parent.get_submodule(module)):
-            (split if inside else whole).add(module)
+            split.add(node)
+    return list(graph.nodes), split
+
+
+def _traced(parent: nn.Module, starts: Collection[str],
+            ends: Collection[str]) -> tuple[set[str], set[str]] | None:
+    found = _split_nodes(parent, starts, ends)
+    if found is None:
+        return None
+    nodes, inside = found
+    split, whole = set(), set()
+    for node in nodes:
+        if node.op == "call_module" and node.target not in {*starts, *ends} \
+                and _dropout(parent.get_submodule(node.target)):
+            (split if node in inside else whole).add(node.target)
     return split, whole
+
+
+def _parameters_on_split(parent: nn.Module, starts: Collection[str],
+                         ends: Collection[str]) -> set[str]:
+    """The names (relative to ``parent``) of the parameters that its forward combines with
+    split values: a module called on one (an ``nn.RMSNorm`` on split heads, a ``PReLU``
+    between a column and a row layer), or a parameter read in the forward (a learnt
+    temperature). Nothing when the forward cannot be traced."""
+    if isinstance(parent, nn.Sequential):
+        names, inside = set(), False
+        for name, child in parent.named_children():
+            inside = name in starts or (inside and name not in ends and not any(
+                end.startswith(f"{name}.") for end in ends))
+            if inside and name not in starts:
+                names.update(f"{name}.{n}" for n, _ in child.named_parameters())
+        return names
+    found = _split_nodes(parent, starts, ends)
+    names = set()
+    for node in found[1] if found is not None else ():
+        if node.op == "call_module":
+            names.update(f"{node.target}.{n}"
+                         for n, _ in parent.get_submodule(node.target).named_parameters())
+        names.update(arg.target for arg in node.all_input_nodes if arg.op == "get_attr")
+    params = dict(parent.named_parameters())
+    return {n for n in names if n in params and params[n].requires_grad}
 
 
 def split_dropouts(parent: nn.Module, starts: Collection[str], ends: Collection[str], *,
@@ -128,17 +166,36 @@ def split_dropouts(parent: nn.Module, starts: Collection[str], ends: Collection[
     return sorted(split - whole)
 
 
-def tensor_parallel_dropouts(module: nn.Module, plan: Mapping[str, str]) -> list[str]:
-    """The dropouts between the plan's column layers and their row layers (qualified names),
-    found in the forward of each module holding a column layer."""
+def _column_parents(module: nn.Module, plan: Mapping[str, str]) -> Iterator[
+        tuple[str, nn.Module, set[str], set[str]]]:
+    """Each module holding a column layer of ``plan``: its name, with a dot (``""`` for the
+    root), the module, and the names relative to it of its column and row layers."""
     starts = {name for name, style in plan.items() if style in ("column", "qkv")}
     ends = {name for name, style in plan.items() if style == "row"}
-    found: set[str] = set()
     for where in sorted({name.rpartition(".")[0] for name in starts}):
         head = f"{where}." if where else ""
         mine = [{n[len(head):] for n in names if n.startswith(head)} for names in (starts, ends)]
+        yield head, module.get_submodule(where), mine[0], mine[1]
+
+
+def tensor_parallel_dropouts(module: nn.Module, plan: Mapping[str, str]) -> list[str]:
+    """The dropouts between the plan's column layers and their row layers (qualified names),
+    found in the forward of each module holding a column layer."""
+    found: set[str] = set()
+    for head, parent, starts, ends in _column_parents(module, plan):
         found.update(head + n for n in split_dropouts(
-            module.get_submodule(where), *mine, caller="tensor_parallel", where=where))
+            parent, starts, ends, caller="tensor_parallel", where=head[:-1]))
+    return sorted(found)
+
+
+def tensor_parallel_shared_parameters(module: nn.Module, plan: Mapping[str, str]) -> list[str]:
+    """The replicated parameters (qualified names) that the forward combines with the split
+    activations between the plan's column layers and their row layers: each rank's gradient
+    of one is its block's share only (a per-head ``RMSNorm`` on split heads, a learnt
+    temperature on split attention scores)."""
+    found: set[str] = set()
+    for head, parent, starts, ends in _column_parents(module, plan):
+        found.update(head + n for n in _parameters_on_split(parent, starts, ends))
     return sorted(found)
 
 

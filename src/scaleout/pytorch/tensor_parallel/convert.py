@@ -19,7 +19,11 @@ from scaleout.pytorch.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from scaleout.pytorch.split_regions import fork_dropouts, tensor_parallel_dropouts
+from scaleout.pytorch.split_regions import (
+    fork_dropouts,
+    tensor_parallel_dropouts,
+    tensor_parallel_shared_parameters,
+)
 
 __all__ = ["tensor_parallel", "full_state_dict", "load_full_state_dict", "plan_tensor_parallel",
            "STYLES"]
@@ -216,7 +220,8 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
             names the layer and the sizes), a planned layer's weight is tied to another
             module's, a column layer has no row layer in its module, a fused projection
             (``qkv``, ``c_attn``, ...) is planned ``"column"``, or a column layer's module
-            has a head count but no layer named q/k/v (nothing is converted then).
+            has a head count but no layer named q/k/v, or a replicated parameter acts on
+            the activations between a column and a row layer (nothing is converted then).
         TypeError: ``module`` or ``distribution`` of the wrong type.
 
     Example (2 ranks, grid 1 x 2):
@@ -276,6 +281,13 @@ def tensor_parallel(module: nn.Module, distribution: Distribution, *,
     attention = _attentions(plan, modules, comm.size)
     for name, parent in attention.items():  # every check passes before anything changes
         _attention_heads(parent, name, comm.size, apply=False)
+    shared = tensor_parallel_shared_parameters(module, plan) if comm.size > 1 else []
+    if shared:  # (before stop 51 each rank trained them on its block's share, silently)
+        raise ValueError(
+            f"tensor_parallel: {', '.join(shared)} (replicated) would act on the activations "
+            "split between a column and a row layer, so each rank's gradient would be its "
+            "block's share only and the ranks' copies would part; move it out of the split "
+            "region, or plan its module's layers \"replicate\"")
     dropouts = tensor_parallel_dropouts(module, plan) if comm.size > 1 else []
     for parent, child, new in replacements:
         setattr(parent, child, new)

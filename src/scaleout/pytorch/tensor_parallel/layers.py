@@ -7,13 +7,16 @@ allreduce forward (after the row layer) and one backward (before the column laye
 ``VocabParallelEmbedding`` splits the rows of a table; each rank looks up the ids it holds
 and one allreduce assembles the result.
 
+A layer built by its constructor holds its part of the unsplit layer's initial weights
+(``nn.Linear``'s or ``nn.Embedding``'s init, drawn whole from the default generator, which
+the ranks of a model group share): ``ColumnParallelLinear(8, 6, ...)`` after
+``torch.manual_seed(s)`` is this rank's block of ``nn.Linear(8, 6)`` after the same seed.
+
 Every sharded parameter is marked (``scaleout.pytorch.placement``) so that DataParallel
 registers it with its local size and ``full_state_dict`` can gather it.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -67,18 +70,18 @@ class ModelParallelLayer(nn.Module):
         self.parts = self.comm.size
         self.part = self.comm.rank
 
-    def _shard(self, param: nn.Parameter, dim: int, blocks: int = 1) -> nn.Parameter:
-        return place(param, Placement(kind=Kind.SHARDED, layer=self.layer_name, comm=self.comm,
-                                      dim=dim, blocks=blocks))
+    def _shard(self, full: torch.Tensor, dim: int, blocks: int = 1) -> nn.Parameter:
+        """This rank's part of ``full`` (the unsplit layer's tensor, drawn alike on every rank
+        of the group), as a marked parameter."""
+        mark = Placement(kind=Kind.SHARDED, layer=self.layer_name, comm=self.comm, dim=dim,
+                         blocks=blocks)
+        return place(nn.Parameter(mark.part_of(full.detach(), self.part).clone()), mark)
 
     def _check_replicated(self, tensor: torch.Tensor, what: str) -> None:
         """A ValueError unless ``tensor`` is equal on every rank of the model group (on the
         consistency check's schedule: ``tensor_parallel/agreement.py``)."""
         name = f"{type(self).__name__} {self.layer_name or '(unnamed)'}"
         check_replicated(tensor, self.comm, name, what, id(self))
-
-    def _uniform(self, *shape: int, bound: float, dtype: torch.dtype | None) -> nn.Parameter:
-        return nn.Parameter(torch.empty(*shape, dtype=dtype).uniform_(-bound, bound))
 
 
 class ColumnParallelLinear(ModelParallelLayer):
@@ -121,11 +124,9 @@ class ColumnParallelLinear(ModelParallelLayer):
         self.blocks = blocks
         self.local_out = _split(block, self.parts, what, name, kind) * blocks
         self.gather_output = gather_output
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0  # nn.Linear's init
-        self.weight = self._shard(self._uniform(self.local_out, in_features, bound=bound,
-                                                dtype=dtype), 0, blocks)
-        self.bias = (self._shard(self._uniform(self.local_out, bound=bound, dtype=dtype), 0,
-                                 blocks) if bias else None)
+        full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # its init
+        self.weight = self._shard(full.weight, 0, blocks)
+        self.bias = self._shard(full.bias, 0, blocks) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, distribution: Distribution, name: str = "",
@@ -182,10 +183,9 @@ class RowParallelLinear(ModelParallelLayer):
         self.in_features, self.out_features = in_features, out_features
         self.local_in = _split(in_features, self.parts, "in_features", name, type(self).__name__)
         self.input_is_parallel = input_is_parallel
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        self.weight = self._shard(self._uniform(out_features, self.local_in, bound=bound,
-                                                dtype=dtype), 1)
-        self.bias = self._uniform(out_features, bound=bound, dtype=dtype) if bias else None
+        full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # its init
+        self.weight = self._shard(full.weight, 1)
+        self.bias = full.bias
         if self.bias is not None:  # replicated: the same on every rank of the model group
             broadcast_tensors(self.comm, [self.bias])
 
@@ -241,8 +241,8 @@ class VocabParallelEmbedding(ModelParallelLayer):
         self.local_rows = _split(num_embeddings, self.parts, "num_embeddings", name,
                                  type(self).__name__)
         self.start = self.part * self.local_rows
-        weight = torch.empty(self.local_rows, embedding_dim, dtype=dtype).normal_()
-        self.weight = self._shard(nn.Parameter(weight), 0)
+        full = torch.empty(num_embeddings, embedding_dim, dtype=dtype).normal_()  # nn.Embedding's
+        self.weight = self._shard(full, 0)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, distribution: Distribution,

@@ -170,7 +170,7 @@ def test_cli_status_of_one_name(state_directory: Path,
     (["--iters", "0"], "iters >= 1"),
     (["--repeat", "0"], "--repeat: expected an integer >= 1, got 0"),  # an empty table, exit 0
     (["--repeat", "-1"], "--repeat: expected an integer >= 1, got -1"),
-    (["--ranks", "0"], "--ranks: expected an integer >= 1, got 0"),
+    (["--ranks", "0"], "--ranks: expected an integer >= 2 (a lone rank's allreduce crosses no link), got 0"),
 ])
 def test_cli_calibrate_refuses_sizes_before_looking_for_the_testbed(
         state_directory: Path, capsys: pytest.CaptureFixture[str], extra: list[str],

@@ -8,10 +8,9 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Iterator
 
 from scaleout.launch.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
-from scaleout.launch.stop_signals import restore_signals, take_stop_signals
+from scaleout.launch.stop_signals import raise_on_stop
 
 EXAMPLE = """examples:
   scaleout bench train --workload resnet18 --ranks 2 --rate 1gbit --vs ddp,ddp-fp16 --rounds 3
@@ -154,8 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=handler)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
+def _terminate_as_interrupt() -> contextlib.AbstractContextManager[None]:
     """SIGTERM, SIGHUP (``kill``, a job scheduler, a closed terminal) stop the run like
     Ctrl-C: ranks stopped, testbed removed. The first signal raises ``Interrupted``; later
     ones, and any while an interrupt unwinds (while ranks run, the launcher takes the signal,
@@ -165,22 +163,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
     signals."""
     from scaleout.bench.train import Interrupted
 
-    got: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        if not got and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            got.append(signum)
-            raise Interrupted(signum)
-
-    try:
-        previous = take_stop_signals(stop)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        restore_signals(previous)
+    return raise_on_stop(Interrupted)
 
 
 def _memory_budget(text: str) -> int:

@@ -102,7 +102,8 @@ def handler(args: argparse.Namespace) -> int:
         if args.testbed is not None:
             from scaleout.testbed import attach_wrapper
 
-            wrapper, master_addr = attach_wrapper(args.testbed, args.nprocs)
+            wrapper, master_addr = attach_wrapper(args.testbed, args.nprocs, nnodes=args.nnodes,
+                                                  node_rank=args.node_rank)
         config = LaunchConfig(nprocs=args.nprocs, nnodes=args.nnodes, node_rank=args.node_rank,
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
+from scaleout.launch.stop_signals import Stopped, raise_on_stop
 from scaleout.testbed import (
     DEFAULT_NAME,
     Testbed,
@@ -109,7 +111,15 @@ def _up(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError) as err:
         raise _Usage(str(err)) from err
-    state = Testbed(config).up(persistent=True)
+    testbed = Testbed(config)
+    try:  # SIGTERM, SIGHUP mid-way: what was made is removed, as on Ctrl-C (since stop 51)
+        with raise_on_stop():
+            state = testbed.up(persistent=True)
+    except Stopped as err:
+        testbed.down()  # (up() removes a half-made testbed itself; this, one just made)
+        print(f"scaleout testbed up: stopped by {signal.Signals(err.signum).name}; testbed "
+              f"{config.name!r} was not left up", file=sys.stderr)
+        return 128 + err.signum
     _print_states([state], as_json=args.json)
     return 0
 
@@ -157,8 +167,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise _Usage(f"--repeat: expected an integer >= 1, got {args.repeat}")
-    if args.ranks < 1:
-        raise _Usage(f"--ranks: expected an integer >= 1, got {args.ranks}")
+    if args.ranks < 2:
+        raise _Usage(f"--ranks: expected an integer >= 2 (a lone rank's allreduce crosses no "
+                     f"link), got {args.ranks}")
     try:  # before the testbed: nothing to attach
         check_sizes(nbytes=args.nbytes, iters=args.iters)
     except ValueError as err:

@@ -101,7 +101,8 @@ def calibrate(
 
     Args:
         testbed: an up testbed.
-        ranks: ranks to run, one per host; at most the number of hosts.
+        ranks: ranks to run, one per host: 2 (a lone rank sends nothing over a link) up
+            to the number of hosts.
         nbytes: allreduce size (float32 elements, rounded down) for bandwidth.
         iters: timed large allreduces.
         warmup: untimed large allreduces first (TCP slow start, connection setup).
@@ -116,8 +117,9 @@ def calibrate(
         TestbedError: a rank failed or timed out (message holds its output).
     """
     hosts = testbed.hosts
-    if not 1 <= ranks <= len(hosts):
-        raise ValueError(f"ranks: expected 1 to {len(hosts)} (one per host), got {ranks}")
+    if not 2 <= ranks <= len(hosts):
+        raise ValueError(f"ranks: expected 2 to {len(hosts)} (one per host; a lone rank's "
+                         f"allreduce crosses no link, its bus bandwidth is 0), got {ranks}")
     check_sizes(nbytes=nbytes, iters=iters, warmup=warmup, latency_iters=latency_iters)
     port = testbed.free_port(0)
     init = f"tcp://{testbed.master_addr}:{port}"

@@ -12,6 +12,10 @@ __all__ = ["TestbedConfig", "DEFAULT_NAME", "MAX_HOSTS"]
 
 DEFAULT_NAME = "tb"
 MAX_HOSTS = 250  # hosts get .1 .. .N of a /24
+# What tc's tbf can hold (docs/testbed.md): below ~1.9kbit the 64 KiB bucket's drain time
+# overflows the kernel's 32-bit tick count (1kbit got a 31190-byte bucket, 1bit a usage
+# error); above ~3tbit the queue limit overflows 32 bits.
+MIN_RATE_BPS, MAX_RATE_BPS = 10**4, 10**12
 _NAME_RE = re.compile(r"[a-z0-9]{1,12}")
 
 
@@ -27,7 +31,8 @@ class TestbedConfig:
 
     Args:
         hosts: number of hosts (namespaces), 1 to 250.
-        rate: link rate per direction, e.g. ``"100mbit"``, ``"1gbit"``, ``"10gbit"``.
+        rate: link rate per direction, e.g. ``"100mbit"``, ``"1gbit"``, ``"10gbit"``;
+            10kbit to 1tbit.
         delay: one-way added latency, e.g. ``"0us"``, ``"50us"``, ``"1ms"``.
         jitter: spread of the added latency, e.g. ``"10us"``; needs ``delay``.
         loss: packet loss between two hosts, e.g. ``"0%"``, ``"0.1%"``.
@@ -62,7 +67,9 @@ class TestbedConfig:
             raise TypeError(f"hosts: expected an int, got {type(self.hosts).__name__} {self.hosts!r}")
         if not 1 <= self.hosts <= MAX_HOSTS:
             raise ValueError(f"hosts: expected an integer from 1 to {MAX_HOSTS}, got {self.hosts}")
-        parse_rate(self.rate, field="rate")
+        if not MIN_RATE_BPS <= parse_rate(self.rate, field="rate") <= MAX_RATE_BPS:
+            raise ValueError(f"rate: expected 10kbit to 1tbit (what tc's tbf shapes with this "
+                             f"testbed's bucket and queue), got {self.rate!r}")
         delay = parse_time(self.delay, field="delay")
         jitter = parse_time(self.jitter, field="jitter")
         parse_percent(self.loss, field="loss")

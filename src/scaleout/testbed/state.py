@@ -45,14 +45,17 @@ def state_dir(directory: str | os.PathLike[str] | None = None) -> Path:
 def process_start_time(pid: int) -> str | None:
     """The start time of process ``pid`` (clock ticks since boot), or ``None`` if gone.
 
-    Together with the pid it identifies a process even when pids are reused.
+    Together with the pid it identifies a process even when pids are reused. A process
+    that exited but that its parent has not reaped yet (a zombie) is gone: it runs no
+    more code, so it can never take its testbed down.
     """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # Field 22; the command name (field 2) may hold spaces, so split after ")".
-    return stat.rsplit(")", 1)[1].split()[19]
+    # Fields 3 (state) and 22; the command name (field 2) may hold spaces, so split after ")".
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def owner_alive(pid: int | None, start: str | None) -> bool:

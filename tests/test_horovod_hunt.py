@@ -75,6 +75,15 @@ def body_hunt() -> dict[str, object]:
         out.setdefault("groups", []).append(text.split(":")[0])
     for kwargs in ({"groups": 2}, {"groups": [[w], [bias]]}, {"num_groups": 2}):
         hvd.DistributedOptimizer(torch.optim.SGD([w, bias], lr=0.1), **kwargs)
+
+    # a group added after wrapping: before stop 51 its parameters were never averaged
+    torch.manual_seed(0)
+    first_layer, second_layer = nn.Linear(2, 2), nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(first_layer.parameters(), lr=0.5))
+    opt.add_param_group({"params": list(second_layer.parameters())})
+    second_layer(first_layer(torch.full((1, 2), float(r + 1)))).sum().backward()
+    opt.step()
+    out["added"] = [second_layer.weight.tolist(), first_layer.weight.tolist()]
     hvd.shutdown()
     return out
 
@@ -98,5 +107,6 @@ def test_hunt_three_ranks() -> None:
             assert g["one_rank"].startswith("TensorMismatchError") and \
                 "global rank 1" in g["one_rank"], g["one_rank"]
         assert "'g.0' is still in flight" in g["grouped"], g["grouped"]
+        assert g["added"] == got[0]["added"], (r, g["added"], got[0]["added"])
         assert g["after"] == 3.0
         assert g["groups"] == ["ValueError"] * 6, g["groups"]

@@ -150,6 +150,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in self._names:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        self._wrapping = True  # (add_param_group adds to the wrapped optimizer from now on)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters are averaged like the others
+        (named ``allreduce.noname.<group>.<index>``; every rank must add the same group).
+        Before stop 51 they got no hook: never averaged, the ranks' copies parted silently
+        (as in Horovod, whose optimizer does not follow added groups either)."""
+        if not getattr(self, "_wrapping", False):  # (torch's __init__ adds the groups)
+            super().add_param_group(param_group)
+            return
+        self._optimizer.add_param_group(param_group)  # (the groups' list is shared)
+        index = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[index]["params"]):
+            self._names[p] = f"allreduce.noname.{index}.{j}"
+            self._delay[p] = self.backward_passes_per_step
+            if self._averages and p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
 
     def _start(self, p: torch.Tensor) -> int:
         if p.grad is None:  # not used this step here, maybe elsewhere: contribute zeros

@@ -115,6 +115,9 @@ if __name__ == "__main__":
     args.cuda = not args.no_cuda and torch.cuda.is_available()
 
     hvd.init()
+    if args.use_adasum and hvd.size() & (hvd.size() - 1):  # (refused at the first step else)
+        parser.error(f"--use-adasum needs a power-of-two number of ranks, as Horovod's Adasum "
+                     f"does, got {hvd.size()}")
     torch.manual_seed(args.seed)
     if args.cuda:
         torch.cuda.set_device(hvd.local_rank())
@@ -133,8 +136,10 @@ if __name__ == "__main__":
 
     model = DigitsNet()
     # Averaged gradients of size() batches: scale the learning rate with the ranks
-    # (Adasum keeps the single-rank rate, times the GPUs per node under NCCL).
-    scale = hvd.size() if not args.use_adasum else (hvd.local_size() if hvd.nccl_built() else 1)
+    # (Adasum keeps the single-rank rate, times the GPUs per node when it trains on them
+    # under NCCL, as Horovod's example does).
+    scale = hvd.size() if not args.use_adasum else \
+        (hvd.local_size() if args.cuda and hvd.nccl_built() else 1)
     if args.cuda:
         model.cuda()
     optimizer = optim.SGD(model.parameters(), lr=args.lr * scale, momentum=args.momentum)

@@ -46,16 +46,23 @@ def main() -> int:
                      f"parts, got {args.epochs} and {args.batch}")
     data = load_digits_data()
     shard = data.shard(data_rank, data_parts)  # by DATA rank: a model group shares its samples
+    local = args.batch // data_parts
+    steps = data.steps_per_epoch(local, data_parts)  # (the same on every rank)
+    if steps < 1:  # (a batch larger than a shard: no step at all)
+        fewest = len(data.train_inputs) // data_parts
+        parser.error(f"--batch must be at most {data_parts * fewest} ({fewest} or more training "
+                     f"images per data part), got {args.batch}")
 
     workload = get_workload("digits-mlp")
     plain_size = sum(p.numel() for p in workload.build_model(seed=0).parameters())
-    net = tensor_parallel(workload.build_model(seed=0), dist)
+    try:
+        net = tensor_parallel(workload.build_model(seed=0), dist)
+    except ValueError as err:  # a hidden layer that does not split into --model-parts
+        parser.error(f"--model-parts {args.model_parts} does not split the MLP: {err}")
     model = DataParallel(net, dist)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9),
                                model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
-    local = args.batch // data_parts
-    steps = data.steps_per_epoch(local, data_parts)  # (the same on every rank)
     if env.rank == 0:
         here = sum(p.numel() for p in net.parameters())
         print(f"digits-mlp on a {data_parts}x{args.model_parts} grid (data x model): "

@@ -83,9 +83,11 @@ def main() -> int:
     model.synchronize()
     per_step = (time.perf_counter() - began) / args.steps
     model.eval()
-    with torch.no_grad():
-        loss = F.binary_cross_entropy_with_logits(model(eval_x), eval_y).reshape(1)
-    loss = dist.allreduce(loss, scaleout.ReduceOp.AVG, group=scaleout.GroupType.DATA).wait()
+    with torch.no_grad():  # (summed over every sample: the shards may differ by one)
+        total = F.binary_cross_entropy_with_logits(model(eval_x), eval_y, reduction="sum")
+    sums = dist.allreduce(torch.stack([total, torch.tensor(float(eval_y.numel()))]),
+                          scaleout.ReduceOp.SUM, group=scaleout.GroupType.DATA).wait()
+    loss = sums[0] / sums[1]
     held = sum(p.numel() * p.element_size() for p in net.parameters())
     if env.rank == 0:
         print(f"{args.workload} {args.parallel}: held-out loss {loss.item():.5f} after "

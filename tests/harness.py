@@ -207,14 +207,16 @@ def require_testbed() -> None:
         pytest.skip(str(err))
 
 
-def scaleout_run(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+def scaleout_run(*args: str, timeout: float = 240.0,
+                 returncode: int = 0) -> subprocess.CompletedProcess[str]:
     """``python -m scaleout run ARGS`` with this checkout's ``src`` first on the path, its
-    output captured; a non-zero exit fails the test with the output's tail."""
+    output captured; an exit code other than ``returncode`` fails the test with the output's
+    tail."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "scaleout", "run", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 

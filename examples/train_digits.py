@@ -81,8 +81,11 @@ def main() -> int:
         model.synchronize()
         elapsed = time.perf_counter() - began
         accuracy = evaluate_accuracy(net, data.test_inputs, data.test_targets)
+        # every rank's mean loss, averaged: the job's training loss, not rank 0's share's
+        mean_loss = dist.allreduce(torch.tensor([total_loss / steps]), scaleout.ReduceOp.AVG,
+                                   group=scaleout.GroupType.DATA).wait().item()
         if env.rank == 0:
-            print(f"{chr(13) if sys.stdout.isatty() else ''}epoch {epoch + 1:2d}/{args.epochs}  loss {total_loss / steps:.4f}  "
+            print(f"{chr(13) if sys.stdout.isatty() else ''}epoch {epoch + 1:2d}/{args.epochs}  loss {mean_loss:.4f}  "
                   f"test accuracy {accuracy:.4f}  {steps * args.batch / elapsed:8.0f} samples/s",
                   flush=True)
     if args.stats and env.rank == 0:

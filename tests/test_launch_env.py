@@ -48,6 +48,8 @@ def test_single_process_fallback() -> None:
 @pytest.mark.parametrize("env,fragment", [
     ({"RANK": "2", "WORLD_SIZE": "2"}, "rank must be in [0, 2)"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+    ({"RANK": "1_0", "WORLD_SIZE": "11"}, "RANK must be an integer, got '1_0'"),  # (int() took
+    ({"RANK": "0", "WORLD_SIZE": " 2"}, "WORLD_SIZE must be an integer, got ' 2'"),  # these)
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "master port"),
     ({"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "abc"},
      "MPI_LOCALRANKID must be an integer, got 'abc'"),

@@ -101,11 +101,13 @@ def _local_size(environ: Mapping[str, str], source: str) -> int | None:
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
+    """``name``'s value as a whole number >= 0, digits only (Python's ``int`` also read
+    ``"1_0"`` as 10, and ``" 3"``; since stop 51 they are refused)."""
     value = environ[name]
-    try:
-        return int(value)
-    except ValueError as err:
-        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from err
+    if re.fullmatch(r"[0-9]+", value) is None:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r} "
+                         "(digits only)")
+    return int(value)
 
 
 def first_host(nodelist: str) -> str:

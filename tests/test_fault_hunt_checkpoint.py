@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import run_command
+
 SRC = str(Path(__file__).parents[1] / "src")
 
 #: a survivor's report: ``FOUND <rank> <seconds> <exception type> | <message>``
@@ -51,9 +53,12 @@ def run_job(tmp_path: Path, body: str, *args: str, nprocs: int = 2, timeout: flo
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(PREAMBLE) + textwrap.dedent(body))
     environ = {**os.environ, "PYTHONPATH": SRC, "SCALEOUT_HEARTBEAT": "10", **env}
-    done = subprocess.run([sys.executable, "-m", "scaleout", "run", "-n", str(nprocs),
-                           str(script), *args], env=environ, capture_output=True, text=True,
-                          timeout=timeout)
+    # a stopped rank never exits: the launcher ends it after its settle and grace periods,
+    # shortened here (the survivors have reported by then)
+    run = run_command(settle=2.0, grace=1.0) if env.get("HOW") == "stop" else \
+        [sys.executable, "-m", "scaleout", "run"]
+    done = subprocess.run([*run, "-n", str(nprocs), str(script), *args], env=environ,
+                          capture_output=True, text=True, timeout=timeout)
     found = {int(m[1]): (float(m[2]), m[3], m[4]) for m in FOUND.finditer(done.stdout)}
     return done, found
 

@@ -72,6 +72,7 @@ from scaleout.pytorch.resharding import (
     shard_group,
     split_optimizer_state,
 )
+from scaleout.pytorch.sharded_update import refuse_wrapped
 
 __all__ = ["save", "load", "consolidate", "IncompleteCheckpointError"]
 
@@ -251,8 +252,7 @@ def _plan(path: Path, current: Path, saved_world: int, model: nn.Module,
           map_location: str | torch.device | None) -> dict[str, Any]:
     """What :func:`load` restores on this rank, read and checked (nothing modified yet)."""
     rank, world = _rank_world()
-    if optimizer is not None:  # one that holds no state of its own (a sharded update's
-        optimizer.state_dict()  # wrapped optimizer) refuses here, before anything is restored
+    refuse_wrapped(optimizer)  # (one that holds no state: before anything is restored)
     shards = shard_group(optimizer)
     own = read(current, rank, saved_world, map_location) if rank < saved_world else None
     layout = own.get("layout") if own is not None else None  # None: written before layouts

@@ -27,11 +27,16 @@ from scaleout.horovod.process_sets import ProcessSet, global_process_set
 __all__ = ["DistributedOptimizer"]
 
 
+def _noname(group: int, index: int) -> str:
+    """Horovod's name of parameter ``index`` of param group ``group`` when none is given."""
+    return f"allreduce.noname.{group}.{index}"
+
+
 def _names(optimizer: torch.optim.Optimizer,
            named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:  # Horovod's names, apart from those of unnamed allreduces
-        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+        return {p: _noname(i, j) for i, group in enumerate(optimizer.param_groups)
                 for j, p in enumerate(group["params"])}
     pairs = list(named_parameters)
     if any(not (isinstance(pair, tuple) and len(pair) == 2) for pair in pairs):
@@ -163,7 +168,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.add_param_group(param_group)  # (the groups' list is shared)
         index = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[index]["params"]):
-            self._names[p] = f"allreduce.noname.{index}.{j}"
+            self._names[p] = _noname(index, j)
             self._delay[p] = self.backward_passes_per_step
             if self._averages and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))

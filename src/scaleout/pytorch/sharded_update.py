@@ -40,6 +40,7 @@ in place between ``step()`` and the landing is refused (``LazyUpdates`` compares
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -120,8 +121,9 @@ class ShardedUpdate:
         self._spent: set[int] = set()  # shards whose .grad an overlap-mode step consumed
         # the user's optimizer never steps: its state stays empty (saved, it lost Adam's
         # moments and steps without a word: 0.2 off after a resume before stop 51)
-        optimizer.register_state_dict_pre_hook(_state_held_by_the_copy)
-        optimizer.register_load_state_dict_pre_hook(_state_held_by_the_copy)
+        _WRAPPED.add(optimizer)
+        optimizer.register_state_dict_pre_hook(refuse_wrapped)
+        optimizer.register_load_state_dict_pre_hook(refuse_wrapped)
 
     def _shard_of(self, param: nn.Parameter) -> nn.Parameter:
         shard = nn.Parameter(self.owned_values(param).clone())
@@ -235,8 +237,14 @@ class ShardedUpdate:
         self._user_options = group_options(self.user)
 
 
-def _state_held_by_the_copy(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    """The user's optimizer's ``state_dict`` / ``load_state_dict`` hook: refused."""
+_WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the users' optimizers
+
+
+def refuse_wrapped(optimizer: torch.optim.Optimizer | None, *_: Any) -> None:
+    """Raise a ValueError if ``optimizer`` is one a sharded update wraps, which holds no state
+    (its ``state_dict`` / ``load_state_dict`` hook, and ``checkpoint.load``'s check)."""
+    if optimizer is None or optimizer not in _WRAPPED:
+        return
     raise ValueError(
         f"this {type(optimizer).__name__} is wrapped by a DistributedOptimizer of a "
         f"DataParallel(distributed_update=True): it never steps and holds no state (the "

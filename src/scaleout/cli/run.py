@@ -108,7 +108,7 @@ def handler(args: argparse.Namespace) -> int:
                               master_addr=master_addr, master_port=args.master_port,
                               prefix_output=not args.no_prefix,
                               max_restarts=args.max_restarts, allocator=args.allocator,
-                              linger=args.linger)
+                              linger=args.linger, testbed=args.testbed)
         return launch(target, config, wrapper=wrapper)
     except ValueError as err:
         print(f"scaleout run: error: {err}", file=sys.stderr)

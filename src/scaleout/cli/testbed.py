@@ -78,8 +78,12 @@ def register(subparsers: Any) -> None:
     for sub in (up, actions.choices["down"], status, cal):
         sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
     actions.choices["down"].add_argument(
-        "--all", action="store_true", help="remove every testbed and leftover so-* namespace"
-    )
+        "--all", action="store_true",
+        help="remove every testbed this state directory records ($SCALEOUT_TESTBED_DIR)")
+    actions.choices["down"].add_argument(
+        "--orphans", action="store_true",
+        help="also remove every so-* namespace no testbed of this state directory claims: "
+             "leftovers, but also testbeds of other state directories, in use or not")
 
 
 class _Usage(ValueError):
@@ -115,6 +119,8 @@ def _up(args: argparse.Namespace) -> int:
     try:  # SIGTERM, SIGHUP mid-way: what was made is removed, as on Ctrl-C (since stop 51)
         with raise_on_stop():
             state = testbed.up(persistent=True)
+    except ValueError as err:  # --subnet taken by another testbed (since stop 52)
+        raise _Usage(str(err)) from err
     except Stopped as err:
         testbed.down()  # (up() removes a half-made testbed itself; this, one just made)
         print(f"scaleout testbed up: stopped by {signal.Signals(err.signum).name}; testbed "
@@ -140,13 +146,18 @@ def _down(args: argparse.Namespace) -> int:
         if tb is not None:
             removed += list(tb.state.namespaces)
             tb.down()
-    removed += remove_stale(orphans_of=None if args.all else args.name)
+    # only what this state directory records (since stop 52; before, --all also removed
+    # every so-* namespace it did not record: other state directories' testbeds)
+    if args.orphans:
+        removed += remove_stale(all_orphans=True)
+    else:
+        removed += remove_stale(orphans_of=None if args.all else args.name)
     if args.json:
         print(json.dumps({"removed": removed}))
     elif removed:
         print(f"removed {len(removed)} namespaces: {' '.join(removed)}")
     else:
-        print(f"no testbed named {args.name!r} was up")
+        print("no testbed was up" if args.all else f"no testbed named {args.name!r} was up")
     return 0
 
 

@@ -18,6 +18,22 @@ DEFAULT_PORT = 29500
 #: Set by the testbed on each of its hosts (``HostInfo.env``): this process runs on an
 #: emulated machine of its own, whatever the launcher that started it counts as local.
 TESTBED_HOST_VAR = "SCALEOUT_TESTBED_HOST"
+#: each launcher's rank and world-size variables, in order of precedence
+_LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE"),
+              ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+              ("mpich", "PMI_RANK", "PMI_SIZE"),
+              ("slurm", "SLURM_PROCID", "SLURM_NTASKS"))
+#: who sets each pair, for the message that one of them is missing
+_SETS_BOTH = {"torchrun": "as torchrun and scaleout run do", "openmpi": "as Open MPI's mpirun does",
+              "mpich": "as MPICH's and Intel MPI's mpiexec do", "slurm": "as srun does"}
+#: each launcher's local-rank variables, the first that is set is read
+_LOCAL_RANK_VARS = {"torchrun": ("LOCAL_RANK",),
+                    "openmpi": ("OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK"),
+                    "mpich": ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), "slurm": ("SLURM_LOCALID",)}
+_LOCAL_SIZE_VARS = {"torchrun": "LOCAL_WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "mpich": "MPI_LOCALNRANKS"}
+#: Slurm's own steps (batch script, extern, interactive, pending) have ids from here up
+_FIRST_OWN_STEP = 0xFFFFFFF0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,24 +96,24 @@ class LaunchInfo:
                                  and self.local_world_size == self.world_size)
 
 
-def _local_size(environ: Mapping[str, str], source: str) -> int | None:
+def _local_size(environ: Mapping[str, str], source: str) -> tuple[int | None, str]:
     """How many ranks the launcher ``source`` started on this node (:class:`LaunchInfo`'s
-    ``local_world_size``), or ``None`` where it does not say. Unlike
-    :func:`scaleout.core.backend.local_world_size` (GPUs to share: any launcher's variable,
-    at least this rank's), it reads only the launcher's own variable and Slurm's node count.
+    ``local_world_size``), or ``None`` where it does not say, and the variable that says it.
+    Unlike :func:`scaleout.core.backend.local_world_size` (GPUs to share: any launcher's
+    variable, at least this rank's), it reads only the launcher's own variable and Slurm's
+    node count.
 
     Raises:
         ValueError: the variable is not an integer.
     """
     if source == "single":
-        return 1
+        return 1, ""
     if source == "slurm":
         nodes = next((environ[var] for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES",
                                                 "SLURM_NNODES") if var in environ), None)
-        return _int(environ, "SLURM_NTASKS") if nodes == "1" else None
-    var = {"torchrun": "LOCAL_WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE",
-           "mpich": "MPI_LOCALNRANKS"}.get(source)
-    return _int(environ, var) if var is not None and var in environ else None
+        return (_int(environ, "SLURM_NTASKS") if nodes == "1" else None), "SLURM_NTASKS"
+    var = _LOCAL_SIZE_VARS.get(source, "")
+    return (_int(environ, var) if var in environ else None), var
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -150,9 +166,13 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         The detected :class:`LaunchInfo`.
 
     Raises:
-        ValueError: a variable is malformed, only one of ``RANK`` and ``WORLD_SIZE`` is set
-            (and no other launcher's variables are), or a multi-node MPI job has no
-            ``MASTER_ADDR``.
+        ValueError: a variable is malformed; only one of a launcher's rank and size
+            variables is set (``RANK``/``WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``/``_SIZE``,
+            ``PMI_RANK``/``PMI_SIZE``, ``SLURM_PROCID`` without ``SLURM_NTASKS``) and no
+            other launcher's pair is; a rank is not below its size (``RANK``/``WORLD_SIZE``,
+            the local rank/``LOCAL_WORLD_SIZE``) or more ranks are local than in the job; a
+            Slurm batch script of several tasks runs without ``srun``; or a multi-node MPI
+            job has no ``MASTER_ADDR``.
 
     Example:
         >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h0",
@@ -160,71 +180,150 @@ def detect_launch(environ: Mapping[str, str]) -> LaunchInfo:
         1
     """
     info = _detect(environ)
-    return replace(info, local_world_size=_local_size(environ, info.source),
-                   testbed_host=TESTBED_HOST_VAR in environ)
+    local_size, size_var = _local_size(environ, info.source)
+    info = replace(info, local_world_size=local_size, testbed_host=TESTBED_HOST_VAR in environ)
+    _check_local(environ, info, size_var)
+    return info
 
 
 def _detect(environ: Mapping[str, str]) -> LaunchInfo:
     """:func:`detect_launch` before the local size and the testbed flag."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        addr, port = _rendezvous(environ, "127.0.0.1")
-        return LaunchInfo(
-            rank=_int(environ, "RANK"),
-            world_size=_int(environ, "WORLD_SIZE"),
-            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-            master_addr=addr,
-            master_port=port,
-            source="torchrun",
-        )
-    for source, rank_var, size_var, local_var in (
-        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ):
+    for source, rank_var, size_var in _LAUNCHERS:
         if rank_var in environ and size_var in environ:
-            size = _int(environ, size_var)
-            local_size = _local_size(environ, source)
-            all_local = size == 1 or local_size == size
-            if "MASTER_ADDR" not in environ and not all_local:
-                raise ValueError(
-                    f"launched by {source} across several nodes but MASTER_ADDR is not set: "
-                    "export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) in the job script"
-                )
-            addr, port = _rendezvous(environ, "127.0.0.1")
-            local = next((var for var in (local_var, "PMI_LOCAL_RANK") if var in environ), None)
-            return LaunchInfo(
-                rank=_int(environ, rank_var),
-                world_size=size,
-                local_rank=_int(environ, local) if local else 0,
-                master_addr=addr,
-                master_port=port,
-                source=source,
-            )
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
-        nodelist = environ.get(name, "")
-        try:
-            default_addr = first_host(nodelist) if nodelist else "127.0.0.1"
-        except ValueError as err:
-            raise ValueError(f"environment variable {name} must be a Slurm node list "
-                             f"(like node[03-05,07]), got {nodelist!r}") from err
-        addr, port = _rendezvous(environ, default_addr)
-        return LaunchInfo(
-            rank=_int(environ, "SLURM_PROCID"),
-            world_size=_int(environ, "SLURM_NTASKS"),
-            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-            master_addr=addr,
-            master_port=port,
-            source="slurm",
-        )
-    for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
-        if have in environ:  # a torchrun-style launch with one of its pair lost
-            raise ValueError(f"environment variable {have}={environ[have]!r} is set but {lack} "
-                             f"is not: set both RANK and WORLD_SIZE (as torchrun and scaleout "
-                             f"run do), or neither for a single process")
+            rank, size = _rank_and_size(environ, rank_var, size_var)
+            if source == "slurm":
+                return _slurm(environ, rank, size)
+            addr = "127.0.0.1"
+            if source != "torchrun":
+                all_local = size == 1 or _local_size(environ, source)[0] == size
+                if "MASTER_ADDR" not in environ and not all_local:
+                    raise ValueError(
+                        f"launched by {source} across several nodes but MASTER_ADDR is not "
+                        "set: export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) in the "
+                        "job script")
+            addr, port = _rendezvous(environ, addr)
+            local = _local_rank_var(environ, source)
+            return LaunchInfo(rank=rank, world_size=size,
+                              local_rank=_int(environ, local) if local else 0,
+                              master_addr=addr, master_port=port, source=source)
+    _refuse_a_partial_set(environ)
     return LaunchInfo(
         rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=DEFAULT_PORT,
         source="single",
     )
+
+
+def _rank_and_size(environ: Mapping[str, str], rank_var: str, size_var: str) -> tuple[int, int]:
+    """The launcher's rank and world size, checked against each other with their names
+    (since stop 52; before, ``LaunchInfo`` refused them without naming the variables)."""
+    rank, size = _int(environ, rank_var), _int(environ, size_var)
+    if size < 1:
+        raise ValueError(f"environment variable {size_var}={size} must be >= 1 (the number of "
+                         "processes in the job)")
+    if rank >= size:
+        raise ValueError(f"environment variable {rank_var}={rank} must be less than "
+                         f"{size_var}={size} (rank must be in [0, {size}))")
+    return rank, size
+
+
+def _local_rank_var(environ: Mapping[str, str], source: str) -> str | None:
+    """The variable the local rank is read from (the first of the launcher's that is set)."""
+    return next((var for var in _LOCAL_RANK_VARS.get(source, ()) if var in environ), None)
+
+
+def _refuse_a_partial_set(environ: Mapping[str, str]) -> None:
+    """Refuse half of a launcher's pair (no launcher's pair is complete): a lost variable
+    would otherwise make this rank a job of its own. Slurm's ``SLURM_NTASKS`` alone is an
+    allocation (a ``salloc`` shell), not a launch; ``SLURM_PROCID`` alone in a batch script
+    is its one process (since stop 52; before, only ``RANK``/``WORLD_SIZE`` were checked).
+
+    Raises:
+        ValueError: naming the variable set and the one missing.
+    """
+    for source, rank_var, size_var in _LAUNCHERS:
+        have = [var for var in (rank_var, size_var) if var in environ]
+        if source == "slurm" and (rank_var not in have or _batch_step(environ) is not None):
+            continue
+        if have:
+            lack = size_var if have[0] == rank_var else rank_var
+            raise ValueError(
+                f"environment variable {have[0]}={environ[have[0]]!r} is set but {lack} is "
+                f"not: set both {rank_var} and {size_var} ({_SETS_BOTH[source]}), or "
+                "neither for a single process")
+
+
+def _batch_step(environ: Mapping[str, str]) -> str | None:
+    """Why this process is a Slurm job's batch script (or another step of Slurm's own), not
+    a task that ``srun`` started; ``None`` when it is a task, or when no Slurm job is said.
+
+    ``srun`` sets ``SLURM_STEP_ID`` (and the older ``SLURM_STEPID``) in every task it starts;
+    the batch step does not (its id, 0xfffffffb, or 0xfffffffe before Slurm 20.11, is one of
+    Slurm's own above :data:`_FIRST_OWN_STEP`, which ``slurmstepd`` does not export), though
+    it sets ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` (the tasks the job may start).
+    """
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
+    if step is None:
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+        return f"SLURM_JOB_ID={job} is set but SLURM_STEP_ID is not" if job else None
+    if re.fullmatch(r"[0-9]+", step) and int(step) < _FIRST_OWN_STEP:
+        return None
+    return f"SLURM_STEP_ID={step!r} is one of Slurm's own steps"
+
+
+def _slurm(environ: Mapping[str, str], rank: int, size: int) -> LaunchInfo:
+    """The launch of a task of a Slurm step.
+
+    Raises:
+        ValueError: a batch script of a job of several tasks, run without ``srun``; a
+            malformed node list.
+    """
+    outside = _batch_step(environ)
+    if outside is not None and size > 1:  # since stop 52; before, it waited out the timeout
+        raise ValueError(
+            f"SLURM_PROCID={rank} and SLURM_NTASKS={size} come from the Slurm batch script, "
+            f"not from a task srun started ({outside}): this one process would wait for "
+            f"{size - 1} ranks that never start. Start the ranks with srun in the batch "
+            "script (srun python train.py), or start them with scaleout run; for a single "
+            "process, export RANK=0 WORLD_SIZE=1")
+    name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_NODELIST"
+    nodelist = environ.get(name, "")
+    try:
+        default_addr = first_host(nodelist) if nodelist else "127.0.0.1"
+    except ValueError as err:
+        raise ValueError(f"environment variable {name} must be a Slurm node list "
+                         f"(like node[03-05,07]), got {nodelist!r}") from err
+    addr, port = _rendezvous(environ, default_addr)
+    return LaunchInfo(
+        rank=rank, world_size=size,
+        local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+        master_addr=addr, master_port=port, source="slurm",
+    )
+
+
+def _check_local(environ: Mapping[str, str], info: LaunchInfo, size_var: str) -> None:
+    """Refuse a local rank outside this node's ranks, or more ranks on this node than in
+    the job, naming the variables (since stop 52; before, ``LOCAL_RANK=4`` with
+    ``LOCAL_WORLD_SIZE=4`` was taken).
+
+    Raises:
+        ValueError: naming both variables and their values.
+    """
+    local_size = info.local_world_size
+    if local_size is None or info.source == "single":
+        return
+    world_var = next(size for source, _, size in _LAUNCHERS if source == info.source)
+    local_var = _local_rank_var(environ, info.source)
+    if local_size < 1:
+        raise ValueError(f"environment variable {size_var}={local_size} must be >= 1 (the "
+                         "ranks on this node)")
+    if local_size > info.world_size:
+        raise ValueError(f"environment variable {size_var}={local_size} is more than "
+                         f"{world_var}={info.world_size}: a node cannot run more ranks than "
+                         "the job has")
+    if local_var is not None and info.local_rank >= local_size:
+        raise ValueError(f"environment variable {local_var}={info.local_rank} must be less "
+                         f"than {size_var}={local_size} (the ranks on this node are "
+                         f"0..{local_size - 1})")
 
 
 def proc_stat(pid: int | str) -> list[str] | None:

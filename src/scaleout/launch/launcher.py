@@ -107,6 +107,8 @@ class LaunchConfig:
         allocator: the host allocator's settings for every rank, ``"keep"`` (freed memory
             reused, not returned to the kernel) or ``"system"`` (glibc's defaults);
             :mod:`scaleout.launch.allocator`.
+        testbed: the testbed the ranks run on (``--testbed``: ``wrapper`` places them), named
+            in the command printed for the other nodes; ``None``: none.
 
     The ranks get the job secret ``SCALEOUT_JOB_TOKEN`` (from ``env`` or this process's
     environment; a fresh one for a single-node job; a multi-node job must be given one).
@@ -124,9 +126,12 @@ class LaunchConfig:
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
     allocator: str = DEFAULT_ALLOCATOR
+    testbed: str | None = None
 
     def __post_init__(self) -> None:
         check_allocator(self.allocator)
+        if self.testbed is not None and not (isinstance(self.testbed, str) and self.testbed):
+            raise ValueError(f"testbed must be a testbed's name or None, got {self.testbed!r}")
         for name in ("nprocs", "nnodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -382,6 +387,8 @@ def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) ->
         options += ["--allocator", config.allocator]
     if config.linger is not None:
         options += ["--linger", f"{config.linger:g}"]
+    if config.testbed is not None:  # (since stop 52; before, those nodes ran off the testbed)
+        options += ["--testbed", config.testbed]
     return shlex.join(["scaleout", "run", *options, *target])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from scaleout.testbed.system import System
 
@@ -25,6 +25,7 @@ __all__ = [
     "host_address",
     "used_networks",
     "choose_subnet",
+    "check_subnet_free",
 ]
 
 PREFIX = "so-"
@@ -105,3 +106,22 @@ def choose_subnet(
         f"subnet: every candidate /24 in {', '.join(_CANDIDATE_BLOCKS)} overlaps a network "
         "in use on this machine; pass an unused private subnet explicitly"
     )
+
+
+def check_subnet_free(subnet: str, taken: Mapping[str, str]) -> None:
+    """Refuse a subnet given explicitly that overlaps another testbed's.
+
+    Args:
+        subnet: the subnet asked for, e.g. ``"10.213.0.0/24"``.
+        taken: the subnets of the other live testbeds, by testbed name.
+
+    Raises:
+        ValueError: naming the testbed whose subnet overlaps, and both subnets.
+    """
+    wanted = ipaddress.IPv4Network(subnet)
+    for name, other in sorted(taken.items()):
+        if wanted.overlaps(ipaddress.IPv4Network(other)):
+            raise ValueError(
+                f"subnet: {subnet} overlaps {other}, the subnet of testbed {name!r}, which is "
+                "up: give a subnet that overlaps no other testbed's (see `scaleout testbed "
+                "status`), or leave --subnet out to get a free one")

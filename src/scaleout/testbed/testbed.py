@@ -168,6 +168,8 @@ class Testbed:
                 ``netem`` while delay, jitter or loss is asked for.
             TestbedError: a testbed of this name is already up, or a command failed
                 (whatever was created is removed again).
+            ValueError: the configuration's ``subnet`` overlaps that of another live
+                testbed of this state directory, or no free subnet is left to choose.
         """
         if self._state is not None:
             raise TestbedError(f"testbed {self._config.name!r} is already up")
@@ -226,9 +228,12 @@ class Testbed:
 
     def _plan(self) -> TestbedState:
         cfg = self._config
+        live = [s for s in list_testbeds(directory=self._dir) if s.config.subnet and not s.stale]
         if cfg.subnet is None:
-            taken = [s.config.subnet for s in list_testbeds(directory=self._dir) if s.config.subnet]
+            taken = [s.config.subnet for s in live]
             cfg = replace(cfg, subnet=naming.choose_subnet(naming.used_networks(self._system), taken))
+        else:  # since stop 52; before, a second testbed came up on the first one's addresses
+            naming.check_subnet_free(cfg.subnet, {s.name: s.config.subnet for s in live})
         assert cfg.subnet is not None
         master = naming.host_address(cfg.subnet, 0)
         hosts = tuple(
@@ -309,21 +314,31 @@ def remove_stale(
     directory: str | os.PathLike[str] | None = None,
     system: System | None = None,
     orphans_of: str | None = None,
+    all_orphans: bool = False,
     locked: bool = False,
 ) -> list[str]:
-    """Remove testbeds whose owner exited, and ``so-*`` namespaces no state file claims.
+    """Remove testbeds of ``directory`` whose owner exited, and, when asked, ``so-*``
+    namespaces that no state file there claims.
+
+    A namespace no state file of ``directory`` claims may be a live testbed of another
+    state directory (another ``$SCALEOUT_TESTBED_DIR``): so since stop 52 none is removed
+    unless asked for (before, every one was by default, and by ``testbed down --all``).
 
     Args:
         directory: where state files live.
         system: runs ``ip``/``tc``.
-        orphans_of: only remove unclaimed namespaces of this testbed name (``None``:
-            of any name). Namespaces of a testbed recorded in another state directory
-            look unclaimed here, so narrow this where that can happen.
+        orphans_of: also remove unclaimed namespaces of this testbed name.
+        all_orphans: also remove unclaimed namespaces of any name.
         locked: the caller already holds the state directory lock.
 
     Returns:
         Names of the namespaces removed.
+
+    Raises:
+        ValueError: both ``orphans_of`` and ``all_orphans`` are given.
     """
+    if orphans_of is not None and all_orphans:
+        raise ValueError(f"orphans_of={orphans_of!r} and all_orphans=True: give one of them")
     system = system if system is not None else System()
     directory = state_dir(directory)
     with contextlib.nullcontext() if locked else _lock(directory):
@@ -334,6 +349,8 @@ def remove_stale(
                 removed += _teardown(state, directory, system)
             else:
                 claimed.update(state.namespaces)
+        if orphans_of is None and not all_orphans:
+            return removed
         for ns in system.namespaces():
             owner = naming.parse_namespace(ns)
             if owner is None or ns in claimed or (orphans_of is not None and owner != orphans_of):

@@ -107,7 +107,9 @@ def test_double_binary_tree_and_direct_golden() -> None:
     tree = collective_cost(
         _one(8, "ring", 1.0), op="allreduce", algorithm="double_binary_tree", nbytes=8
     )
-    assert tree.time == pytest.approx(2 * 3 * 1.0 + 2 * 8)
+    # level k of the tree joins NPUs 2^k apart: h(1) + h(2) + h(4) = 7 hops up, 7 down (since
+    # stop 52; it was 3 + 3, one hop a level: tests/test_sim_backlog.py)
+    assert tree.time == pytest.approx(2 * 7 * 1.0 + 2 * 8)
     # direct on a fully connected group: one round of n/p per peer, in parallel, twice
     direct = collective_cost(
         _one(4, "fully_connected", 1.0), op="allreduce", algorithm="direct", nbytes=8

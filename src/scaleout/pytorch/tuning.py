@@ -40,6 +40,7 @@ from scaleout.pytorch.tune_check import ChoiceCheck, slowest
 from scaleout.pytorch.tune_measure import codec_models, link_model, measure_codec, measure_link
 from scaleout.scheduler import SchedulerConfig
 from scaleout.session.bucket import scheduler_as_run
+from scaleout.session.statistics import OperationStats
 from scaleout.sim.tuning import LinkModel, TuneChoice, choose
 from scaleout.sim.workload import Layer, Workload
 
@@ -346,9 +347,11 @@ def compression_for(model: Any, codecs: Mapping[str, str]) -> CompressionConfig 
 
 
 def _compute(statistics: Any, layers: Sequence[Any]) -> dict[str, tuple[float, ...]]:
-    """Each layer's accumulated (compute, backward) seconds and (sent, raw) gradient bytes."""
+    """Each layer's accumulated (compute, backward) seconds and (sent, raw) gradient bytes
+    (zeros for a layer that has not reported yet: ``operation()`` refuses an unknown name)."""
     return {l.name: (op.compute_s, op.backward_s, float(op.bytes), float(op.raw_bytes))
-            for l in layers for op in (statistics.operation(l.name),)}
+            for l in layers for op in (statistics.operation(l.name) if l.name in statistics
+                                       else OperationStats(),)}
 
 
 def _moved(end: Sequence[float], start: Sequence[float]) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,8 @@ class OperationStats:
         exposed_s: time the training loop was blocked waiting for that communication.
         bytes: payload bytes handed to collectives for it (after compression).
         raw_bytes: bytes it would have sent uncompressed.
-        iterations: iterations ended since it first reported (before stop 48: always 0).
+        iterations: iterations ended in which it reported a figure (before stop 48: always
+            0; until stop 52 every iteration since its first report, skipped ones too).
     """
 
     compute_s: float = 0.0
@@ -45,7 +45,8 @@ class Statistics:
     """
 
     def __init__(self, trace: Any = None) -> None:
-        self._ops: dict[str, OperationStats] = defaultdict(OperationStats)
+        self._ops: dict[str, OperationStats] = {}
+        self._reported: set[str] = set()  # operations with a figure in the current iteration
         self._lock = threading.Lock()  # the progress engine adds from its own thread
         self.iterations = 0
         self.trace = trace
@@ -61,26 +62,44 @@ class Statistics:
         with self._lock:
             for key, value in amounts.items():
                 for (operation, _), part in zip(shares, _split(value, shares)):
-                    stats = self._ops[operation]
+                    stats = self._ops.setdefault(operation, OperationStats())
                     setattr(stats, key, getattr(stats, key) + part)
+                    self._reported.add(operation)
 
     def end_iteration(self) -> None:
         """A training iteration ended: DataParallel calls it at the end of each backward that
         exchanged gradients, so per-iteration figures are per training step (a forward
         without backward, as in evaluation, or a ``no_sync()`` micro-batch is none)."""
-        with self._lock:  # (each operation's count: the iterations since it first reported)
+        with self._lock:  # (each operation's count: the iterations it reported in)
             self.iterations += 1
-            for stats in self._ops.values():
-                stats.iterations += 1
+            for name in self._reported:
+                self._ops[name].iterations += 1
+            self._reported.clear()
         if self.trace is not None:
             self.trace.end_iteration()
 
     def reset(self) -> None:
-        self._ops.clear()
-        self.iterations = 0
+        with self._lock:
+            self._ops.clear()
+            self._reported.clear()
+            self.iterations = 0
+
+    def __contains__(self, name: object) -> bool:
+        """Whether operation ``name`` has reported any figure."""
+        return name in self._ops
 
     def operation(self, name: str) -> OperationStats:
-        return self._ops[name]
+        """``name``'s figures.
+
+        Raises:
+            KeyError: no operation of that name has reported (before stop 52 a mistyped name
+                silently gave a row of zeros, and added it to the table).
+        """
+        try:
+            return self._ops[name]
+        except KeyError:
+            known = ", ".join(repr(n) for n in self._ops) or "none yet"
+            raise KeyError(f"no operation {name!r} in these statistics; known: {known}") from None
 
     def total(self) -> OperationStats:
         total = OperationStats(iterations=self.iterations)
@@ -99,19 +118,26 @@ class Statistics:
         """A readable table (per-iteration averages by default; totals, said so in its title,
         while no iteration has ended: a Session driven directly calls :meth:`end_iteration`
         after each step. Before stop 51 such a table gave the totals of every step under
-        "per iteration, 0 iterations")."""
+        "per iteration, 0 iterations").
+
+        Each operation's row is per iteration *it* reported in (its ``iterations``, the table's
+        last column; one not yet ended counts as one), the total's per iteration of the run, so
+        the rows of an operation added later or skipped in some iterations need not add up to
+        the total. Before stop 52 every row was divided by the run's iterations: an operation
+        that ran in 1 of 4 iterations showed a quarter of what it takes when it runs."""
         per_iteration = per_iteration and self.iterations > 0
-        scale = 1.0 / self.iterations if per_iteration else 1.0
         rows = []
         for name, stats in [*self._ops.items(), ("total", self.total())]:
+            scale = 1.0 / max(stats.iterations, 1) if per_iteration else 1.0
             ratio = stats.raw_bytes / stats.bytes if stats.bytes else 0.0
             rows.append([name, f"{stats.compute_s * scale * 1e3:.1f}",
                          f"{stats.comm_s * scale * 1e3:.1f}", f"{stats.exposed_s * scale * 1e3:.1f}",
-                         f"{stats.bytes * scale / 1e6:.2f}", f"{ratio:.1f}x" if ratio else "-"])
+                         f"{stats.bytes * scale / 1e6:.2f}", f"{ratio:.1f}x" if ratio else "-",
+                         stats.iterations])
         unit = ("per iteration" if per_iteration else
                 "total" if self.iterations else "total: no end_iteration() yet")
         headers = ["operation", "compute ms", "comm ms", "exposed ms", "MB",
-                   "compression"]
+                   "compression", "iterations"]
         return f"Statistics ({unit}, {self.iterations} iterations)\n" + format_table(headers, rows)
 
 

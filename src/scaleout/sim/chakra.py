@@ -37,6 +37,9 @@ NODE_TYPES = (
     "COMM_SEND_NODE",
     "COMM_RECV_NODE",
     "COMM_COLL_NODE",
+    "STORAGE_NODE",  # 8-10 since stop 52 (refused as unknown before): et_def.proto's newer
+    "BATCH_NODE",  # types, run for their recorded duration on the compute stream (graph.py)
+    "CHECKPOINT_NODE",
 )
 COMM_TYPES = (
     "ALL_REDUCE",

@@ -16,8 +16,10 @@ halving_doubling       Rabenseifner: ``sum_k h(p/2^(k+1)) a + n/2^(k+1) B^-1`` p
                        adds one full-size exchange per half (fold-in / fold-out); broadcast
                        binomial ``sum_k h(2^k) a + ceil(lg p) n/B``, all-to-all Bruck
                        ``sum_k h(2^k) a + ceil(lg p) n/(2B)`` (k < ceil(lg p))
-double_binary_tree     all-reduce ``2 ceil(lg p) h a + 2 n/B`` (NCCL's pipelined trees:
-                       every node sends 2n in all); broadcast ``ceil(lg p) h a + n/B``;
+double_binary_tree     all-reduce ``2 sum_k h(2^k) a + 2 n/B`` (NCCL's pipelined trees:
+                       every node sends 2n in all; level k of ASTRA-sim's in-order tree
+                       links NPUs 2^k apart, k < ceil(lg p)); broadcast ``sum_k h(2^k) a +
+                       n/B``;
                        other ops run as rings (as NCCL does) and are labelled ``ring``
 =====================  ================================================================
 
@@ -176,14 +178,13 @@ def phase_time(dim: Dimension, op: str, algorithm: str, nbytes: float) -> tuple[
         t1, s1 = phase_time(dim, "reduce_scatter", algorithm, n)
         t2, s2 = phase_time(dim, "allgather", algorithm, n)
         return t1 + t2, s1 + s2
-    if algorithm == "double_binary_tree":
-        depth = math.ceil(math.log2(p))
-        factor = 2 if op == "allreduce" else 1
-        return factor * depth * dim.hops(1) * a + factor * n / B, factor * n
+    if algorithm == "double_binary_tree":  # (before stop 52 a level paid h(1): 6a, not 14a,
+        factor = 2 if op == "allreduce" else 1  # for an all-reduce on a ring of 8)
+        return factor * _tree_hops(dim) * a + factor * n / B, factor * n
     if op == "broadcast":
         if algorithm == "halving_doubling":  # binomial tree: step k reaches peers 2^k away
             depth = (p - 1).bit_length()
-            return sum(dim.message_time(n, 1 << k) for k in range(depth)), depth * n
+            return _tree_hops(dim) * a + depth * n / B, depth * n
         if algorithm == "direct":  # the root sends p-1 copies in one round, as direct does
             return _direct(dim, n)
         t, s = phase_time(dim, "allgather", "ring", n)  # scatter + ring all-gather
@@ -203,6 +204,14 @@ def phase_time(dim: Dimension, op: str, algorithm: str, nbytes: float) -> tuple[
     if algorithm == "direct":
         return _direct(dim, n / p)
     return _halving(dim, n)
+
+
+def _tree_hops(dim: Dimension) -> int:
+    """Hops down one root-to-leaf path of a tree of ``ceil(lg p)`` levels whose level ``k``
+    joins NPUs ``2^k`` apart: a binomial tree's steps, and ASTRA-sim's ``BinaryTree`` (NPUs
+    numbered in order, so a node of height k+1 has its children 2^k away). On a ring of 8:
+    h(1) + h(2) + h(4) = 7, at least the p/2 = 4 hops to the farthest NPU from the root."""
+    return sum(dim.hops(1 << k) for k in range((dim.npus - 1).bit_length()))
 
 
 def _direct(dim: Dimension, piece: float) -> tuple[float, float]:

@@ -11,8 +11,10 @@ after every bucket (the DDP-like synchronous step). Durations are ``duration_mic
 
 :func:`run_graph` executes any rank's node list, including traces written by other tools:
 a node runs once its data and control dependencies have finished; COMP (and MEM_*) nodes run
-one at a time on the compute stream, lowest id first; collective nodes one at a time on the
-network, highest ``comm_priority`` first, priced by
+one at a time on the compute stream, lowest id first (so do STORAGE, BATCH and CHECKPOINT
+nodes, since stop 52: for their recorded ``duration_s`` or ``duration_micros``, 0 without, what
+the trace measured them to take); collective nodes one at a time on the network, highest
+``comm_priority`` first, priced by
 :func:`~scaleout.sim.collectives.collective_cost` on the given topology (so a trace recorded
 on 2 ranks is re-priced on 4,096); COMM_SEND / COMM_RECV cost one message on the outermost
 dimension of more than one NPU (none on one NPU). ``comm_size`` is read as the bytes each rank
@@ -44,11 +46,17 @@ _COLL_OPS = {
     "REDUCE_SCATTER": "reduce_scatter",
     "BROADCAST": "broadcast",
     "ALL_TO_ALL": "alltoall",
-    "REDUCE": "reduce_scatter",
+    "REDUCE": "broadcast",  # its mirror image (gamma = 0); see _COLL_OPS' note below
     "GATHER": "allgather",
     "SCATTER": "reduce_scatter",
     "REDUCE_SCATTER_BLOCK": "reduce_scatter",
 }
+# A REDUCE is a broadcast run backwards (the same steps and bytes, no reduction cost): the root
+# ends with all n bytes reduced, so it pays at least n/B (Chan et al. 2007's lower bound), as a
+# broadcast does. Until stop 52 it was priced as a reduce-scatter, (p-1)/p n/B: 3 s, not 6 s,
+# for 4 bytes on a ring of 4 at 1 B/s. GATHER and SCATTER move what ALL_GATHER and
+# REDUCE_SCATTER move through the root's link, (p-1)/p of the whole: priced as those (a choice:
+# a linear gather pays p-1 latencies where a ring all-gather pays p-1 steps too).
 
 
 @dataclass(frozen=True, kw_only=True)

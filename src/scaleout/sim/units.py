@@ -2,8 +2,11 @@
 
 Conventions (stated once, used everywhere):
 
-* sizes: ``B``, ``KB``/``KiB``, ``MB``/``MiB``, ``GB``/``GiB`` are binary (1 MB = 2**20 B),
-  as in the rest of scaleout;
+* sizes: ``B``, ``KB``/``KiB``, ``MB``/``MiB``, ``GB``/``GiB`` are binary (1 MB = 1 MiB =
+  2**20 B), as in the rest of scaleout; the prefix's case is free (``64mB``), a bare prefix is
+  bytes (``64M``), but a lower-case ``b`` (``64Mb``, ``64kb``, ``8b``) is bits, as in a rate,
+  and is refused rather than read as bytes (since stop 52; it read ``64Mb`` as 64 MiB, 8x the
+  64 megabits it says);
 * bandwidths in bits per second are decimal (``100Gbps`` = 100e9 / 8 B/s, the way links
   are sold); in bytes per second ``GB/s`` follows ASTRA-sim's analytical backend
   (1 GB = 2**30 B). The prefix's case is free; the ``b`` is not: ``b`` (``Gbps``, ``Gb/s``,
@@ -27,7 +30,7 @@ __all__ = ["parse_bytes", "parse_bandwidth", "parse_time", "format_bytes", "form
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 _SIZE_UNITS = {
     "": 1,
-    "b": 1,
+    "b": 1,  # (the unit is matched without case; bits are refused before, by its own case)
     "k": 1 << 10,
     "kb": 1 << 10,
     "kib": 1 << 10,
@@ -69,12 +72,21 @@ def _parse(text: object, units: dict, what: str, example: str) -> float:
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """Bytes from ``"64MB"``, ``"1.5G"``, ``"4096"`` (binary prefixes).
+    """Bytes from ``"64MB"``, ``"1.5G"``, ``"4096"`` (binary prefixes: ``MB`` = ``MiB``).
 
     Raises:
-        ValueError: an unknown unit, a negative size or one below a byte.
+        ValueError: an unknown unit, a unit in bits (a lower-case ``b``: ``64Mb``), a
+            negative size or one below a byte.
         TypeError: not a string or number.
     """
+    if isinstance(text, str):
+        match = re.fullmatch(_NUMBER + r"([A-Za-z/]*)\s*", text)
+        if match and match.group(2).endswith("b") and match.group(2).lower() in _SIZE_UNITS:
+            unit, prefix = match.group(2), match.group(2)[:-1].rstrip("i").upper()
+            raise ValueError(
+                f"size {text!r}: a lower-case b ({unit}) means bits, as in a rate (100Gbps), and "
+                f"sizes are bytes: write {match.group(1)}{prefix}B for bytes (1 {prefix}B = "
+                f"{_SIZE_UNITS[unit.lower()]} B), or bits / 8 in bytes for bits")
     value = _parse(text, _SIZE_UNITS, "size", "64MB")
     if 0 < value < 0.5:  # (it rounded to 0 B, and the collective was skipped, silently)
         raise ValueError(f"size must be at least one byte, got {text!r}")

@@ -24,7 +24,9 @@ from scaleout.horovod.autograd import (
     alltoall,
     broadcast,
     broadcast_,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     reducescatter,
 )
 from scaleout.horovod.built import (
@@ -62,6 +64,7 @@ from scaleout.horovod.context import (
     size,
 )
 from scaleout.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt, TensorMismatchError
+from scaleout.horovod.grouped import grouped_allgather_async, grouped_reducescatter_async
 from scaleout.horovod.handles import poll, synchronize
 from scaleout.horovod.join import join
 from scaleout.horovod.objects import allgather_object, broadcast_object
@@ -78,8 +81,10 @@ __all__ = [
     "local_rank", "cross_rank", "is_homogeneous",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async",
     "synchronize", "poll", "join", "barrier",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",

@@ -8,7 +8,7 @@ core has no reduction for) and returns a handle; ``synchronize`` applies the pos
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,16 +21,17 @@ from scaleout.core.grid import GroupType
 from scaleout.horovod.adasum import adasum_tree, check_adasum_size
 from scaleout.horovod.compression import CodecCompression, Compression
 from scaleout.horovod.context import Runtime, runtime
+from scaleout.horovod.group import run_group
 from scaleout.horovod.handles import Key, Pending, require_idle, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
-from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_count, exchange_signature
+from scaleout.horovod.signature import ARGUMENT_ERRORS, exchange_signature
 from scaleout.session.hooks import codec_identity
 
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
-    "copy_of", "start_group", "multiply",
+    "copy_of", "multiply", "check_factor",
 ]
 
 _CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
@@ -60,7 +61,8 @@ def multiply(tensor: torch.Tensor, factor: float, in_place: bool = False) -> tor
     return tensor.mul_(factor) if in_place else tensor * factor
 
 
-def _factor(value: object, what: str, operation: str) -> float:
+def check_factor(value: object, what: str, operation: str) -> float:
+    """``value`` as a float; TypeError unless it is a number (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{operation}: {what} must be a number, got {type(value).__name__}")
     return float(value)
@@ -91,8 +93,8 @@ def start_allreduce(rt: Runtime, output: torch.Tensor, *, name: str | None, op: 
     try:  # every check first: a rank whose arguments fail tells the others, nobody waits
         key = require_idle(rt, process_set.process_set_id, kind, name)
         output = check_tensor(require_tensor(output, kind), kind)
-        prescale = _factor(prescale, "prescale_factor", kind)
-        postscale = _factor(postscale, "postscale_factor", kind)
+        prescale = check_factor(prescale, "prescale_factor", kind)
+        postscale = check_factor(postscale, "postscale_factor", kind)
         if op is Adasum:
             check_adasum_size(comm.size, kind)
         if codec:
@@ -200,51 +202,16 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         postscale_factor, process_set))
 
 
-def _count(tensors: object) -> int:
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise TypeError(f"grouped_allreduce: tensors must be a list of tensors, got "
-                        f"{type(tensors).__name__}")
-    return len(tensors)
-
-
-def start_group(tensors: object, name: str | None, process_set: ProcessSet) -> None:
-    """Check that ``tensors`` is a list and that every member passes as many tensors.
-
-    Raises:
-        TypeError: ``tensors`` is not a list of tensors.
-        TensorMismatchError: (on every member) the members pass different numbers of tensors,
-            or another member's ``tensors`` is not a list.
-    """
-    kind = "grouped_allreduce"
-    count, refused = attempt(lambda: _count(tensors))
-    exchange_count(process_set.communicator(kind), kind, name or kind,
-                   count if count is not None else 0, joinable=True, refused=refused)
-
-
-def _grouped(tensors: Sequence[torch.Tensor], start: Callable[[Runtime, torch.Tensor, str | None], Pending],
-             name: str | None, process_set: ProcessSet) -> int:
-    rt = runtime()
-    start_group(tensors, name, process_set)
-    parts = [start(rt, t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
-
-    def finish(results: list[Any]) -> list[torch.Tensor]:
-        return [part.finish([result]) for part, result in zip(parts, results)]
-
-    requests = [part.requests[0] for part in parts]
-    return submit(rt, Pending(kind="grouped_allreduce", name=name or "grouped_allreduce",
-                              requests=requests, finish=finish,
-                              keys=tuple(key for part in parts for key in part.keys)))
-
-
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: ReduceOp | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     """Start reducing every tensor of ``tensors`` in place; one handle for all of them."""
     op = resolve_op(op, average, "grouped_allreduce")
-    return _grouped(tensors, lambda rt, t, n: start_allreduce(
+    return run_group(tensors, lambda rt, t, n: start_allreduce(
         rt, t, name=n, op=op, prescale=prescale_factor, postscale=postscale_factor,
-        process_set=process_set, kind="grouped_allreduce"), name, process_set)
+        process_set=process_set, kind="grouped_allreduce"), name, process_set,
+        "grouped_allreduce")
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from scaleout.horovod.allreduce import copy_of, start_allreduce, start_group
+from scaleout.horovod.allreduce import copy_of, start_allreduce
 from scaleout.horovod.collectives import (
     allgather_async,
     alltoall_async,
@@ -23,12 +23,13 @@ from scaleout.horovod.collectives import (
 )
 from scaleout.horovod.compression import CodecCompression, Compression
 from scaleout.horovod.context import runtime
+from scaleout.horovod.group import start_group
 from scaleout.horovod.handles import submit, synchronize
 from scaleout.horovod.ops import Average, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
-           "alltoall", "reducescatter"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+           "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter"]
 
 
 def _reduce(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
@@ -98,7 +99,7 @@ class AlltoallFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
                 process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.process_set = process_set
+        ctx.process_set, ctx.shape = process_set, tensor.shape
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received = received
         ctx.mark_non_differentiable(received)
@@ -108,6 +109,9 @@ class AlltoallFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _received: Any) -> tuple[Any, ...]:
         back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received.tolist(), None,
                                              ctx.process_set))
+        if len(ctx.shape) and back.shape[0] < ctx.shape[0]:  # rows after the splits were not sent: no gradient
+            back = torch.cat([back, back.new_zeros((ctx.shape[0] - back.shape[0],
+                                                    *ctx.shape[1:]))])
         return back, None, None, None
 
 
@@ -117,8 +121,11 @@ class ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 process_set: ProcessSet, prescale: float, postscale: float) -> torch.Tensor:
-        ctx.args = (op, process_set, prescale * postscale)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+        out = synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+        # (after the call has checked the factors: before stop 52 their product came first,
+        # and a factor that is not a number raised here on one rank, before the exchange)
+        ctx.args = (op, process_set, float(prescale) * float(postscale))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -203,6 +210,20 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return AllgatherFunction.apply(tensor, name, process_set)
 
 
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """:func:`allgather` of each tensor of ``tensors`` (names ``name.0``, ``name.1`` ...);
+    differentiable (since stop 52).
+
+    Raises:
+        TensorMismatchError: (on every member) the members pass different numbers of tensors,
+            or see :func:`allgather`.
+    """
+    start_group(tensors, name, process_set, "grouped_allgather")
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set)
+            for i, t in enumerate(tensors)]
+
+
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Global rank ``root_rank``'s ``tensor``, as a new tensor on every member; differentiable."""
@@ -251,3 +272,21 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
                                       process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, ctx)
 
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: ReduceOp | None = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of each tensor of ``tensors`` (names ``name.0``, ``name.1`` ...);
+    differentiable for Average and Sum (since stop 52).
+
+    Raises:
+        TensorMismatchError: (on every member) the members pass different numbers of tensors,
+            or see :func:`reducescatter`.
+    """
+    start_group(tensors, name, process_set, "grouped_reducescatter", joinable=False)
+    return [reducescatter(t, None if name is None else f"{name}.{i}", compression, op,
+                          process_set, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]

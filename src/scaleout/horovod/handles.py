@@ -79,26 +79,27 @@ def require_idle(rt: Runtime, process_set_id: int | None, kind: str, name: str) 
     return key
 
 
-def _take(handle: object, operation: str) -> tuple[Runtime, Pending]:
+def _find(handle: object, operation: str) -> tuple[Runtime, Pending | None]:
     rt = runtime()
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise TypeError(f"{operation}: handle must be an int from an *_async call, "
                         f"got {type(handle).__name__}")
-    pending = _table(rt).pending.get(handle)
-    if pending is None:
-        raise ValueError(f"{operation}: handle {handle} is unknown (already synchronized, or "
-                         "not returned by an *_async call of this job)")
-    return rt, pending
+    return rt, _table(rt).pending.get(handle)
 
 
 def poll(handle: int) -> bool:
     """True when the operation of ``handle`` has completed (``synchronize`` then returns at once).
 
     Raises:
-        ValueError: the handle is unknown.
+        TypeError: the handle is not an int.
+        ValueError: the handle is unknown or already synchronized (as Horovod's "Handle N was
+            not created or has been cleared").
         CommunicationError: the operation failed (names rank, group and operation).
     """
-    _rt, pending = _take(handle, "poll")
+    _rt, pending = _find(handle, "poll")
+    if pending is None:
+        raise ValueError(f"poll: handle {handle} was not created or has been cleared (already "
+                         "synchronized, or not returned by an *_async call of this job)")
     return all(request.test() for request in pending.requests)
 
 
@@ -110,14 +111,18 @@ def synchronize(handle: int, timeout: float | None = None) -> Any:
         timeout: seconds to wait at most (default: the job's timeout).
 
     Returns:
-        The output tensor (a list for grouped operations; a tuple for alltoall with splits).
+        The output tensor (a list for grouped operations; a tuple for alltoall with splits);
+        ``None`` for a handle already synchronized (or never returned), as in Horovod (before
+        stop 52: a ValueError).
 
     Raises:
-        ValueError: the handle is unknown.
+        TypeError: the handle is not an int.
         CommunicationTimeout: not complete within the timeout (names rank, group, operation).
         CommunicationError: the operation failed.
     """
-    rt, pending = _take(handle, "synchronize")
+    rt, pending = _find(handle, "synchronize")
+    if pending is None:
+        return None
     try:
         results = [request.wait(timeout) for request in pending.requests]
         output = pending.finish(results)

@@ -20,9 +20,9 @@ from scaleout.core.consistency import control_tensor
 from scaleout.core.request import Request
 from scaleout.horovod.context import runtime
 from scaleout.horovod.ops import Adasum, Max, Min, Product, ReduceOp
-from scaleout.horovod.signature import Signature, exchange_joined
+from scaleout.horovod.signature import GATHERS, Signature, exchange_joined
 
-__all__ = ["join", "gather_rows", "neutral"]
+__all__ = ["join", "gather_rows", "neutral", "last_joined"]
 
 
 def gather_rows(comm: Communicator, tensor: torch.Tensor, counts: list[int]) -> Request:
@@ -45,7 +45,7 @@ def neutral(op: ReduceOp, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _stand_in(comm: Communicator, call: Signature, counts: list[int], device: torch.device) -> None:
-    if call.kind == "allgather":
+    if call.kind in GATHERS:
         empty = torch.empty((0, *call.shape[1:]), dtype=call.wire, device=device)
         gather_rows(comm, empty, counts).wait()
         return
@@ -65,7 +65,12 @@ def join(device: int = -1) -> int:
         device: the CUDA device of the neutral tensors (``-1``: CPU, as Horovod's default).
 
     Returns:
-        The global rank that joined last (by wall clock).
+        The global rank that joined last, the same on every rank: the rank that ran
+        collectives with the others longest (the fewest exchanges inside ``join``); among
+        ranks that joined between the same two collectives, the latest by wall clock (as
+        Horovod's coordinator sees them arrive). Before stop 52 wall clock alone decided,
+        which names the wrong rank when hosts' clocks differ by more than the time between
+        the joins.
 
     Afterwards every rank numbers its unnamed collectives from 0 again (``allreduce.noname.0``
     ...), so that calls after the join match whatever each rank ran before it.
@@ -79,14 +84,17 @@ def join(device: int = -1) -> int:
     comm = rt.comm
     place = torch.device("cpu") if device < 0 else torch.device("cuda", device)
     joined_at = time.time()
+    exchanges = 0  # the signature exchanges this rank took part in while joined
     while comm.size > 1:
         seen = exchange_joined(comm)
+        exchanges += 1
         if seen is None:
             break
         call, counts = seen
         if call is not None:
             _stand_in(comm, call, counts, place)
-    stamps = coll.allgather(comm, control_tensor(comm, [joined_at], torch.float64)).wait()
+    stamps = coll.allgather(comm, control_tensor(comm, [[-exchanges, joined_at]],
+                                                 torch.float64)).wait()
     # The ranks that stood in for the others' unnamed calls did not count them, so the
     # counters behind automatic names (``allreduce.noname.<n>``) now differ between ranks.
     # Every rank leaves the join at this same point, so each restarts every count from 0:
@@ -94,6 +102,10 @@ def join(device: int = -1) -> int:
     # (process set, collective) keys that may differ between ranks). Names serve only to
     # match calls (and label the timeline), so reusing one after the join is harmless.
     rt.names.clear()
-    return int(torch.argmax(stamps).item())
+    return last_joined(stamps.cpu().tolist())
 
 
+def last_joined(stamps: list[list[float]]) -> int:
+    """The index of the rank that joined last, from every rank's ``[-exchanges, time]``:
+    the fewest exchanges while joined, then the latest time (then the highest index)."""
+    return max(range(len(stamps)), key=lambda i: (stamps[i][0], stamps[i][1], i))

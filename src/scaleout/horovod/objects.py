@@ -21,7 +21,7 @@ import torch
 from scaleout.core import collectives as coll
 from scaleout.core.consistency import control_tensor
 from scaleout.horovod.context import runtime
-from scaleout.horovod.process_sets import ProcessSet, global_process_set
+from scaleout.horovod.process_sets import ProcessSet, global_process_set, root_index
 from scaleout.horovod.signature import attempt, exchange_signature
 
 __all__ = ["broadcast_object", "allgather_object", "encode_object", "decode_object"]
@@ -67,6 +67,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     Raises:
         TypeError: (on every rank) the root's object holds a type that cannot travel safely.
+        TypeError: ``root_rank`` is not an int.
         ValueError: ``root_rank`` is not a member of the set.
         TensorMismatchError: (on every rank) the ranks disagree on the name or the root, or
             called another collective, or a rank has called ``hvd.join()``.
@@ -75,13 +76,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     comm = process_set.communicator(kind)
     name = runtime().auto_name(kind, name, process_set)
 
-    def check() -> int:
-        if root_rank not in comm.ranks:
-            raise ValueError(f"{kind}: root_rank must be a rank of the process set "
-                             f"{list(comm.ranks)}, got {root_rank}")
-        return comm.ranks.index(root_rank)
-
-    root, refused = attempt(check)
+    # (before stop 52 any value equal to a rank passed: root_rank="0" was refused as "got 0",
+    # True and 1.0 were taken for rank 1)
+    root, refused = attempt(lambda: root_index(comm, root_rank, kind))
     exchange_signature(comm, kind, name, torch.empty(0), root=-1 if root is None else root,
                        refused=refused)
     is_root = comm.global_rank == root_rank

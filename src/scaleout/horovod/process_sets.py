@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from scaleout.core.collectives import Communicator
 from scaleout.horovod.errors import NotInitialized
 
-__all__ = ["ProcessSet", "global_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "root_index"]
 
 
 class ProcessSet:
@@ -97,3 +97,13 @@ class ProcessSet:
 
 #: Every rank of the job; registered by ``hvd.init()``.
 global_process_set = ProcessSet()
+
+
+def root_index(comm: Communicator, root_rank: object, operation: str) -> int:
+    """The group index of global rank ``root_rank``; raise unless it is a member."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{operation}: root_rank must be an int, got {type(root_rank).__name__}")
+    if root_rank not in comm.ranks:
+        raise ValueError(f"{operation}: root_rank must be a rank of the process set "
+                         f"{list(comm.ranks)}, got {root_rank}")
+    return comm.ranks.index(root_rank)

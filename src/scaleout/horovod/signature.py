@@ -29,7 +29,7 @@ from scaleout.core.errors import CommunicationError, CommunicationTimeout, PeerF
 from scaleout.horovod.errors import TensorMismatchError
 
 __all__ = ["exchange_signature", "exchange_count", "exchange_joined", "attempt", "Signature",
-           "DTYPES", "JOINABLE", "ARGUMENT_ERRORS"]
+           "DTYPES", "JOINABLE", "GATHERS", "ARGUMENT_ERRORS"]
 
 #: what a call's argument checks raise; such a refusal travels in the signature exchange
 ARGUMENT_ERRORS = (TypeError, ValueError, NotImplementedError)
@@ -37,7 +37,9 @@ ARGUMENT_ERRORS = (TypeError, ValueError, NotImplementedError)
 DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.float32, torch.float64, torch.bfloat16, torch.bool)
 #: collectives a joined rank can stand in for
-JOINABLE = ("allreduce", "grouped_allreduce", "allgather")
+JOINABLE = ("allreduce", "grouped_allreduce", "allgather", "grouped_allgather")
+#: the joinable collectives whose members may pass different numbers of rows
+GATHERS = ("allgather", "grouped_allgather")
 _MAX_DIMS = 8
 # columns: name, kind, op, dtype, root, ndim, dims..., hash of dims past _MAX_DIMS, wire dtype,
 # joinable (1: a joined rank can stand in for this call), refused (1: this rank's arguments
@@ -297,7 +299,7 @@ def exchange_joined(comm: Communicator) -> tuple[Signature | None, list[int]] | 
     counts = [0 if r[_KIND] == _JOINED else (r[_DIMS] if r[_NDIM] else 1) for r in table]
     first = active[0]
     signature = _decode(first)
-    if signature.kind == "allgather":  # dim 0 may differ
+    if signature.kind in GATHERS:  # dim 0 may differ
         agreed = all(r[:_DIMS] == first[:_DIMS] and r[_DIMS + 1:] == first[_DIMS + 1:]
                      for r in active)
     else:

@@ -84,3 +84,30 @@ def test_broadcast_object_root_must_be_an_int() -> None:
         assert got[0] == "TypeError: broadcast_object: root_rank must be an int, got str"
         assert got[1] == "TypeError: broadcast_object: root_rank must be an int, got bool"
         assert got[2] == repr({"r": 1})
+
+
+def body_bad_op_on_one_rank() -> list[str]:
+    hvd.init(timeout=30)
+    bad = "sum" if hvd.rank() == 1 else hvd.Sum  # rank 1 passes a string: not an op
+    out = [_outcome(lambda: hvd.allreduce(torch.ones(2), op=bad)),
+           _outcome(lambda: hvd.allreduce_(torch.ones(2), op=bad)),
+           _outcome(lambda: hvd.grouped_allreduce([torch.ones(2)], op=bad)),
+           _outcome(lambda: hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2)],
+                                                                       op=bad))),
+           _outcome(lambda: hvd.reducescatter(torch.ones(4), op=bad)),
+           _outcome(lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist())]
+    hvd.shutdown()
+    return out
+
+
+def test_a_bad_op_on_one_rank_is_an_error_on_every_rank_at_once() -> None:
+    # before: rank 1 raised its ValueError at once and rank 0 waited at the collective until
+    # the timeout (30 s here, each call), then failed naming a rank "not at this call"
+    import time
+    start = time.monotonic()
+    got = run_ranks(2, body_bad_op_on_one_rank, timeout=120)
+    assert time.monotonic() - start < 25
+    for call in range(5):
+        assert got[1][call].startswith("ValueError") and "op must be one of" in got[1][call]
+        assert got[0][call].startswith("TensorMismatchError") and "refused" in got[0][call]
+    assert got[0][5] == got[1][5] == repr([2.0, 2.0])  # the ranks still agree afterwards

@@ -9,7 +9,7 @@ core has no reduction for) and returns a handle; ``synchronize`` applies the pos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -25,13 +25,13 @@ from scaleout.horovod.group import run_group
 from scaleout.horovod.handles import Key, Pending, require_idle, submit, synchronize
 from scaleout.horovod.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, resolve_op
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
-from scaleout.horovod.signature import ARGUMENT_ERRORS, exchange_signature
+from scaleout.horovod.signature import ARGUMENT_ERRORS, attempt, exchange_signature
 from scaleout.session.hooks import codec_identity
 
 __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "start_allreduce", "require_tensor",
-    "copy_of", "multiply", "check_factor",
+    "copy_of", "multiply", "check_factor", "told_op", "refuse_on_every_member",
 ]
 
 _CORE_OPS = {Sum: CoreOp.SUM, Average: CoreOp.SUM, Min: CoreOp.MIN, Max: CoreOp.MAX}
@@ -59,6 +59,28 @@ def multiply(tensor: torch.Tensor, factor: float, in_place: bool = False) -> tor
         product = (tensor.to(torch.float64) * factor).to(tensor.dtype)
         return tensor.copy_(product) if in_place else product
     return tensor.mul_(factor) if in_place else tensor * factor
+
+
+def refuse_on_every_member(err: Exception, kind: str, name: str | None,
+                           process_set: ProcessSet) -> NoReturn:
+    """Raise ``err``, a refusal of this rank's arguments found before the call's signature
+    exchange, after telling the other members, who raise a ``TensorMismatchError`` naming this
+    rank (since stop 52; before, this rank raised at once and the others waited out the
+    timeout at the collective)."""
+    rt = runtime()
+    exchange_signature(process_set.communicator(kind), kind, rt.auto_name(kind, name, process_set),
+                       None, refused=err)
+    raise err  # (exchange_signature raised it already)
+
+
+def told_op(op: object, average: object, kind: str, name: str | None,
+            process_set: ProcessSet) -> ReduceOp:
+    """:func:`resolve_op`, its refusal raised on every member (see
+    :func:`refuse_on_every_member`)."""
+    chosen, refused = attempt(lambda: resolve_op(op, average, kind))
+    if refused is not None:
+        refuse_on_every_member(refused, kind, name, process_set)
+    return chosen
 
 
 def check_factor(value: object, what: str, operation: str) -> float:
@@ -178,8 +200,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     Raises:
         TypeError, ValueError, TensorMismatchError, NotImplementedError: see :func:`start_allreduce`.
     """
+    op = told_op(op, average, "allreduce", name, process_set)
     rt = runtime()
-    op = resolve_op(op, average, "allreduce")
     return submit(rt, start_allreduce(rt, tensor, name=name, op=op, prescale=prescale_factor,
                                       postscale=postscale_factor, process_set=process_set))
 
@@ -207,7 +229,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:
     """Start reducing every tensor of ``tensors`` in place; one handle for all of them."""
-    op = resolve_op(op, average, "grouped_allreduce")
+    op = told_op(op, average, "grouped_allreduce", name, process_set)
     return run_group(tensors, lambda rt, t, n: start_allreduce(
         rt, t, name=n, op=op, prescale=prescale_factor, postscale=postscale_factor,
         process_set=process_set, kind="grouped_allreduce"), name, process_set,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from scaleout.horovod.allreduce import copy_of, start_allreduce
+from scaleout.horovod.allreduce import copy_of, refuse_on_every_member, start_allreduce, told_op
 from scaleout.horovod.collectives import (
     allgather_async,
     alltoall_async,
@@ -25,7 +25,7 @@ from scaleout.horovod.compression import CodecCompression, Compression
 from scaleout.horovod.context import runtime
 from scaleout.horovod.group import start_group
 from scaleout.horovod.handles import submit, synchronize
-from scaleout.horovod.ops import Average, ReduceOp, Sum, resolve_op
+from scaleout.horovod.ops import Average, ReduceOp, Sum
 from scaleout.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -170,7 +170,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         >>> hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
         tensor([1.])
     """
-    op = resolve_op(op, average, "allreduce")
+    op = told_op(op, average, "allreduce", name, process_set)
     if isinstance(compression, CodecCompression) or not isinstance(tensor, torch.Tensor):
         return _reduce(tensor, name, op, prescale_factor, postscale_factor, process_set,
                        compression)
@@ -261,14 +261,16 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     Raises:
         ValueError: a scaleout codec compression (not supported for reducescatter).
     """
-    if isinstance(compression, CodecCompression):
-        raise ValueError("reducescatter: scaleout codec compressions apply to allreduce only; "
-                         "use hvd.Compression.none or .fp16")
+    if isinstance(compression, CodecCompression):  # (told to every member since stop 52)
+        refuse_on_every_member(ValueError(
+            "reducescatter: scaleout codec compressions apply to allreduce only; use "
+            "hvd.Compression.none or .fp16"), "reducescatter", name, process_set)
+    op = told_op(op, None, "reducescatter", name, process_set)
     if not isinstance(tensor, torch.Tensor):  # refused on every rank by the exchange
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
                                                postscale_factor))
     compressed, ctx = compression.compress(tensor)
-    out = ReducescatterFunction.apply(compressed, name, resolve_op(op, None, "reducescatter"),
+    out = ReducescatterFunction.apply(compressed, name, op,
                                       process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, ctx)
 

@@ -28,6 +28,7 @@ from scaleout.pytorch.buffers import BufferAverage, floating_buffers
 from scaleout.pytorch.compression_options import model_compression
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
+from scaleout.pytorch.dp_conversions import Conversions
 from scaleout.pytorch.dp_forward import ForwardHooks
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.lookup_ids import LookupRows
@@ -51,15 +52,14 @@ from scaleout.session.trace import TraceRecorder, claim_trace_path, prepare_trac
 
 __all__ = ["DataParallel"]
 
-class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Replanning):
+class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, Replanning):
     """Data-parallel training of ``module`` over the data group of ``distribution``.
 
     Args:
         module: the model. Its parameters and buffers are broadcast from data-group rank 0
             (on a grid with a model group, replicated ones first from model-group rank 0).
-            Tensor-parallel layers (``scaleout.pytorch.tensor_parallel``) keep their shards:
-            each is averaged over the data group only; tables marked local (sharded
-            embeddings) are left to their own optimizer.
+            Tensor-parallel layers (``scaleout.pytorch.tensor_parallel``) keep their shards,
+            each averaged over the data group only; local (sharded embedding) tables are not.
         distribution: where to train; ``None`` uses every rank of an already initialised job.
         scheduler: fusion, chunking and priority options (default: the priority policy).
         distributed_update: shard the optimizer update over the data group (the optimizer

@@ -2,7 +2,8 @@
 gradient a replaced plan still owes.
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``synchronize()``,
-``module``, ``updates``, ``_session``, ``_layers`` and ``_pending_compression_state``).
+``module``, ``updates``, ``_session``, ``_layers``, ``_compression`` and
+``_pending_compression_state``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,26 @@ class CheckpointSurface(nn.Module):
         if self.updates.updater is not None:
             self.updates.updater.refresh_shards()
         return result
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """A state dict without this wrapper's ``_extra_state`` (DDP's ``state_dict()``, whose
+        keys start with ``module.`` as these do) loads as one saved with no codec state: the
+        owed gradients are dropped and the codecs keep theirs, with a warning when there are
+        codecs (since stop 52; ``load_state_dict(strict=True)`` raised "Missing key(s) in
+        state_dict: "_extra_state"" on a checkpoint of the same model trained under DDP)."""
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            return
+        missing = args[2]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if key in missing:
+            missing.remove(key)
+        if self._compression is not None or (self._session is not None
+                                             and self._session.compressed_buckets()):
+            warnings.warn("the state dict has no DataParallel codec state (_extra_state: saved "
+                          "by DDP, or by a module wrapped without compression): the codecs keep "
+                          "their error-feedback state", UserWarning, stacklevel=4)
+        self.set_extra_state({"compression": {}, "carry": {}})
 
     def get_extra_state(self) -> dict[str, Any]:
         """Checkpointed with ``state_dict()``: the codecs' error-feedback state, and the

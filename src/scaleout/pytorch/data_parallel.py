@@ -264,6 +264,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
 
     @torch.compiler.disable
     def _before_forward(self, args: tuple[Any, ...]) -> None:
+        self._refuse_broken_backward()
         self._finish_buffers()
         refuse_thawed(self.module, self._frozen)  # (none frozen: nothing to walk)
         self.replicas.before_forward(self.synchronize)

@@ -87,6 +87,26 @@ class BackwardSide:
             if not self._outer_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _refuse_broken_backward(self) -> None:
+        """Before a forward (not one autograd reruns inside a backward): the last backward
+        must have ended. One stopped by an exception (in a hook, out of memory) never runs
+        its end: with no gradient sent yet, it is as if it never ran; once gradients have
+        left for the other ranks, the exchange can be neither finished nor taken back (since
+        stop 52: the flags stayed set, so no later backward ended and this rank trained on
+        without exchanging a gradient while the others waited, or paired its next
+        gradients with the others' last)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self._backward_queued:
+            raise RuntimeError(
+                f"rank {self.env.rank}: the last backward through DataParallel stopped part-way "
+                "(an exception raised inside backward: a hook's, a failed allocation), after "
+                "some of its gradients had left for the other ranks: that exchange can be neither "
+                "finished nor undone, so this model cannot train on. Let the error end the "
+                "job (the other ranks then name this one) and resume from a checkpoint; to "
+                "skip a batch, decide before backward() on every rank alike")
+        self._outer_queued = False  # (no gradient left: nothing to undo)
+
     def _watch_output(self, output: Any) -> None:
         """After a training forward: hook the output's tensors (and the tied parameters'
         readers), so that the backward that reaches them ends the model's backward.

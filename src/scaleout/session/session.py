@@ -331,9 +331,11 @@ class Session:
         for engine in self._engines:
             engine.close()
         self._engines.clear()
-        if reuse:
-            for dist, comm in self._duplicates:
+        for dist, comm in self._duplicates:  # (without reuse: freed, stop 52)
+            if reuse:
                 dist.reuse(GroupType.DATA, comm)
+            else:
+                dist.release(comm)
         self._duplicates.clear()
 
     def __enter__(self) -> Session:

@@ -108,7 +108,8 @@ class ReplicaCheck:
     Example (under ``scaleout run -n 2``; rank 1 changed a weight by itself):
         >>> model = DataParallel(net, verify_replicas=10)   # checks every 10 steps
         >>> model.replicas.check()                          # or explicitly, on every rank
-        ReplicaDivergenceError: rank 0: replicas differ after 10 steps: parameter '2.weight'
+        ReplicaDivergenceError: rank 0: replicas differ after 10 steps on group data[0, 1]:
+        parameter '2.weight'
         (the first of 1 that differ) ... rank 1 differs from rank 0 ...
     """
 

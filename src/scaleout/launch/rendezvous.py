@@ -34,6 +34,11 @@ from scaleout.launch.secret import ForgedValue, Sealer, namespace
 __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 
 _SALT = 16
+#: rank 0's store server per address, served for the process's lifetime: a job initialised
+#: again in this process (``finalize()`` then ``init()``) meets in it again
+_served: dict[tuple[str, int], tdist.TCPStore] = {}
+#: rendezvous made in this process per address: each one reads a salt entry of its own
+_joins: dict[tuple[str, int], int] = {}
 #: the entry where a rank that counts another world size than rank 0 says so
 _OTHER_WORLD = "other-world"
 
@@ -54,6 +59,10 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
             f"({err.strerror or err}): MASTER_ADDR must name rank 0's host") from err
     if info.rank != 0 or agent_store:
         return tdist.TCPStore(info.master_addr, info.master_port, None, False, timeout=wait)
+    kept = _served.get((info.master_addr, info.master_port))
+    if kept is not None:  # (since stop 52: this port was still its own; "already in use")
+        kept.set_timeout(wait)
+        return kept
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -68,6 +77,7 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
             f"({err.strerror}): MASTER_ADDR must be an address of rank 0's host and the port "
             "free") from err
     listener.detach()  # the store's server owns the socket now
+    _served[info.master_addr, info.master_port] = store
     return store
 
 
@@ -187,12 +197,15 @@ def _keys(raw: tdist.Store) -> list[str]:
         return []
 
 
-def _salt(raw: tdist.Store, token: str, rank: int, attempt: int) -> bytes:
+def _salt(raw: tdist.Store, token: str, rank: int, attempt: int, join: int = 0) -> bytes:
     """Rank 0 chooses the job's salt; the others knock (in their token's namespace, where
     rank 0 sees a wrong token's knock as an outsider's) and read it. Each attempt has its
     own: torchrun's agent keeps its store across restarts, where a rank could read the
-    last attempt's salt before rank 0 replaced it, and so that attempt's entries."""
-    key = f"{namespace(token)}/salt/{attempt}"
+    last attempt's salt before rank 0 replaced it, and so that attempt's entries. So does
+    each ``join`` of this process's ranks to a store (``init()`` again after ``finalize()``,
+    every rank alike: the entries of its earlier jobs are never read; since stop 52 a
+    rank re-joining read the last job's salt and found its own claim there)."""
+    key = f"{namespace(token)}/salt/{attempt}" + (f".{join}" if join else "")
     raw.add(f"{namespace(token)}/knock/{rank}", 1)
     if rank == 0:
         salt = os.urandom(_SALT)
@@ -218,10 +231,12 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
     """
     rank, world = info.rank, info.world_size
     raw = bound_store(info, timeout, agent_store=agent_store)
+    where = (info.master_addr, info.master_port)
+    join = _joins[where] = _joins.get(where, -1) + 1
     # torchrun's agent wrote its own entries (``<run>/torchelastic/...``) before it started
     # the ranks: what its store holds before rank 0's first write is the launcher's.
     launcher_keys = frozenset(_keys(raw)) if agent_store and rank == 0 else frozenset()
-    sealer = Sealer(token, _salt(raw, token, rank, attempt))
+    sealer = Sealer(token, _salt(raw, token, rank, attempt, join))
     store = AuthStore(raw, sealer)
     if rank == 0:
         store.set("world", str(world))

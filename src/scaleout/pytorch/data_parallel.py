@@ -30,6 +30,7 @@ from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
 from scaleout.pytorch.dp_conversions import Conversions
 from scaleout.pytorch.dp_forward import ForwardHooks
+from scaleout.pytorch.dp_lifetime import Holdings, weak_method, weakly
 from scaleout.pytorch.exchange_stats import bind_recorders
 from scaleout.pytorch.lookup_ids import LookupRows
 from scaleout.pytorch.lookup_reads import (exact_builtin, find_lookup_reads, ran_embeddings,
@@ -124,6 +125,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
         self._trace_dir = (prepare_trace_folder(  # (before any collective: every rank fails)
             folder, setting="trace=" if trace is not None else "SCALEOUT_TRACE")
             if folder else None)
+        self._held = Holdings()  # (released by close(), or when this model is collected)
+        self._release = self._held.release_when_collected(self)
         self.module = module
         self.distribution = distribution
         self.env = distribution.env
@@ -180,17 +183,20 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
                 *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
         broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
                                       *module.buffers()])
-        self._buffer_average = (
-            BufferAverage(floats, distribution.duplicate(GroupType.DATA, "buffers"))
-            if broadcast_buffers and floats else None)
-        self._handles: list[Any] = []
+        self._buffer_average = None
+        if broadcast_buffers and floats:
+            buffers = distribution.duplicate(GroupType.DATA, "buffers")
+            self._held.duplicates.append((distribution, buffers))
+            self._buffer_average = BufferAverage(floats, buffers)
+        self._handles = self._held.handles  # (they hold this model weakly: dp_lifetime)
         self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
+        self._grad_hook = weak_method(self._on_grad)  # (LookupRows knows it by identity)
         for layer in self._layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._pre_hook(layer)))
             self._handles.append(layer.module.register_forward_hook(self._post_hook(layer)))
             for param in layer.params:
                 self._used[id(param)] = False
-                self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_hook))
 
     # -- public ------------------------------------------------------------------------
 
@@ -327,16 +333,13 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
         return self._trace.write(self._trace_file, **meta)
 
     def close(self) -> None:
-        """Write the trace (when tracing), stop the progress thread and remove the hooks (even
-        when writing the trace fails: its error is raised after)."""
+        """Write the trace (when tracing), stop the progress thread, free the groups and
+        remove the hooks (even when writing the trace fails: its error is raised after). A
+        model dropped without it is released so when collected (``dp_lifetime``)."""
         try:
             self.write_trace()
         finally:
-            if self._session is not None:
-                self._session.close()
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+            self._release()
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -375,16 +378,16 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
             session.load_compression_state_dict(  # (what it does not compress: reset)
                 fit_compression_state(session, self._pending_compression_state))
             self._pending_compression_state = {}
-        self._session = session
+        self._session = self._held.session = session
         bind_recorders(self.module, session.statistics)  # activation exchanges, per layer
         self._set_of = {id(p): (layer, ps) for layer in self._forward_order
                         for p, ps in zip(layer.params, layer.sets)}
         early = {layer.params[i]: self._sender(ps) for layer in self._forward_order
                  for i, ps in layer.early.items()}
-        self._shares = EarlyShares(early, holding_back=lambda: self._no_sync,
-                                   on_share=self._on_share)
+        self._shares = EarlyShares(early, holding_back=weakly(self, lambda m: m._no_sync),
+                                   on_share=weak_method(self._on_share))
         self._lookup_rows = LookupRows(session, self._forward_order,  # (a user's rows codec too)
-                                       {id(p) for p in self._lookup_only}, self._on_grad)
+                                       {id(p) for p in self._lookup_only}, self._grad_hook)
 
     def _nothing_to_exchange(self) -> bool:
         """A lone rank (data and model groups of one), exact gradients, nothing recorded:

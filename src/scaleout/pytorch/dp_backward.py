@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from scaleout.pytorch.dp_lifetime import weak_method, weakly
 from scaleout.session.bucket import CommHook
 
 __all__ = ["BackwardSide"]
@@ -122,7 +123,7 @@ class BackwardSide:
             self._shares.hook(output)
         for leaf in tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._on_output_grad)
+                leaf.register_hook(weak_method(self._on_output_grad))  # (a kept loss)
 
     def _on_output_grad(self, _grad: torch.Tensor) -> None:
         if not self._outer_queued:
@@ -138,22 +139,22 @@ class BackwardSide:
             self._end_backward()
 
     def _sender(self, ps: Any) -> Callable[..., None]:
-        def send(gradient: torch.Tensor, param: nn.Parameter | None = None) -> None:
+        def send(model: Any, gradient: torch.Tensor, param: nn.Parameter | None = None) -> None:
             # (the last backward's, each .grad of it dropped by hand since: dropped, as torch;
             # ``param``'s own .grad is this backward's already, told apart by the others)
-            if ps.gradient_pending and not self.updates.discarded_by_hand(param):
+            if ps.gradient_pending and not model.updates.discarded_by_hand(param):
                 # (sync mode accumulates, but not the sharded update: only its slices exist)
-                other = "" if self.updates.mode == "sync" else \
+                other = "" if model.updates.mode == "sync" else \
                     ", or use DistributedOptimizer(..., mode='sync')"
                 raise RuntimeError(
-                    f"rank {self.env.rank}: gradient of {ps.name} produced again while the last "
+                    f"rank {model.env.rank}: gradient of {ps.name} produced again while the last "
                     "one is still on its way to the update (two backward passes without "
                     "optimizer.step() between them?); to accumulate micro-batches, run all but "
                     f"the last in model.no_sync(){other}; to drop the last backward's "
                     "gradients, call the DistributedOptimizer's zero_grad() before this "
                     "backward")
             ps.start_gradient_comm(gradient)
-        return send
+        return weakly(self, send)  # (tied parameters' early shares hook the graph)
 
     def _send_unused(self, param: nn.Parameter, ps: Any) -> None:
         """A parameter this backward did not reach: its ``.grad`` if it holds one (gradients

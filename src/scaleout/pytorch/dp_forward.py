@@ -2,7 +2,7 @@
 
 A mixin of :class:`~scaleout.pytorch.DataParallel` (it uses the model's ``_session``,
 ``_forward_order``, ``updates``, ``_stopwatch``, ``_timed``, ``_first_laps``, ``_handles`` and
-``_read_early``). Before
+``_read_early``); they hold the model weakly (``dp_lifetime``). Before
 the first forward commits the session, the pre-hooks record the order the layers run in (it
 decides the buckets); after it, each layer's pre-hook completes that layer's update
 (cross-iteration overlap: at the latest here). The post-hook times the layer's forward, the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaleout.pytorch.dp_lifetime import weakly
 from scaleout.pytorch.modules import Layer
 from scaleout.session import Statistics
 
@@ -44,14 +45,14 @@ class ForwardHooks:
         self._first_laps.reset()
 
     def _pre_hook(self, layer: Layer) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            if self._session is None:
-                if layer not in self._forward_order:
-                    self._forward_order.append(layer)
+        def hook(model: Any, _module: nn.Module, _inputs: Any) -> None:
+            if model._session is None:
+                if layer not in model._forward_order:
+                    model._forward_order.append(layer)
             else:
-                self.updates.complete(layer)
-            self._stopwatch.restart()
-        return torch.compiler.disable(hook)
+                model.updates.complete(layer)
+            model._stopwatch.restart()
+        return torch.compiler.disable(weakly(self, hook))  # (the user's module outlives it)
 
     def _hook_readers(self, early: list[tuple[nn.Module, list[Layer]]]) -> None:
         """Give each module that read other layers' parameters early (``find_early_reads``)
@@ -67,16 +68,16 @@ class ForwardHooks:
                 self._handles.append(reader.register_forward_pre_hook(self._completes(new)))
 
     def _completes(self, layers: list[Layer]) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            if self._session is not None:
+        def hook(model: Any, _module: nn.Module, _inputs: Any) -> None:
+            if model._session is not None:
                 for layer in layers:
-                    self.updates.complete(layer)
-        return torch.compiler.disable(hook)
+                    model.updates.complete(layer)
+        return torch.compiler.disable(weakly(self, hook))
 
     def _post_hook(self, layer: Layer) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
-            if self._timed:  # (backward compute is timed from here on)
-                self._stopwatch.lap(self._lap_statistics(), layer.name, phase="forward")
+        def hook(model: Any, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+            if model._timed:  # (backward compute is timed from here on)
+                model._stopwatch.lap(model._lap_statistics(), layer.name, phase="forward")
             else:
-                self._stopwatch.restart()
-        return torch.compiler.disable(hook)
+                model._stopwatch.restart()
+        return torch.compiler.disable(weakly(self, hook))

@@ -192,7 +192,8 @@ class ProgressEngine:
     def close(self) -> None:
         """Stop the thread (jobs in flight are abandoned)."""
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=5.0)
+        if threading.current_thread() is not self._thread:  # (a model collected there)
+            self._thread.join(timeout=5.0)
 
     # -- engine thread ------------------------------------------------------------------
 

@@ -104,11 +104,10 @@ class LaunchConfig:
         max_restarts: after a failure, start every rank again up to this many times
             (single node only: restarts across nodes are not coordinated).
         env: extra environment for every rank.
-        allocator: the host allocator's settings for every rank, ``"keep"`` (freed memory
-            reused, not returned to the kernel) or ``"system"`` (glibc's defaults);
-            :mod:`scaleout.launch.allocator`.
-        testbed: the testbed the ranks run on (``--testbed``: ``wrapper`` places them), named
-            in the command printed for the other nodes; ``None``: none.
+        allocator: every rank's host allocator, ``"keep"`` (freed memory reused, not returned
+            to the kernel) or ``"system"`` (glibc's defaults): :mod:`scaleout.launch.allocator`.
+        testbed: the testbed (``--testbed``) ``wrapper`` places the ranks on, also named in
+            the command printed for the other nodes; ``None``: none.
 
     The ranks get the job secret ``SCALEOUT_JOB_TOKEN`` (from ``env`` or this process's
     environment; a fresh one for a single-node job; a multi-node job must be given one).
@@ -138,10 +137,8 @@ class LaunchConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("grace", "settle", "linger"):
             value = getattr(self, name)
-            if value is None and name == "linger":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    0 <= value < float("inf")):
+            if (value is not None or name != "linger") and (isinstance(value, bool) or not
+                    isinstance(value, (int, float)) or not 0 <= value < float("inf")):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if (isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int)
                 or self.max_restarts < 0):
@@ -385,10 +382,9 @@ def node_command(target: Sequence[str], config: LaunchConfig, node_rank: int) ->
         options.append("--no-prefix")
     if config.allocator != DEFAULT_ALLOCATOR:
         options += ["--allocator", config.allocator]
-    if config.linger is not None:
-        options += ["--linger", f"{config.linger:g}"]
-    if config.testbed is not None:  # (since stop 52; before, those nodes ran off the testbed)
-        options += ["--testbed", config.testbed]
+    options += ["--linger", f"{config.linger:g}"] if config.linger is not None else []
+    # (since stop 52; before, those nodes ran off the testbed)
+    options += ["--testbed", config.testbed] if config.testbed is not None else []
     return shlex.join(["scaleout", "run", *options, *target])
 
 

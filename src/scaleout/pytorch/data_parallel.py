@@ -68,28 +68,25 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
             torch's elementwise optimizers (:mod:`scaleout.pytorch.sharded_update`).
         compression: a codec spec for every gradient (``"cast:bf16"``), or a dict from
             parameter-name glob pattern to spec; ``None`` sends exact gradients.
-        broadcast_buffers: keep floating buffers (BatchNorm running statistics) consistent
-            by averaging them over the data group after every training forward (in float64:
-            buffers that agree stay as they are).
-        trace: a folder (made now; a ``ValueError`` now if it cannot be): every rank records
-            a timeline (each layer's forward and backward, each bucket's communication,
-            exposed waits, updates) and writes ``trace.<rank>.json`` there on ``close()`` /
-            ``write_trace()`` (a process's later traced models: ``trace.<rank>.<n>.json``,
-            n = 1, 2... in the order they are built); default from ``SCALEOUT_TRACE``.
-            ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
-        verify_replicas: every N steps, check that the replicas are identical (debug; see
-            ``scaleout.pytorch.replicas``); default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off.
+        broadcast_buffers: average floating buffers (BatchNorm running statistics) over the
+            data group after every training forward (in float64: equal buffers stay equal).
+        trace: a folder (made now, or a ``ValueError``): every rank records a timeline (each
+            layer's forward and backward, each bucket's communication, exposed waits,
+            updates), written as ``trace.<rank>.json`` on ``close()`` / ``write_trace()`` (a
+            process's later traced models: ``trace.<rank>.<n>.json``, n = 1, 2...); default
+            ``SCALEOUT_TRACE``; ``scaleout sim chrome FOLDER`` makes a Chrome trace of it.
+        verify_replicas: check every N steps that the replicas are identical (debug,
+            ``pytorch.replicas``; default ``SCALEOUT_VERIFY_REPLICAS``, 0 = off).
         tune: choose ``scheduler`` (and codecs) from the first iterations' measurements:
             ``True`` (exact), ``"lossy"`` (codecs per layer allowed) or a ``TuneConfig``
             (:mod:`scaleout.pytorch.tuning`); ``model.tuning`` says what and why.
 
     Weights read by embedding lookups alone (DLRM's tables), sent exact, travel row-sparse on
-    the CPU across machines (:mod:`~scaleout.pytorch.lookup_reads`, ``lookup_ids``); one read
-    by a lookup and by other operations (a tied LM head), with ``SCALEOUT_SPLIT_TIED=1``, in
-    two shares (:mod:`scaleout.pytorch.tied`). The first forward's graph shows which.
+    the CPU across machines (``lookup_reads``, ``lookup_ids``); one read by a lookup and other
+    operations (a tied LM head) in two shares with ``SCALEOUT_SPLIT_TIED=1`` (``tied``).
 
-    Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: when
-    ``backward()`` returns, every ``.grad`` holds the gradient averaged over the data group.
+    Without a DistributedOptimizer (or with ``mode="sync"``) it behaves like DDP: after
+    ``backward()`` every ``.grad`` holds the gradient averaged over the data group.
 
     Example (under ``scaleout run -n 2``):
         >>> env = scaleout.init()
@@ -183,7 +180,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
                 *(p for p in module.parameters() if placement_of(p) is None), *module.buffers()])
         broadcast_tensors(self.comm, [*(p for p in module.parameters() if not is_local(p)),
                                       *module.buffers()])
-        self._buffer_average = None
+        self._buffer_average = None  # (its group freed with the others: self._held)
         if broadcast_buffers and floats:
             buffers = distribution.duplicate(GroupType.DATA, "buffers")
             self._held.duplicates.append((distribution, buffers))

@@ -127,7 +127,13 @@ def _model_parts(model: nn.Module) -> int:
 def _synchronize(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Finish pending gradient communication and lazy updates: of ``model``, and of the
     DataParallel that ``optimizer`` steps when ``model`` is the module it wraps (else they
-    would land on the weights just loaded, or be missing from the weights saved)."""
+    would land on the weights just loaded, or be missing from the weights saved).
+
+    Before the first exchange (since stop 52): in overlap mode the last buckets may still be
+    on the progress thread, and a comm hook may send them on the default group, the group of
+    the exchanges (torch's ``fp16_compress_hook`` with ``state=None`` does); started from two
+    threads, the two collectives reached that group in an order that could differ by rank,
+    and both ranks waited out the timeout in the first exchange."""
     for owner in (model, getattr(optimizer, "model", None)):
         sync = getattr(owner, "synchronize", None)
         if callable(sync):
@@ -171,11 +177,11 @@ def save(path: str | os.PathLike[str], model: nn.Module,
     path = Path(path)
     versions = path.with_name(path.name + _VERSIONS)
     current = _current(path)
+    _synchronize(model, optimizer)  # (before any exchange: see _synchronize)
     # every rank writes into the same new version (a rank that saw another would write where
     # the commit does not point)
     first_exchange("save", agree_on_version, path, current, 0, "nothing was saved")
     fresh = versions / str(int(current.name) + 1 if current is not None else 0)
-    _synchronize(model, optimizer)
     payload = agreed(lambda: _payload(model, optimizer, step, extra, rank, world))
     warn_untracked(model, optimizer, extra)
     # a save killed before its commit left files (of another world size, perhaps) there
@@ -234,10 +240,10 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     path = Path(path)
     current = _current(path)
     saved_world = world_of(current) if current is not None else 0
+    _synchronize(model, optimizer)  # (before any exchange: see _synchronize)
     first_exchange("load", agree_on_version, path, current, saved_world)
     if current is None:
         raise FileNotFoundError(f"no checkpoint at {path}")
-    _synchronize(model, optimizer)
     plan = agreed(lambda: _plan(path, current, saved_world, model, optimizer, map_location))
     model.load_state_dict(plan["model"])
     if optimizer is not None:

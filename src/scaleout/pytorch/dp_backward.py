@@ -40,6 +40,15 @@ class BackwardSide:
         over the data group. torch's own hooks run unchanged, e.g.
         ``model.register_comm_hook(None, default_hooks.fp16_compress_hook)``.
 
+        ``state=None`` reaches the hook as the lane's own process group over the data group
+        (since stop 52; torch's hooks read None as the default group: the model group's
+        ranks too on a grid). In overlap mode the hook may still be called on the progress
+        thread after ``backward()`` and ``step()`` return: a hook given a group that your
+        own collectives use too (``dist.group.WORLD``: a loss all-reduce) needs
+        ``model.synchronize()`` before them, or the two may meet the group in a different
+        order on each rank and wait out the timeout (``checkpoint.save`` / ``load``
+        synchronize first since stop 52).
+
         Raises:
             RuntimeError: after the first forward, or with ``compression=`` (one or the other).
         """

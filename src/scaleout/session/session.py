@@ -160,7 +160,12 @@ class Session:
         whose result is the bucket's flat gradient averaged over the data group; torch's own
         ``ddp_comm_hooks`` run unchanged. Buckets then travel one at a time on one lane in
         backward order, so a hook may use any process group (``state`` picks it, like in
-        DDP) without two ranks ever ordering its collectives differently.
+        DDP) without two ranks ever ordering its collectives differently. ``state=None`` is
+        given to the hook as the lane's own process group over the data group (since stop
+        52): torch's hooks read None as the default group, which spans the model group too
+        on a grid (tensor-parallel shards averaged with each other's) and which the user's
+        thread uses too (the progress thread's sends and the user's collectives could meet
+        it in another order on each rank and both wait out the timeout).
 
         Raises:
             RuntimeError: after ``commit()``.
@@ -252,6 +257,8 @@ class Session:
             comm = lanes[plan.lane] if channel == 0 else extra[plan.lane, channel]
             numel = head.owned_count * size if head.spec.distributed_update else plan.numel
             state, hook = self._hook or self._builtin_hook(members, codec)
+            if self._hook is not None and state is None:  # see register_comm_hook
+                state = comm.group
             bucket = GradBucket(
                 index=plan.index, lane=plan.lane, order=lengths[plan.lane], members=members,
                 offsets=plan.offsets, numel=numel, dtype=head.spec.dtype,

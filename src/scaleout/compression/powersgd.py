@@ -234,10 +234,17 @@ class PowerSGDCodec(Codec):
         """Keep ``q`` for the warm start, or ``previous`` if ``q`` holds NaN/Inf (no host sync);
         an all-zero column of ``q`` (the matrix was zero, or that column of ``P`` was) keeps
         its previous column too: a zero column of ``Q`` makes that column of ``P = M Q`` zero
-        at every later step on a device, where Gram-Schmidt leaves a zero column zero."""
+        at every later step on a device, where Gram-Schmidt leaves a zero column zero.
+
+        Each kept column is scaled to a largest magnitude of 1 (since stop 52): ``P = M Q``
+        is orthonormalised, so a column's scale changes nothing but rounding, while a ``Q``
+        kept at the gradient's scale made ``M Q`` the gradient's square and overflowed
+        float32 from gradients of about ``1e19`` (``1e30``: NaN weights on every rank from
+        the second step)."""
         if self.warm_start:
             fresh = torch.isfinite(q).all() & q.ne(0).any(dim=0)
-            state.buffers[key] = torch.where(fresh, q, previous).detach()
+            scale = q.abs().amax(dim=0).clamp_min(torch.finfo(q.dtype).tiny)
+            state.buffers[key] = torch.where(fresh, q / scale, previous).detach()
 
     @staticmethod
     def _orthonormal(p: torch.Tensor) -> torch.Tensor:

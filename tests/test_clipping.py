@@ -94,3 +94,26 @@ def test_max_grad_norm_is_checked() -> None:
                                  max_grad_norm=bad)
     model.close()
     env.finalize()
+
+
+def body_clip_without_gradients() -> list[float]:
+    from scaleout.pytorch.clipping import clip_global_norm
+    from scaleout.pytorch.tensor_parallel import tensor_parallel
+
+    env = scaleout.init(timeout=5)
+    dist = env.create_distribution(1, 2)
+    model = tensor_parallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), dist)
+    if env.rank == 0:  # rank 1's parameters have no gradient (a layer it did not use)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+    clip_global_norm(list(model.parameters()), 1e-3, dist.communicator(scaleout.GroupType.MODEL))
+    norm = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
+    env.finalize()
+    return [norm]
+
+
+def test_a_model_rank_without_gradients_still_joins_the_global_norm() -> None:
+    # since stop 52: that rank returned before the model group's all-reduce, and the other
+    # waited out the timeout (5 s here)
+    norms = run_ranks(2, body_clip_without_gradients, timeout=60)
+    assert norms[1] == [0.0] and 0.0 < norms[0][0] <= (1e-3) ** 2 * 1.01

@@ -51,12 +51,13 @@ def clip_global_norm(params: Sequence[nn.Parameter], max_norm: float,
         if param.grad is not None:
             (sharded if is_sharded(param) else whole).append(param.grad)
     grads = sharded + whole
-    if not grads:
-        return
-    device = grads[0].device
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
     parts = _squares(sharded, device).reshape(1)
+    # every rank of the model group, with or without gradients of its own (since stop 52; a
+    # rank without any returned before this all-reduce, and the others waited out the timeout)
     collectives.allreduce(model_comm, parts).wait()
-    _scale(grads, (parts[0] + _squares(whole, device)).sqrt(), max_norm)
+    if grads:
+        _scale(grads, (parts[0] + _squares(whole, device)).sqrt(), max_norm)
 
 
 def clip_owned_slices(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], max_norm: float,

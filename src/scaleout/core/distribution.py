@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -61,6 +62,8 @@ class Distribution:
         self.model_parts = grid.model_parts
         self._comms: dict[GroupType, Communicator] = {}
         self._spare: dict[tuple[GroupType, str], list[Communicator]] = {}  # (reuse)
+        # handed back and never taken again: freed with this distribution (not at exit)
+        weakref.finalize(self, _free_spares, self._spare).atexit = False
         for group_type in GroupType:  # every rank creates every group in the same order
             for ranks in layout[group_type]:
                 # a group of one rank (the model group of a data-parallel grid) needs no
@@ -126,11 +129,7 @@ class Distribution:
         and closes a model per trial kept one more socket per peer and two gloo threads
         per trial (50 trials, 2 ranks: +50 descriptors, +100 threads in every rank).
         """
-        group = comm.group
-        if group is None or not tdist.is_initialized() or group is tdist.group.WORLD:
-            return
-        if group in tdist.distributed_c10d._world.pg_map:  # (torch's registry lets it go;
-            tdist.destroy_process_group(group)  # it is freed with its last communicator)
+        _free(comm)
 
     def _new_group(self, ranks: tuple[int, ...], fresh: bool = False) -> Any:
         if len(ranks) == self._env.world_size and not fresh:
@@ -221,3 +220,23 @@ class Distribution:
     def __repr__(self) -> str:
         return (f"<Distribution data_parts={self.data_parts} model_parts={self.model_parts} "
                 f"rank={self._env.rank}>")
+
+
+def _free(comm: Communicator) -> None:
+    """:meth:`Distribution.release`'s work: destroy ``comm``'s process group if torch still
+    has it (not WORLD; nothing after ``finalize()``)."""
+    group = comm.group
+    if group is None or not tdist.is_initialized() or group is tdist.group.WORLD:
+        return
+    if group in tdist.distributed_c10d._world.pg_map:  # (torch's registry lets it go;
+        tdist.destroy_process_group(group)  # it is freed with its last communicator)
+
+
+def _free_spares(spare: dict[Any, list[Communicator]]) -> None:
+    """Free the communicators a collected distribution still held for :meth:`reuse`: no one
+    can take them again (since stop 52: a model tuned by ``tune=`` left its old plan's unused
+    lanes there, one gloo group, a socket and two threads per dropped model)."""
+    comms = [comm for kept in spare.values() for comm in kept]
+    spare.clear()
+    for comm in comms:
+        _free(comm)

@@ -25,6 +25,7 @@ from scaleout.core.distribution import Distribution
 from scaleout.core.env import attach
 from scaleout.core.grid import GroupType
 from scaleout.pytorch.buffers import BufferAverage, floating_buffers
+from scaleout.pytorch.dp_bare_module import hook_bare_module
 from scaleout.pytorch.compression_options import model_compression
 from scaleout.pytorch.dp_backward import BackwardSide
 from scaleout.pytorch.dp_checkpoint import CheckpointSurface, fit_compression_state
@@ -186,6 +187,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
             self._held.duplicates.append((distribution, buffers))
             self._buffer_average = BufferAverage(floats, buffers)
         self._handles = self._held.handles  # (they hold this model weakly: dp_lifetime)
+        self._handles += hook_bare_module(self, module)  # (its state_dict() and forward)
         self._stopwatch = stopwatch_for(self._device)  # each layer's compute (statistics)
         self._grad_hook = weak_method(self._on_grad)  # (LookupRows knows it by identity)
         for layer in self._layers:
@@ -199,8 +201,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
 
     @property
     def statistics(self) -> Statistics:
-        """Compute / communication / exposed time per layer (after the first forward; none
-        on a lone rank with exact gradients, which exchanges nothing: see ``_commit``)."""
+        """Compute / communication / exposed time per layer (after the first forward)."""
         if self._alone is not None:
             return self._alone
         if self._session is None:
@@ -218,8 +219,7 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
         return None if self._tuner is None else self._tuner.choice
 
     def tune_now(self) -> Any:
-        """Tune now with the iterations measured so far (every rank; after one measured
-        iteration; once), e.g. at the end of a warm-up; returns :attr:`tuning`."""
+        """Tune now (every rank, once, after a measured iteration); returns the choice."""
         if self._tuner is None:
             raise RuntimeError("tune_now() needs DataParallel(..., tune=...)")
         self._tuner.before_forward(self, now=True)
@@ -311,8 +311,8 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
             self.updates.complete(layer)
         if self._lookup_rows and self.training and torch.is_grad_enabled():
             self._lookup_rows.observe(output)  # (every exchange before it has completed)
-        if self.training and self._buffer_average is not None:
-            self._buffer_average.start()
+        if self.training and self._buffer_average is not None:  # (no_grad() ones too:
+            self._buffer_average.start()  # swa_utils.update_bn recomputes statistics so)
         if self._session is not None:
             self._stopwatch.flush(self._session.statistics)
 

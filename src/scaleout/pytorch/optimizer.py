@@ -320,16 +320,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, after finishing pending updates (with the sharded
         update, with the options a scheduler attached to the wrapped optimizer set since the
-        last step)."""
+        last step, and of this rank's slices alone, labelled with its rank and the world size:
+        every rank saves its own, as ``scaleout.checkpoint.save`` does; since stop 52,
+        ``load_state_dict`` refuses another rank's: ``ShardedUpdate.unlabelled``)."""
         self.model.synchronize()
-        if self._sharded_update is not None:
-            self._sharded_update.follow_user_groups()
-        return self.inner.state_dict()
+        if self._sharded_update is None:
+            return self.inner.state_dict()
+        self._sharded_update.follow_user_groups()
+        return self._sharded_update.labelled(self.inner.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's: the state and the groups' options are the loaded ones (with the
         sharded update, the wrapped optimizer's groups show them too)."""
         self.model.synchronize()
+        if self._sharded_update is not None:  # (another rank's slices: a ValueError)
+            state_dict = self._sharded_update.unlabelled(state_dict)
         self.inner.load_state_dict(state_dict)
         if self._sharded_update is not None:
             self._sharded_update.show_options()

@@ -64,6 +64,10 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
 
+#: the key of a sharded optimizer state's label: whose slices it holds (``labelled``)
+LABEL = "sharded_update"
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
     """Raises ``ValueError`` unless ``optimizer`` is one of :data:`ELEMENTWISE` (exactly: a
     subclass may step otherwise)."""
@@ -213,6 +217,36 @@ class ShardedUpdate:
             layer.increments_pending = True
             updates.stepped(layer.params)  # (changed before its values land: refused)
         return consumed
+
+    def labelled(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The copy's ``state_dict()``, labelled with whose slices its state holds."""
+        return {**state, LABEL: {"rank": self.model.comm.rank,
+                                 "world_size": self.model.comm.size}}
+
+    def unlabelled(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` without its label, once the label says it holds this rank's slices (a
+        state without one, as :mod:`~scaleout.pytorch.resharding` makes it, is taken as is).
+
+        Raises:
+            ValueError: ``state`` holds another rank's slices, or slices cut for another world
+                size (since stop 52: DDP's ``if rank == 0: torch.save(opt.state_dict(), f)``
+                then a load on every rank gave rank 1 rank 0's momentum, silently where the
+                slices have the same shapes, else "output with shape [1] doesn't match the
+                broadcast shape [2]" in its next step).
+        """
+        if not isinstance(state, dict) or LABEL not in state:
+            return state
+        label = state[LABEL]
+        mine = {"rank": self.model.comm.rank, "world_size": self.model.comm.size}
+        if label != mine:
+            raise ValueError(
+                f"rank {self.model.distribution.env.rank}: this optimizer state holds the "
+                f"slices of data-group rank {label.get('rank')} of {label.get('world_size')} "
+                f"(DataParallel(distributed_update=True): each rank's state_dict() holds its own "
+                f"slices only), and this is rank {mine['rank']} of {mine['world_size']}: save "
+                f"it on every rank and load each rank's own (scaleout.checkpoint.save / load "
+                f"do, at any world size), not one rank's file on all")
+        return {key: value for key, value in state.items() if key != LABEL}
 
     def follow_user_groups(self) -> None:
         """Options that the user's groups changed since the last step (a scheduler attached

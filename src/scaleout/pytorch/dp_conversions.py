@@ -44,7 +44,8 @@ class Conversions(nn.Module):
                 for param in layer.params:  # (an empty tensor shows where fn would take it)
                     probe = fn(torch.empty(0, dtype=param.dtype, device=param.device))
                     if probe.dtype != param.dtype or probe.device != param.device:
-                        name = next(n for n, p in self.module.named_parameters() if p is param)
+                        name = next((n for n, p in self.module.named_parameters() if p is param),
+                                    "(one no longer in model.module)")
                         raise RuntimeError(
                             f"DataParallel: this conversion would make parameter {name} "
                             f"{probe.dtype} on {probe.device} (it is {param.dtype} on "

@@ -36,9 +36,13 @@ __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 _SALT = 16
 #: rank 0's store server per address, served for the process's lifetime: a job initialised
 #: again in this process (``finalize()`` then ``init()``) meets in it again
-_served: dict[tuple[str, int], tdist.TCPStore] = {}
+_served: dict[tuple[int, str, int], tdist.TCPStore] = {}  # (pid, address, port)
 #: rendezvous made in this process per address: each one reads a salt entry of its own
 _joins: dict[tuple[str, int], int] = {}
+# a forked child has joined nothing yet: it counts afresh (a fork of a process that had joined
+# read another salt than the job's fresh processes). Its parent's stores stay referenced (their
+# destructor would touch the server thread the fork did not copy), under the parent's pid
+os.register_at_fork(after_in_child=_joins.clear)
 #: the entry where a rank that counts another world size than rank 0 says so
 _OTHER_WORLD = "other-world"
 
@@ -59,7 +63,8 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
             f"({err.strerror or err}): MASTER_ADDR must name rank 0's host") from err
     if info.rank != 0 or agent_store:
         return tdist.TCPStore(info.master_addr, info.master_port, None, False, timeout=wait)
-    kept = _served.get((info.master_addr, info.master_port))
+    where = (os.getpid(), info.master_addr, info.master_port)
+    kept = _served.get(where)
     if kept is not None:  # (since stop 52: this port was still its own; "already in use")
         kept.set_timeout(wait)
         return kept
@@ -77,7 +82,7 @@ def bound_store(info: LaunchInfo, timeout: float, *, agent_store: bool = False) 
             f"({err.strerror}): MASTER_ADDR must be an address of rank 0's host and the port "
             "free") from err
     listener.detach()  # the store's server owns the socket now
-    _served[info.master_addr, info.master_port] = store
+    _served[where] = store
     return store
 
 

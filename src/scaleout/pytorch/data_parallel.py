@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,19 +214,6 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
         return self._compression
 
     @property
-    def tuning(self) -> Any:
-        """What ``tune=`` chose and why (a :class:`~scaleout.sim.tuning.TuneChoice`:
-        ``summary()``, ``as_dict()``), or ``None`` before it tuned (or without ``tune=``)."""
-        return None if self._tuner is None else self._tuner.choice
-
-    def tune_now(self) -> Any:
-        """Tune now (every rank, once, after a measured iteration); returns the choice."""
-        if self._tuner is None:
-            raise RuntimeError("tune_now() needs DataParallel(..., tune=...)")
-        self._tuner.before_forward(self, now=True)
-        return self.tuning
-
-    @property
     def session(self) -> Session | None:
         """The committed session (None before the first forward)."""
         return self._session
@@ -330,13 +318,20 @@ class DataParallel(BackwardSide, ForwardHooks, CheckpointSurface, Conversions, R
         return self._trace.write(self._trace_file, **meta)
 
     def close(self) -> None:
-        """Write the trace (when tracing), stop the progress thread, free the groups and
-        remove the hooks (even when writing the trace fails: its error is raised after). A
-        model dropped without it is released so when collected (``dp_lifetime``)."""
+        """Apply a pending update (:meth:`synchronize`; before stop 52 an overlap-mode step's
+        was dropped; one that fails is a warning: close() cleans up), write the trace, stop
+        the progress thread, free the groups, remove the hooks. A dropped model: ``dp_lifetime``."""
         try:
-            self.write_trace()
+            if self._release.alive:  # (not once closed)
+                self.synchronize()
+        except Exception as err:  # (raised where it happened, or the peer failure's)
+            warnings.warn(f"DataParallel.close(): the pending update was not applied: {err}",
+                          RuntimeWarning, stacklevel=2)
         finally:
-            self._release()
+            try:
+                self.write_trace()
+            finally:
+                self._release()
 
     # -- set-up ------------------------------------------------------------------------
 

@@ -76,14 +76,17 @@ class CheckpointSurface(nn.Module):
         keys start with ``module.`` as these do) loads as one saved with no codec state: the
         owed gradients are dropped and the codecs keep theirs, with a warning when there are
         codecs (since stop 52; ``load_state_dict(strict=True)`` raised "Missing key(s) in
-        state_dict: "_extra_state"" on a checkpoint of the same model trained under DDP)."""
+        state_dict: "_extra_state"" on a checkpoint of the same model trained under DDP). A
+        ``strict=False`` load, maybe partial, leaves that state as it is."""
         super()._load_from_state_dict(state_dict, prefix, *args)
         key = prefix + "_extra_state"
         if key in state_dict:
             return
-        missing = args[2]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        strict, missing = args[1], args[2]  # (local_metadata, strict, missing, unexpected, errors)
         if key in missing:
             missing.remove(key)
+        if not strict:  # a partial load leaves the codec state and the owed gradients alone
+            return
         if self._compression is not None or (self._session is not None
                                              and self._session.compressed_buckets()):
             warnings.warn("the state dict has no DataParallel codec state (_extra_state: saved "

@@ -39,8 +39,22 @@ __all__ = ["residual_slices", "carry_residuals", "Replanning"]
 
 
 class Replanning:
-    """DataParallel's re-plan (a mixin: it uses the model's ``_session``, ``_scheduler``,
-    ``_compression``, ``_commit``, ``_forward_order`` and ``comm``)."""
+    """DataParallel's re-plan and the tuner's surface (a mixin: it uses the model's
+    ``_session``, ``_scheduler``, ``_compression``, ``_commit``, ``_forward_order``, ``comm``
+    and ``_tuner``)."""
+
+    @property
+    def tuning(self) -> Any:
+        """What ``tune=`` chose and why (a :class:`~scaleout.sim.tuning.TuneChoice`:
+        ``summary()``, ``as_dict()``), or ``None`` before it tuned (or without ``tune=``)."""
+        return None if self._tuner is None else self._tuner.choice
+
+    def tune_now(self) -> Any:
+        """Tune now (every rank, once, after a measured iteration); returns the choice."""
+        if self._tuner is None:
+            raise RuntimeError("tune_now() needs DataParallel(..., tune=...)")
+        self._tuner.before_forward(self, now=True)
+        return self.tuning
 
     def _rebuild(self, scheduler: Any, compression: Any) -> None:
         """Plan again with new options (the tuner's; every rank, nothing in flight), the

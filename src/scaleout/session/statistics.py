@@ -101,16 +101,22 @@ class Statistics:
             known = ", ".join(repr(n) for n in self._ops) or "none yet"
             raise KeyError(f"no operation {name!r} in these statistics; known: {known}") from None
 
+    def _snapshot(self) -> list[tuple[str, OperationStats]]:
+        """The operations, listed under the lock: the progress thread may add one meanwhile
+        (iterating the dict itself could fail, "dictionary changed size during iteration")."""
+        with self._lock:
+            return list(self._ops.items())
+
     def total(self) -> OperationStats:
         total = OperationStats(iterations=self.iterations)
-        for stats in self._ops.values():
+        for _, stats in self._snapshot():
             for key in ("compute_s", "backward_s", "comm_s", "exposed_s", "bytes", "raw_bytes"):
                 setattr(total, key, getattr(total, key) + getattr(stats, key))
         return total
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{operation: {field: value}}`` plus ``"total"``; values summed over iterations."""
-        result = {name: dict(vars(stats)) for name, stats in self._ops.items()}
+        result = {name: dict(vars(stats)) for name, stats in self._snapshot()}
         result["total"] = dict(vars(self.total()))
         return result
 
@@ -127,7 +133,7 @@ class Statistics:
         that ran in 1 of 4 iterations showed a quarter of what it takes when it runs."""
         per_iteration = per_iteration and self.iterations > 0
         rows = []
-        for name, stats in [*self._ops.items(), ("total", self.total())]:
+        for name, stats in [*self._snapshot(), ("total", self.total())]:
             scale = 1.0 / max(stats.iterations, 1) if per_iteration else 1.0
             ratio = stats.raw_bytes / stats.bytes if stats.bytes else 0.0
             rows.append([name, f"{stats.compute_s * scale * 1e3:.1f}",

@@ -10,6 +10,7 @@ import pytest
 from scaleout.sim.collectives import collective_cost
 from scaleout.sim.network import parse_topology
 from scaleout.sim.units import parse_bytes
+from protobuf_wire import field, varint
 
 
 def _topo(p: int, kind: str = "ring", a: float = 1.0, bw: float = 1.0):
@@ -94,28 +95,17 @@ def test_a_chakra_reduce_pays_at_least_the_whole_vector_into_the_root() -> None:
         assert run_graph([node], _topo(4, a=0.0)).time == pytest.approx(3.0), name
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | wire) + payload
 
 
 def _wire_node(node_id: int, node_type: int, duration_us: int, deps=(), storage=b"") -> bytes:
-    body = _field(1, 0, _varint(node_id)) + _field(3, 0, _varint(node_type))
+    body = field(1, 0, varint(node_id)) + field(3, 0, varint(node_type))
     if deps:
-        packed = b"".join(_varint(d) for d in deps)
-        body += _field(5, 2, _varint(len(packed)) + packed)
+        packed = b"".join(varint(d) for d in deps)
+        body += field(5, 2, varint(len(packed)) + packed)
     if duration_us:
-        body += _field(7, 0, _varint(duration_us))
+        body += field(7, 0, varint(duration_us))
     if storage:  # Node.storage = 11, a StorageInfo our schema does not know
-        body += _field(11, 2, _varint(len(storage)) + storage)
+        body += field(11, 2, varint(len(storage)) + storage)
     return body
 
 
@@ -125,16 +115,16 @@ def test_storage_batch_and_checkpoint_nodes_load_and_run_for_their_duration(tmp_
     from scaleout.sim.graph import run_graph
 
     COMP, STORAGE, BATCH, CHECKPOINT = 4, 8, 9, 10
-    storage_info = _field(1, 0, _varint(1))  # StorageInfo{level = STORAGE_LEVEL_FS}
+    storage_info = field(1, 0, varint(1))  # StorageInfo{level = STORAGE_LEVEL_FS}
     messages = [
-        _field(1, 2, _varint(5) + b"0.0.4"),  # GlobalMetadata{version}
+        field(1, 2, varint(5) + b"0.0.4"),  # GlobalMetadata{version}
         _wire_node(1, BATCH, 300),
         _wire_node(2, STORAGE, 200, deps=[1], storage=storage_info),
         _wire_node(3, COMP, 1000, deps=[2]),
         _wire_node(4, CHECKPOINT, 0, deps=[3]),  # no duration recorded: 0 s
     ]
     path = tmp_path / "io.0.et"
-    path.write_bytes(b"".join(_varint(len(m)) + m for m in messages))
+    path.write_bytes(b"".join(varint(len(m)) + m for m in messages))
     _, nodes = read_et(path)  # it was refused: "type must be a NodeType (...), got 9"
     result = run_graph(nodes, _topo(8, bw=1e9))
     # a chain on the compute stream: 300 + 200 + 1000 + 0 us, no network

@@ -15,6 +15,7 @@ from scaleout.sim.graph import chakra_nodes, run_graph  # noqa: E402
 from scaleout.sim.iteration import simulate  # noqa: E402
 from scaleout.sim.models import DEVICES, model_workload  # noqa: E402
 from scaleout.sim.network import parse_topology  # noqa: E402
+from protobuf_wire import field, varint
 
 MB = 1 << 20
 
@@ -48,26 +49,13 @@ def test_round_trip_reads_back_what_we_wrote_and_prices_it_like_the_simulator(tm
 
 
 # A Chakra trace built by hand at the wire level (protobuf encoding, field numbers of et_def.proto),
-# independent of scaleout's schema code.
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | wire) + payload
-
-
+# independent of scaleout's schema code (tests/protobuf_wire.py).
 def _uint(number: int, value: int) -> bytes:
-    return _field(number, 0, _varint(value))
+    return field(number, 0, varint(value))
 
 
 def _bytes(number: int, value: bytes) -> bytes:
-    return _field(number, 2, _varint(len(value)) + value)
+    return field(number, 2, varint(len(value)) + value)
 
 
 def _attr_int64(name: str, value: int) -> bytes:  # AttributeProto{name=1, int64_val=9}
@@ -79,7 +67,7 @@ def _node(
 ) -> bytes:
     body = _uint(1, node_id) + _bytes(2, name.encode()) + _uint(3, node_type)
     if data_deps:  # packed repeated uint64 (proto3 default)
-        body += _bytes(5, b"".join(_varint(d) for d in data_deps))
+        body += _bytes(5, b"".join(varint(d) for d in data_deps))
     if duration_us:
         body += _uint(7, duration_us)
     for attr in attrs:
@@ -114,7 +102,7 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
         _node(14, "step", COMP, 250, data_deps=[11, 13]),
     ]
     path = tmp_path / "foreign.0.et"
-    path.write_bytes(b"".join(_varint(len(m)) + m for m in messages))
+    path.write_bytes(b"".join(varint(len(m)) + m for m in messages))
     metadata, nodes = read_et(path)
     assert metadata.version == "0.0.4" and attributes(metadata) == {"schema": "hand-made"}
     assert [n.id for n in nodes] == [10, 11, 12, 13, 14] and list(nodes[1].data_deps) == [10]
@@ -129,7 +117,7 @@ def test_reads_and_runs_a_hand_made_foreign_trace(tmp_path) -> None:
 
 def test_corrupt_and_cyclic_traces_are_reported(tmp_path) -> None:
     path = tmp_path / "bad.0.et"
-    path.write_bytes(_varint(50) + b"short")
+    path.write_bytes(varint(50) + b"short")
     with pytest.raises(ValueError, match="runs past the end"):
         read_et(path)
     schema = load_schema()

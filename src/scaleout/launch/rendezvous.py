@@ -34,15 +34,11 @@ from scaleout.launch.secret import ForgedValue, Sealer, namespace
 __all__ = ["AuthStore", "Rendezvous", "rendezvous", "bound_store", "machine"]
 
 _SALT = 16
+#: what the salt's entry holds once the job that read it was admitted (a salt is _SALT bytes)
+_ADMITTED = b"admitted"
 #: rank 0's store server per address, served for the process's lifetime: a job initialised
 #: again in this process (``finalize()`` then ``init()``) meets in it again
 _served: dict[tuple[int, str, int], tdist.TCPStore] = {}  # (pid, address, port)
-#: rendezvous made in this process per address: each one reads a salt entry of its own
-_joins: dict[tuple[str, int], int] = {}
-# a forked child has joined nothing yet: it counts afresh (a fork of a process that had joined
-# read another salt than the job's fresh processes). Its parent's stores stay referenced (their
-# destructor would touch the server thread the fork did not copy), under the parent's pid
-os.register_at_fork(after_in_child=_joins.clear)
 #: the entry where a rank that counts another world size than rank 0 says so
 _OTHER_WORLD = "other-world"
 
@@ -202,22 +198,43 @@ def _keys(raw: tdist.Store) -> list[str]:
         return []
 
 
-def _salt(raw: tdist.Store, token: str, rank: int, attempt: int, join: int = 0) -> bytes:
+def _salt_key(token: str, attempt: int) -> str:
+    return f"{namespace(token)}/salt/{attempt}"
+
+
+def _salt(raw: tdist.Store, token: str, rank: int, attempt: int, timeout: float) -> bytes:
     """Rank 0 chooses the job's salt; the others knock (in their token's namespace, where
     rank 0 sees a wrong token's knock as an outsider's) and read it. Each attempt has its
     own: torchrun's agent keeps its store across restarts, where a rank could read the
-    last attempt's salt before rank 0 replaced it, and so that attempt's entries. So does
-    each ``join`` of this process's ranks to a store (``init()`` again after ``finalize()``,
-    every rank alike: the entries of its earlier jobs are never read; since stop 52 a
-    rank re-joining read the last job's salt and found its own claim there)."""
-    key = f"{namespace(token)}/salt/{attempt}" + (f".{join}" if join else "")
+    last attempt's salt before rank 0 replaced it, and so that attempt's entries. Each join
+    has its own too: rank 0 replaces the salt by :data:`_ADMITTED` once every rank has read it
+    (:func:`rendezvous`), so a rank joining the store again (``init()`` after ``finalize()``)
+    waits for the next job's, whichever of its processes re-joined and which are fresh, and
+    a late duplicate of an admitted job is told so at its timeout (since stop 52: a
+    per-process join counter chose the entry, and a re-initialised rank 0 and restarted
+    workers read different salts: a failed authentication or a hang)."""
+    key = _salt_key(token, attempt)
     raw.add(f"{namespace(token)}/knock/{rank}", 1)
     if rank == 0:
         salt = os.urandom(_SALT)
         raw.set(key, salt)
         return salt
     raw.wait([key])
-    return bytes(raw.get(key))
+    value = bytes(raw.get(key))
+    if value != _ADMITTED:
+        return value
+    # the last job on this store was admitted: this rank is a worker of the next (rank 0
+    # re-initialising writes a fresh salt) or a late duplicate of that job: wait for the salt
+    deadline = time.monotonic() + timeout
+    while value == _ADMITTED:
+        if time.monotonic() > deadline:
+            raise ScaleoutError(
+                f"rank {rank}: the job on this store was already admitted (every rank joined "
+                f"it) and no new job started within {timeout:g} s: another process joined as "
+                f"rank {rank} before this one (a duplicate), or rank 0 did not initialise again")
+        time.sleep(0.05)
+        value = bytes(raw.get(key))
+    return value
 
 
 def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
@@ -236,12 +253,10 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
     """
     rank, world = info.rank, info.world_size
     raw = bound_store(info, timeout, agent_store=agent_store)
-    where = (info.master_addr, info.master_port)
-    join = _joins[where] = _joins.get(where, -1) + 1
     # torchrun's agent wrote its own entries (``<run>/torchelastic/...``) before it started
     # the ranks: what its store holds before rank 0's first write is the launcher's.
     launcher_keys = frozenset(_keys(raw)) if agent_store and rank == 0 else frozenset()
-    sealer = Sealer(token, _salt(raw, token, rank, attempt, join))
+    sealer = Sealer(token, _salt(raw, token, rank, attempt, timeout))
     store = AuthStore(raw, sealer)
     if rank == 0:
         store.set("world", str(world))
@@ -255,7 +270,11 @@ def rendezvous(info: LaunchInfo, token: str, timeout: float, *,
                                           "machine": machine()}))
     job = Rendezvous(raw, store, token, rank, launcher_keys)
     if rank == 0:
-        store.set("admitted", json.dumps({"refused": _verify(job, world, timeout)}))
+        refused = _verify(job, world, timeout)
+        # every rank of this job read the salt (it sealed its claim): a later join waits for
+        # the next job's, or is told this one was admitted
+        raw.set(_salt_key(token, attempt), _ADMITTED)
+        store.set("admitted", json.dumps({"refused": refused}))
     try:
         store.wait(["admitted"])
         refused = json.loads(store.get("admitted"))["refused"]

@@ -31,6 +31,10 @@ __all__ = ["BackwardSide"]
 class BackwardSide:
     """The autograd-side callbacks of DataParallel (see the module docstring)."""
 
+    #: a gradient of the running backward was handed to the exchange (since stop 52: set
+    #: apart from ``_backward_queued``, which a gradient refused before it left sets too)
+    _gradient_sent = False
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Send gradient buckets with ``hook(state, bucket)`` (DDP's comm-hook contract).
 
@@ -104,10 +108,12 @@ class BackwardSide:
         left for the other ranks, the exchange can be neither finished nor taken back (since
         stop 52: the flags stayed set, so no later backward ended and this rank trained on
         without exchanging a gradient while the others waited, or paired its next
-        gradients with the others' last)."""
+        gradients with the others' last). Only a gradient handed to the exchange counts:
+        one refused before it left ("produced again" at the first gradient) refused the next
+        forward too, saying gradients had left (since stop 52)."""
         if torch._C._current_graph_task_id() != -1:
             return
-        if self._backward_queued:
+        if self._gradient_sent:
             raise RuntimeError(
                 f"rank {self.env.rank}: the last backward through DataParallel stopped part-way "
                 "(an exception raised inside backward: a hook's, a failed allocation), after "
@@ -115,7 +121,8 @@ class BackwardSide:
                 "finished nor undone, so this model cannot train on. Let the error end the "
                 "job (the other ranks then name this one) and resume from a checkpoint; to "
                 "skip a batch, decide before backward() on every rank alike")
-        self._outer_queued = False  # (no gradient left: nothing to undo)
+        # (no gradient left: nothing to undo; its end, queued or not, is forgotten)
+        self._backward_queued = self._outer_queued = False
 
     def _watch_output(self, output: Any) -> None:
         """After a training forward: hook the output's tensors (and the tied parameters'
@@ -162,6 +169,7 @@ class BackwardSide:
                     f"the last in model.no_sync(){other}; to drop the last backward's "
                     "gradients, call the DistributedOptimizer's zero_grad() before this "
                     "backward")
+            model._gradient_sent = True  # (before: a hook raising inside may have sent)
             ps.start_gradient_comm(gradient)
         return weakly(self, send)  # (tied parameters' early shares hook the graph)
 
@@ -178,7 +186,7 @@ class BackwardSide:
         return torch.zeros(ps.local_count, dtype=ps.spec.dtype, device=ps.spec.device)
 
     def _end_backward(self) -> None:
-        self._backward_queued = False
+        self._backward_queued = self._gradient_sent = False
         self.replicas.exchanged()
         if self._shares:
             self._shares.end_backward()

@@ -40,6 +40,7 @@ from torch import nn
 
 import scaleout
 from harness import run_ranks
+from small_models import Conv
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 PER_RANK, STEPS, SAVE_AT = 4, 4, 1
@@ -56,15 +57,6 @@ def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def validation() -> torch.Tensor:
     return torch.randn(3, 2, 5, 5, generator=torch.Generator().manual_seed(9),
                        dtype=torch.float64)
-
-
-class Conv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c, self.bn, self.fc = nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Linear(36, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(F.relu(self.bn(self.c(x))).flatten(1))
 
 
 def lr_at(step: int) -> float:

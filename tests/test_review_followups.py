@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -67,11 +68,16 @@ def _backward_twice(mode: str, sharded: bool) -> dict[str, torch.Tensor]:
             F.mse_loss(model(x), y).backward()  # (before: this forward was refused)
         opt.step()
         opt.zero_grad()
+    return {"refused": torch.tensor(refused), **_finish(env, model, net)}
+
+
+def _finish(env: Any, model: DataParallel, net: nn.Module) -> dict[str, torch.Tensor]:
+    """The job's end: the last update landed, the weights copied, the model and job closed."""
     model.synchronize()
     weights = {n: p.detach().clone() for n, p in net.named_parameters()}
     model.close()
     env.finalize()
-    return {"refused": torch.tensor(refused), **weights}
+    return weights
 
 
 @pytest.mark.parametrize("mode, sharded", [("overlap", False), ("sync", True)])
@@ -100,11 +106,7 @@ def _save_mid_iteration(sharded: bool) -> dict[str, torch.Tensor]:
             model.module.state_dict()
         opt.step()
         opt.zero_grad()
-    model.synchronize()
-    weights = {n: p.detach().clone() for n, p in net.named_parameters()}
-    model.close()
-    env.finalize()
-    return weights
+    return _finish(env, model, net)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -41,6 +41,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import scaleout
 from harness import run_ranks
+from small_models import Conv
 from scaleout.pytorch import DataParallel, DistributedOptimizer
 
 PER_RANK, STEPS = 4, 4
@@ -76,15 +77,6 @@ class Skew(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         upper = weight.triu(1)
         return upper - upper.T
-
-
-class Conv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c, self.bn, self.fc = nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Linear(36, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(F.relu(self.bn(self.c(x))).flatten(1))
 
 
 @dataclasses.dataclass
@@ -134,6 +126,24 @@ def _thaw_schedule(net: nn.Module, step: int) -> None:
 
 def sgd(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def three_reference(world: int, ema: bool = False) -> tuple[nn.Module, Any]:
+    """``Three`` trained on every rank's batches in one process (float64, SGD), and with
+    ``ema``, its exponential moving average (decay 0.5) updated after each step."""
+    torch.manual_seed(0)
+    ref = Three().double()
+    ref_opt = sgd(ref)
+    ref_ema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.5)) if ema else None
+    for step in range(STEPS):
+        for rank in range(world):
+            x, y = data(step, rank)
+            (F.cross_entropy(ref(x), y) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if ref_ema is not None:
+            ref_ema.update_parameters(ref)
+    return ref, ref_ema
 
 
 def per_group(net: nn.Module) -> torch.optim.Optimizer:
@@ -247,15 +257,7 @@ def body_conversions(mode: str, sharded: bool) -> list[str]:
         opt.step()
         opt.zero_grad()
     model.synchronize()
-    torch.manual_seed(0)
-    ref = Three().double()
-    ref_opt = sgd(ref)
-    for step in range(STEPS):
-        for rank in range(env.world_size):
-            x, y = data(step, rank)
-            (F.cross_entropy(ref(x), y) / env.world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    ref, _ = three_reference(env.world_size)
     outcome.append(f"{farthest(net, ref):.3g}")
     for convert in (lambda: model.double(), lambda: model.to(torch.float32),
                     lambda: model.half(), lambda: model.to(memory_format=torch.channels_last)):
@@ -314,16 +316,7 @@ def body_copies() -> list[str]:
             outcome.append("ok")
         except TypeError as err:
             outcome.append(str(err))
-    torch.manual_seed(0)
-    ref = Three().double()
-    ref_opt, ref_ema = sgd(ref), AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.5))
-    for step in range(STEPS):
-        for rank in range(env.world_size):
-            x, y = data(step, rank)
-            (F.cross_entropy(ref(x), y) / env.world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_ema.update_parameters(ref)
+    _, ref_ema = three_reference(env.world_size, ema=True)
     outcome.append(f"{farthest(ema.module, ref_ema.module):.3g}")
     model.close()
     env.finalize()
